@@ -1,0 +1,114 @@
+"""Run configuration: where tensors live (OffloadPolicy) and how to generate (GenerationConfig).
+
+Two kinds of policy are kept apart by name: OffloadPolicy is FlexGen's placement; the KV eviction rule is
+flexgen_h2o.kv.EvictionConfig. Percent fields are 0..100 of the named thing; disk takes what is left.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Sequence
+
+
+class ConfigError(ValueError):
+    """Bad user configuration; the message says what was wrong and what to do."""
+
+
+@dataclass(frozen=True)
+class OffloadPolicy:
+    gpu_batch_size: int = 4            # sequences per GPU batch
+    num_gpu_batches: int = 1           # GPU batches per block; block = gpu_batch_size * num_gpu_batches
+    weights_gpu_pct: float = 100.0     # % of each layer's weight bytes on the compute device
+    weights_cpu_pct: float = 0.0       # % in host memory; disk takes the rest
+    cache_gpu_pct: float = 100.0       # % of the sequences whose KV lives on the compute device
+    cache_cpu_pct: float = 0.0
+    act_gpu_pct: float = 100.0         # % of the sequences whose hidden states rest on the compute device
+    act_cpu_pct: float = 0.0
+    overlap: bool = True               # prefetch / write back on copy threads or streams while computing
+    pin_weight: bool = True            # pin host-resident weights (CUDA only; ignored on CPU)
+    cpu_cache_compute: bool = False    # decode attention runs where the KV lives (host), not on the device
+    sep_layer: bool = True             # attention and MLP are separate schedule layers
+    kv_dtype: str = "float16"          # KV storage dtype; "float32" gives bit-faithful fp32 runs for tests
+    compute_budget_bytes: int | None = None   # capacity of the compute tier (on CPU: a budgeted pool)
+
+    @classmethod
+    def from_percent(cls, percent: Sequence[float], **kw) -> "OffloadPolicy":
+        """FlexGen's six-int `--percent w_gpu w_cpu cache_gpu cache_cpu act_gpu act_cpu`."""
+        if len(percent) != 6:
+            raise ConfigError(f"--percent takes 6 numbers (w_gpu w_cpu cache_gpu cache_cpu act_gpu act_cpu), "
+                              f"got {len(percent)}")
+        names = ("weights_gpu_pct", "weights_cpu_pct", "cache_gpu_pct", "cache_cpu_pct", "act_gpu_pct",
+                 "act_cpu_pct")
+        return cls(**dict(zip(names, (float(p) for p in percent))), **kw)
+
+    @property
+    def block_size(self) -> int:
+        return self.gpu_batch_size * self.num_gpu_batches
+
+    @property
+    def percent(self) -> tuple[float, ...]:
+        return (self.weights_gpu_pct, self.weights_cpu_pct, self.cache_gpu_pct, self.cache_cpu_pct,
+                self.act_gpu_pct, self.act_cpu_pct)
+
+    def tier_fractions(self, what: str) -> tuple[float, float, float]:
+        """(compute, host, disk) fractions for "weights", "cache" or "act"."""
+        gpu, cpu = {"weights": self.percent[0:2], "cache": self.percent[2:4], "act": self.percent[4:6]}[what]
+        return gpu / 100.0, cpu / 100.0, max(0.0, 100.0 - gpu - cpu) / 100.0
+
+    def validate(self) -> "OffloadPolicy":
+        for name, value in zip(("w_gpu", "w_cpu", "cache_gpu", "cache_cpu", "act_gpu", "act_cpu"), self.percent):
+            if not 0 <= value <= 100:
+                raise ConfigError(f"--percent {name}={value:g} is outside 0..100")
+        for what, (a, b) in (("weights", self.percent[0:2]), ("cache", self.percent[2:4]),
+                             ("activations", self.percent[4:6])):
+            if a + b > 100:
+                raise ConfigError(f"--percent for {what} sums to {a + b:g} > 100 (gpu + cpu; disk takes the rest)")
+        if self.gpu_batch_size < 1 or self.num_gpu_batches < 1:
+            raise ConfigError(f"--gpu-batch-size ({self.gpu_batch_size}) and --num-gpu-batches "
+                              f"({self.num_gpu_batches}) must be >= 1")
+        if self.kv_dtype not in ("float16", "float32"):
+            raise ConfigError(f"kv_dtype {self.kv_dtype!r} must be float16 or float32")
+        return self
+
+    def replace(self, **changes) -> "OffloadPolicy":
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    max_new_tokens: int = 32
+    temperature: float = 0.0           # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0                     # 0 = off
+    seed: int = 0
+    stop: tuple[str, ...] = ()         # stop strings, checked per sequence on the decoded text
+    stop_at_eos: bool = True
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0
+
+    def validate(self) -> "GenerationConfig":
+        if self.max_new_tokens < 1:
+            raise ConfigError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.temperature < 0 or self.top_k < 0:
+            raise ConfigError("temperature and top_k must be >= 0")
+        return self
+
+
+@dataclass
+class StepTimes:
+    """Wall-clock seconds of the two phases, FlexGen's definitions."""
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[list[int]]                 # generated ids per prompt (after stop truncation)
+    texts: list[str]                           # decoded generations ("" when no tokenizer)
+    finish_reasons: list[str]                  # "eos", "stop", or "length"
+    prompt_lens: list[int]                     # real prompt tokens per prompt
+    metrics: dict = field(default_factory=dict)

@@ -1,0 +1,195 @@
+"""Engine: builds every piece from the configs and generates for a list of token-id prompts, block by block.
+
+A block is gpu_batch_size x num_gpu_batches sequences, left-padded to one prompt length; the BlockExecutor walks
+it through the zig-zag schedule. Placement (OffloadPolicy) and eviction (EvictionConfig) are separate inputs.
+"""
+from __future__ import annotations
+
+import os
+import time
+import warnings
+from collections import Counter
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from flexgen_h2o.backend import get_backend
+from flexgen_h2o.config import ConfigError, GenerationConfig, GenerationResult, OffloadPolicy
+from flexgen_h2o.kv import EvictionConfig, get_policy
+from flexgen_h2o.kv.cache import KVCache
+from flexgen_h2o.kv.mixed import SplitKVCache
+from flexgen_h2o.memory import ComputeTier, DiskTier, HostTier, OffloadDir
+from flexgen_h2o.models import ModelConfig, build_layers
+from flexgen_h2o.sampling import Sampler, StopTracker
+from flexgen_h2o.schedule.activations import ActivationHome, split_by_fraction
+from flexgen_h2o.schedule.executor import BatchState, BlockExecutor, RunParts
+from flexgen_h2o.weights.placement import WeightPlacement
+
+
+def schedule_groups(layers: list, sep_layer: bool) -> list[list[int]]:
+    """Schedule layers: every model layer alone, or attention and MLP of one block together."""
+    if sep_layer:
+        return [[i] for i in range(len(layers))]
+    groups: list[list[int]] = []
+    for i, layer in enumerate(layers):
+        if layer.kind == "mlp" and groups and layers[groups[-1][-1]].kind == "attn":
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
+class Engine:
+    def __init__(self, model: ModelConfig, read_weight: Callable[[str], np.ndarray], *,
+                 offload: OffloadPolicy | None = None, eviction: EvictionConfig | None = None,
+                 device: str | None = None, offload_dir: str | None = None,
+                 decode: Callable[[list[int]], str] | None = None):
+        self.model = model
+        self.offload = (offload or OffloadPolicy()).validate()
+        self.eviction = eviction or EvictionConfig(policy="full")
+        if self.eviction.position_rolling and model.positions != "rope":
+            raise ConfigError("--position-rolling applies to RoPE models (Llama); OPT keys carry no rotation")
+        self.backend = get_backend(device)
+        self.device, self.compute_dtype = self.backend.compute_device, self.backend.compute_dtype
+        self.kv_dtype = getattr(torch, self.offload.kv_dtype)
+        self.layers = build_layers(model)
+        self.groups = schedule_groups(self.layers, self.offload.sep_layer)
+        self.decode = decode
+        self.offload_dir = OffloadDir(offload_dir) if offload_dir else None
+        self.tiers = {"compute": ComputeTier(self.backend, self.offload.compute_budget_bytes),
+                      "host": HostTier(self.backend, pin=self.backend.is_cuda)}
+        if self.offload_dir is not None:
+            self.tiers["disk"] = DiskTier(self.offload_dir.__enter__())
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)     # read-only memmaps are never written through
+            self.weights = WeightPlacement(self.layers, read_weight, self.offload.tier_fractions("weights"),
+                                           device=self.device, compute_dtype=self.compute_dtype,
+                                           pin=self.backend.pin, pin_weight=self.offload.pin_weight)
+        self.last_caches: list[dict[int, SplitKVCache]] = []
+        self._handles: list = []
+
+    # --- allocation on tiers ---
+
+    def _alloc(self, kind: str, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
+        """A tensor homed on a tier, charged to that tier's accounting; disk gives a writable memmap view."""
+        if kind not in self.tiers:
+            raise ConfigError("the placement puts tensors on disk: pass an --offload-dir")
+        tier = self.tiers[kind]
+        handle = tier.allocate(shape, dtype)
+        self._handles.append(handle)
+        return tier.torch_view(handle) if kind == "disk" else handle.payload
+
+    def release(self) -> None:
+        """Free every tensor the last run allocated on the tiers (disk files are deleted)."""
+        for handle in self._handles:
+            handle.free()
+        self._handles = []
+
+    def close(self) -> None:
+        """Free tier allocations and remove this run's offload folder."""
+        self.release()
+        if self.offload_dir is not None:
+            self.tiers.pop("disk").close()
+            self.offload_dir.__exit__(None, None, None)
+            self.offload_dir = None
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _make_cache(self, layer, batch: int, budget, policy, generator) -> SplitKVCache:
+        parts = []
+        for lo, hi, kind in split_by_fraction(batch, self.offload.tier_fractions("cache")):
+            # attention reads the window on the compute device, or where the KV lives with cpu_cache_compute
+            cache = KVCache(layer.kv_spec(), hi - lo, budget.capacity, policy, budget, dtype=self.kv_dtype,
+                            alloc=lambda shape, dtype, kind=kind: self._alloc(kind, shape, dtype), tier_kind=kind,
+                            rolling=self.eviction.position_rolling, generator=generator)
+            parts.append((lo, hi, cache))
+        return SplitKVCache(parts)
+
+    # --- generation ---
+
+    def generate(self, prompts: Sequence[Sequence[int]], gen: GenerationConfig | None = None,
+                 max_new_tokens: Sequence[int] | None = None) -> GenerationResult:
+        """Generate for token-id prompts; blocks of `block_size` run one after another."""
+        gen = (gen or GenerationConfig()).validate()
+        block = self.offload.block_size
+        result = GenerationResult(token_ids=[], texts=[], finish_reasons=[], prompt_lens=[])
+        totals: Counter = Counter()
+        for start in range(0, len(prompts), block):
+            chunk = list(range(start, min(len(prompts), start + block)))
+            per_seq_max = [max_new_tokens[i] for i in chunk] if max_new_tokens is not None else None
+            tokens, texts, reasons, times = self._generate_block([prompts[i] for i in chunk], chunk, gen,
+                                                                  per_seq_max)
+            result.token_ids += tokens
+            result.texts += texts
+            result.finish_reasons += reasons
+            result.prompt_lens += [len(prompts[i]) for i in chunk]
+            totals.update(times)
+        result.metrics = dict(totals)
+        return result
+
+    def _generate_block(self, prompts: list[Sequence[int]], seq_index: list[int], gen: GenerationConfig,
+                        per_seq_max: list[int] | None):
+        if any(len(p) == 0 for p in prompts):
+            raise ConfigError("empty prompt: every prompt needs at least one token")
+        prompt_len = max(len(p) for p in prompts)
+        n_new = max(per_seq_max) if per_seq_max else gen.max_new_tokens
+        if prompt_len + n_new > self.model.max_seq_len and not self.eviction.position_rolling:
+            raise ConfigError(f"prompt ({prompt_len}) + new tokens ({n_new}) exceed the context window "
+                              f"({self.model.max_seq_len}) of {self.model.name}; shorten them or use "
+                              "--position-rolling (Llama)")
+        budget = self.eviction.resolve(prompt_len, n_new)
+        # a budget that holds the whole run is a full cache: same slots, same fused attention, same bits
+        policy = get_policy(self.eviction.policy if budget.evicts else "full")
+        self.release()
+        pad_id = self.model.pad_id if self.model.pad_id is not None else 0
+        ids = torch.full((len(prompts), prompt_len), pad_id, dtype=torch.long)
+        valid = torch.zeros(len(prompts), prompt_len, dtype=torch.bool)
+        for r, p in enumerate(prompts):
+            ids[r, prompt_len - len(p):] = torch.tensor(list(p), dtype=torch.long)
+            valid[r, prompt_len - len(p):] = True
+        gbs = self.offload.gpu_batch_size
+        batches = []
+        for lo in range(0, len(prompts), gbs):
+            hi = min(len(prompts), lo + gbs)
+            b = BatchState(seq_index=list(range(lo, hi)), prompt_ids=ids[lo:hi], token_valid=valid[lo:hi],
+                           real_len=valid[lo:hi].sum(1))
+            generator = self.eviction.generator()
+            b.caches = {l: self._make_cache(layer, hi - lo, budget, policy, generator)
+                        for l, layer in enumerate(self.layers) if layer.kind == "attn"}
+            b.activations = ActivationHome(split_by_fraction(hi - lo, self.offload.tier_fractions("act")),
+                                           self._alloc, self.device)
+            batches.append(b)
+        sampler = Sampler(gen, seq_index)
+        stops = StopTracker(len(prompts), gen, self.model.eos_id, self.decode, per_seq_max)
+
+        def on_logits(token: int, batch: int, logits: Tensor) -> None:
+            b = batches[batch]
+            b.next_ids = sampler(logits.to("cpu"), rows=range(b.seq_index[0], b.seq_index[-1] + 1))
+            if self.on_step_logits is not None:
+                self.on_step_logits(token, [seq_index[i] for i in b.seq_index], logits)
+            if batch == len(batches) - 1:
+                stops.update(torch.cat([x.next_ids for x in batches]).tolist())
+
+        parts = RunParts(layers=self.layers, groups=self.groups, weights=self.weights, device=self.device,
+                         compute_dtype=self.compute_dtype, needs_scores=policy.needs_scores,
+                         rolling=self.eviction.position_rolling, score_reduce=self.eviction.score_reduce,
+                         budget=budget.budget, on_logits=on_logits,
+                         should_stop=lambda token: stops.all_done or token + 1 >= n_new)
+        t0 = time.perf_counter()
+        times = BlockExecutor(parts, batches, n_new, self.offload.overlap).run()
+        t_end = time.perf_counter()
+        self.last_caches = [b.caches for b in batches]
+        tokens, texts, reasons = stops.finish()
+        n_gen = sum(len(t) for t in tokens)
+        metrics = {"prefill_s": times[0] - t0, "decode_s": t_end - times[0], "prompt_tokens": len(prompts) * prompt_len,
+                   "generated_tokens": n_gen, "decode_steps": len(times) - 1, "block_size": len(prompts),
+                   "padded_prompt_len": prompt_len}
+        return tokens, texts, reasons, metrics
+
+    on_step_logits: Callable[[int, list[int], Tensor], None] | None = None

@@ -1,0 +1,195 @@
+"""Eviction configuration: what the user asked for (EvictionConfig) and the slot counts it means (Budget).
+
+Counting rules (ANCHORS.md §2.2, §2.5, §2.11):
+- `hh_ratio r` names heavy hitters only, as in the H2O FlexGen port: heavy = int(r * prompt_len); the recent
+  window defaults to the same count, so `--hh-ratio 0.1` is a 20 % cache of the prompt ("H2O 0.1 + 0.1").
+  For `h2o-port` the recent window defaults to heavy - 1, so heavy + recent + the current slot = 2 * hh_k rows,
+  exactly the port's cache.
+- Absolute sizes (`hh_size`, `recent_size`) override the ratios. Sinks are extra slots on top of them.
+- `kv_budget N` names the total: sinks come out of it, the rest is split evenly (heavy = rest // 2).
+- `local` and `sink` have no heavy hitters: the heavy share goes to the recent window, so they run at the same
+  budget as h2o with the same flags. `sink` defaults to 4 sink tokens (StreamingLLM); `local` has none.
+
+A Budget is per (sequence, KV head) and is the same for every sequence of a batch; a sequence with fewer real
+tokens simply fills its slots later (eviction starts once its own count of valid slots exceeds the budget).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+POLICY_NAMES = ("full", "h2o", "h2o-port", "local", "sink", "random")
+SCORE_REDUCE = ("sum", "mean")
+DEFAULT_SINKS = {"sink": 4}          # StreamingLLM's start_size; every other policy has no sinks by default
+
+
+@dataclass(frozen=True)
+class Budget:
+    """Slots per (sequence, KV head). `max_tokens` = prompt_len + gen_len caps the allocation: slots beyond the
+    longest possible sequence would never be used."""
+    sink: int
+    heavy: int
+    recent: int
+    policy: str = "h2o"
+    max_tokens: int | None = None
+
+    @property
+    def budget(self) -> int:
+        """Valid slots kept after each step; eviction happens only while a column holds more than this."""
+        return self.sink + self.heavy + self.recent
+
+    @property
+    def capacity(self) -> int:
+        """Slots to allocate: the budget plus one free slot the new token is written into before eviction."""
+        cap = self.budget + 1
+        return cap if self.max_tokens is None else min(cap, self.max_tokens)
+
+    @property
+    def evicts(self) -> bool:
+        """False when the budget can hold every token of the run (the cache is then a plain full cache)."""
+        return self.policy != "full" and (self.max_tokens is None or self.budget < self.max_tokens)
+
+
+@dataclass(frozen=True)
+class EvictionConfig:
+    """The user's eviction request. Field names say what they count; the CLI keeps the port's `--hh-ratio`."""
+    policy: str = "full"                 # one of POLICY_NAMES
+    hh_ratio: float | None = None        # heavy hitters as a fraction of the prompt (the port's --hh-ratio)
+    recent_ratio: float | None = None    # recent window as a fraction of the prompt (default: same as heavy)
+    hh_size: int | None = None           # heavy hitters in slots (overrides hh_ratio)
+    recent_size: int | None = None       # recent window in slots (overrides recent_ratio)
+    sink_size: int | None = None         # pinned first tokens (default 4 for "sink", else 0)
+    kv_budget: int | None = None         # total slots (sinks + heavy + recent), split evenly heavy/recent
+    score_reduce: str = "sum"            # pooling of a GQA group's query heads into one KV head's score
+    position_rolling: bool = False       # Llama: rotate kept keys by their rank (StreamingLLM style)
+    seed: int = 0                        # for the random policy's generator
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICY_NAMES:
+            raise ValueError(f"unknown eviction policy {self.policy!r}; choose one of {', '.join(POLICY_NAMES)}")
+        if self.score_reduce not in SCORE_REDUCE:
+            raise ValueError(f"score_reduce must be 'sum' or 'mean', got {self.score_reduce!r}")
+        for name in ("hh_ratio", "recent_ratio"):
+            r = getattr(self, name)
+            if r is not None and not 0.0 < r <= 1.0:
+                raise ValueError(f"{name} is a fraction of the prompt length and must be in (0, 1], got {r} "
+                                 f"(use hh_size / recent_size for absolute slot counts, 0 included)")
+        for name in ("hh_size", "recent_size", "sink_size"):
+            n = getattr(self, name)
+            if n is not None and n < 0:
+                raise ValueError(f"{name} counts slots and must be >= 0, got {n}")
+        if self.kv_budget is not None:
+            if self.kv_budget < 1:
+                raise ValueError(f"kv_budget counts slots and must be >= 1, got {self.kv_budget}")
+            given = [n for n in ("hh_ratio", "recent_ratio", "hh_size", "recent_size") if getattr(self, n) is not None]
+            if given:
+                raise ValueError(f"kv_budget sets the total; do not combine it with {', '.join(given)}")
+        if self.policy == "full":
+            given = [n for n in ("hh_ratio", "recent_ratio", "hh_size", "recent_size", "sink_size", "kv_budget")
+                     if getattr(self, n) is not None]
+            if given:
+                raise ValueError(f"policy 'full' keeps every token; drop {', '.join(given)} or pick an evicting "
+                                 f"policy ({', '.join(POLICY_NAMES[1:])})")
+        elif not self._has_budget():
+            raise ValueError(f"policy {self.policy!r} needs a budget: hh_ratio (--hh-ratio), hh_size/recent_size, "
+                             f"or kv_budget")
+        if self.policy == "local" and self.sink_size:
+            raise ValueError("policy 'local' is a plain recent window without sinks; use policy 'sink' for "
+                             "sink tokens + window")
+
+    def _has_budget(self) -> bool:
+        return any(getattr(self, n) is not None
+                   for n in ("hh_ratio", "recent_ratio", "hh_size", "recent_size", "kv_budget"))
+
+    @property
+    def needs_scores(self) -> bool:
+        return self.policy in ("h2o", "h2o-port")
+
+    @property
+    def sinks(self) -> int:
+        return self.sink_size if self.sink_size is not None else DEFAULT_SINKS.get(self.policy, 0)
+
+    def resolve(self, prompt_len: int, gen_len: int) -> Budget:
+        """Slot counts for a run with `prompt_len` prompt tokens (the padded length) and `gen_len` new tokens."""
+        if prompt_len < 1 or gen_len < 0:
+            raise ValueError(f"need prompt_len >= 1 and gen_len >= 0, got {prompt_len} and {gen_len}")
+        # the last generated token is never written, but keep room for gen_len >= 1 so capacity > any prompt
+        max_tokens = prompt_len + max(gen_len, 1)
+        if self.policy == "full":
+            return Budget(0, 0, max_tokens, policy="full", max_tokens=max_tokens)
+        sink = self.sinks
+        if self.kv_budget is not None:
+            rest = self.kv_budget - sink
+            if rest < 0:
+                raise ValueError(f"kv_budget {self.kv_budget} is smaller than the {sink} sink tokens")
+            heavy, recent = rest // 2, rest - rest // 2
+        else:
+            heavy, recent = self._heavy_recent(prompt_len)
+        if self.policy in ("local", "sink"):
+            heavy, recent = 0, heavy + recent        # no heavy hitters: the whole share is the window
+        if self.policy == "h2o-port" and heavy < 1:
+            raise ValueError(f"h2o-port needs at least one heavy hitter (the port asserts "
+                             f"int(prompt_len * hh_ratio) > 0); got {heavy} for prompt_len {prompt_len}")
+        if sink + heavy + recent < 1:
+            raise ValueError(f"the eviction budget is 0 slots for prompt_len {prompt_len} ({self.describe_request()}); "
+                             f"raise the ratio or give sizes in slots")
+        return Budget(sink, heavy, recent, policy=self.policy, max_tokens=max_tokens)
+
+    def _heavy_recent(self, prompt_len: int) -> tuple[int, int]:
+        heavy_given = self.hh_size is not None or self.hh_ratio is not None
+        if self.hh_size is not None:
+            heavy = self.hh_size
+        elif self.hh_ratio is not None:
+            heavy = int(self.hh_ratio * prompt_len)      # int() truncates, as the port does
+        else:
+            heavy = 0
+        if self.recent_size is not None:
+            recent = self.recent_size
+        elif self.recent_ratio is not None:
+            recent = int(self.recent_ratio * prompt_len)
+        elif heavy_given:
+            # the port keeps hh_k - 1 recent rows (+ the current one); elsewhere recent mirrors heavy
+            recent = max(heavy - 1, 0) if self.policy == "h2o-port" else heavy
+        else:
+            recent = 0
+        return heavy, recent
+
+    def describe_request(self) -> str:
+        parts = [f"{n}={getattr(self, n)}" for n in ("hh_ratio", "recent_ratio", "hh_size", "recent_size",
+                                                     "sink_size", "kv_budget") if getattr(self, n) is not None]
+        return f"policy={self.policy}" + (", " + ", ".join(parts) if parts else "")
+
+    def generator(self, device: torch.device | str = "cpu") -> torch.Generator | None:
+        """A seeded generator for the random policy (None for the deterministic ones)."""
+        if self.policy != "random":
+            return None
+        gen = torch.Generator(device=device)
+        gen.manual_seed(self.seed)
+        return gen
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n:.0f} B"
+
+
+def describe(budget: Budget, prompt_len: int, gen_len: int, kv_bytes_per_token: float) -> str:
+    """One startup line with the real slot counts, the share of prompt_len + gen_len, and the KV bytes.
+
+    kv_bytes_per_token: bytes one token's slot costs across whatever the caller counts (layers, batch); the
+    evicting cache is charged for its allocated capacity (budget + the current-token slot)."""
+    total = prompt_len + gen_len
+    full_bytes = _fmt_bytes(total * kv_bytes_per_token)
+    if budget.policy == "full":
+        return f"KV cache: full, {total} slots/seq ({prompt_len}+{gen_len}); {full_bytes}"
+    parts = [f"{n} {what}" for n, what in ((budget.sink, "sink"), (budget.heavy, "heavy"),
+                                           (budget.recent, "recent")) if n]
+    pct = 100.0 * budget.budget / max(total, 1)
+    line = (f"KV cache: {budget.budget} slots/seq ({' + '.join(parts)}) = {pct:.1f}% of {prompt_len}+{gen_len}; "
+            f"{_fmt_bytes(budget.capacity * kv_bytes_per_token)} instead of {full_bytes}")
+    if not budget.evicts:
+        line += " (budget covers the whole run: nothing is evicted)"
+    return line

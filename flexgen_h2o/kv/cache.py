@@ -1,0 +1,151 @@
+"""KVCache: the fixed-capacity KV slots of one (attention layer, GPU batch), wherever they live.
+
+Per sequence b and KV head g there are `capacity` slots. Each slot holds K, V, an fp32 accumulated score and
+the token's original position (-1 = empty). Slots are unordered; the position travels with the token, so RoPE
+and recency never depend on slot numbers.
+
+    slot:   0   1   2   3   4   5   6   7        capacity = budget + 1
+          [ s | h | r | h | r | · | r | h ]      s sink, h heavy hitter, r recent, · free (position -1)
+
+A decode step writes the new token into a free slot (the attention layer does it in the staged view), adds
+this step's attention to the scores, then asks the eviction policy for one victim per (b, g), whose slot is
+marked free for the next step. Nothing is moved: the bytes written per step are one K/V row per (b, g) plus
+the scores, whatever the tier. The cache owns bytes; the policy owns decisions (LAYOUT.md §8.2).
+"""
+from __future__ import annotations
+
+from collections import Counter
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from flexgen_h2o.models.layer import KVSpec, KVView, LayerOutput
+
+Allocator = Callable[[tuple[int, ...], torch.dtype], Tensor]
+BIG_POSITION = 1 << 40
+
+
+def _plain_alloc(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
+    return torch.empty(shape, dtype=dtype)
+
+
+def gather_slots(x: Tensor, index: Tensor) -> Tensor:
+    """x (b, g, p, ...) gathered along dim 2 by index (b, g, n)."""
+    idx = index.view(*index.shape, *([1] * (x.dim() - 3))).expand(*index.shape, *x.shape[3:])
+    return torch.gather(x, 2, idx)
+
+
+class KVCache:
+    def __init__(self, spec: KVSpec, batch: int, capacity: int, policy, budget, *,
+                 dtype: torch.dtype = torch.float16, alloc: Allocator = _plain_alloc, tier_kind: str = "compute",
+                 rolling: bool = False, generator: torch.Generator | None = None):
+        self.spec, self.batch, self.capacity = spec, batch, capacity
+        self.policy, self.budget, self.rolling, self.generator = policy, budget, rolling, generator
+        self.tier_kind = tier_kind
+        g, d = spec.n_kv_heads, spec.head_dim
+        self.k = alloc((batch, g, capacity, d), dtype)                 # (b, g, s, d)
+        self.v = alloc((batch, g, capacity, d), dtype)                 # (b, g, s, d)
+        self.score = alloc((batch, g, capacity), torch.float32)        # (b, g, s) accumulated attention
+        self.pos = alloc((batch, g, capacity), torch.int32)            # (b, g, s) original position, -1 = free
+        self.pos.fill_(-1)
+        self.score.zero_()
+        self.n_used = 0                    # high-water mark: slots [n_used, capacity) have never held a token
+        self.bytes_read: Counter = Counter()
+        self.bytes_written: Counter = Counter()
+
+    # --- sizes ---
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.k, self.v, self.score, self.pos))
+
+    def _slot_bytes(self, n_slots: int, with_kv: bool = True) -> int:
+        b, g, _, d = self.k.shape
+        kv = 2 * d * self.k.element_size() if with_kv else 0
+        return b * g * n_slots * (kv + 4 + 4)
+
+    # --- prefill ---
+
+    def commit_prefill(self, k_new: Tensor, v_new: Tensor, scores: Tensor | None, token_pos: Tensor) -> None:
+        """Keep the policy's choice of the prompt's rows. k_new, v_new (b, g, p, d); scores (b, g, p) fp32
+        column sums (None when the policy needs none); token_pos (b, p) with -1 for pads."""
+        b, g, p, _ = k_new.shape
+        positions = token_pos[:, None, :].expand(b, g, p).long()
+        keep = self.policy.select_prefill(scores, positions, self.budget, self.generator)  # (b, g, p)
+        n_keep = int(keep.sum(-1).max().item()) if keep.numel() else 0
+        if n_keep > self.capacity - 1:
+            raise RuntimeError(f"eviction policy kept {n_keep} prompt rows but the cache has "
+                               f"{self.capacity - 1} before the current-token slot")
+        # kept rows first, in position order (not required, but it makes dumps readable)
+        order_key = torch.where(keep, positions, torch.full_like(positions, BIG_POSITION))
+        index = order_key.argsort(dim=-1)[..., :n_keep]                                 # (b, g, n)
+        kept = gather_slots(keep, index)
+        self.k[:, :, :n_keep] = gather_slots(k_new, index).to(self.k.dtype)
+        self.v[:, :, :n_keep] = gather_slots(v_new, index).to(self.v.dtype)
+        sc = gather_slots(scores, index) if scores is not None else torch.zeros(b, g, n_keep)
+        self.score[:, :, :n_keep] = torch.where(kept, sc.float(), torch.zeros_like(sc, dtype=torch.float32))
+        self.pos[:, :, :n_keep] = torch.where(kept, gather_slots(positions, index), -1).to(torch.int32)
+        self.n_used = n_keep
+        self.bytes_written[self.tier_kind] += self._slot_bytes(n_keep)
+
+    # --- decode ---
+
+    def free_slots(self) -> Tensor:
+        """(b, g) the lowest free slot of each (sequence, KV head); one always exists (capacity = budget + 1)."""
+        return (self.pos < 0).int().argmax(dim=-1)
+
+    def stage(self, device: torch.device, dtype: torch.dtype, new_rank: Tensor | None = None) -> KVView:
+        """Read the used window into compute dtype on `device` and pick each (b, g)'s write slot.
+        new_rank (b,): with position rolling, the rank the new token will have among the kept tokens."""
+        write_slot = self.free_slots()
+        s = max(self.n_used, int(write_slot.max().item()) + 1)
+        pos = self.pos[:, :, :s].to(device)
+        view = KVView(k=self.k[:, :, :s].to(device=device, dtype=dtype, copy=True),
+                      v=self.v[:, :, :s].to(device=device, dtype=dtype, copy=True),
+                      valid=pos >= 0, write_slot=write_slot.to(device))
+        if self.rolling:
+            view.key_positions = self._ranks(pos.long(), view.write_slot, new_rank.to(device))
+        self.bytes_read[self.tier_kind] += self._slot_bytes(s)
+        return view
+
+    @staticmethod
+    def _ranks(pos: Tensor, write_slot: Tensor, new_rank: Tensor) -> Tensor:
+        """Rank of every kept token by original position, per (b, g); the new token ranks last."""
+        masked = torch.where(pos >= 0, pos, torch.full_like(pos, BIG_POSITION))
+        ranks = masked.argsort(dim=-1).argsort(dim=-1)
+        return ranks.scatter(2, write_slot.unsqueeze(-1), new_rank.view(-1, 1, 1).expand(*write_slot.shape, 1))
+
+    def commit_decode(self, view: KVView, out: LayerOutput, new_pos: Tensor) -> None:
+        """Write the new token's K/V row home, add this step's attention, evict one token per (b, g) if over
+        budget. new_pos (b,) original positions of the new tokens."""
+        slot = view.write_slot.to(self.k.device)                                        # (b, g)
+        s = view.k.shape[2]
+        row_index = slot[:, :, None, None].expand(-1, -1, 1, self.k.shape[-1])
+        self.k.scatter_(2, row_index, out.k_new.to(self.k.device, self.k.dtype))
+        self.v.scatter_(2, row_index, out.v_new.to(self.v.device, self.v.dtype))
+        pos = self.pos[:, :, :s]
+        pos.scatter_(2, slot.unsqueeze(-1), new_pos.view(-1, 1, 1).expand(*slot.shape, 1).to(torch.int32))
+        score = self.score[:, :, :s]
+        if out.scores is not None:
+            score += out.scores.to(self.score.device)       # free slots got 0 mass, the new slot starts at 0
+        victim = self.policy.choose_victim(score, pos.long(), self.budget, generator=self.generator)
+        has_victim = victim >= 0
+        if bool(has_victim.any()):
+            v_idx = victim.clamp(min=0).unsqueeze(-1)
+            old_pos = pos.gather(2, v_idx)
+            pos.scatter_(2, v_idx, torch.where(has_victim.unsqueeze(-1), torch.full_like(old_pos, -1), old_pos))
+            old_score = score.gather(2, v_idx)
+            score.scatter_(2, v_idx, torch.where(has_victim.unsqueeze(-1), torch.zeros_like(old_score), old_score))
+        self.n_used = s
+        # one K/V row per (b, g), plus the score and position columns
+        self.bytes_written[self.tier_kind] += self._slot_bytes(1) + self._slot_bytes(s, with_kv=False)
+
+    # --- inspection ---
+
+    def kept_positions(self) -> list[list[list[int]]]:
+        """Sorted original positions kept per (b, g): for tests and debugging."""
+        out = []
+        for b in range(self.pos.shape[0]):
+            out.append([sorted(int(p) for p in self.pos[b, g] if p >= 0) for g in range(self.pos.shape[1])])
+        return out

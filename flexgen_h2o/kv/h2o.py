@@ -1,0 +1,86 @@
+"""H2O eviction: sinks + heavy hitters + a recent window, with the exact victim rule or the port's.
+
+Per (sequence, KV head) column, once the valid slots exceed the budget:
+- candidates = valid slots that are neither sinks (position < sink) nor among the `recent` newest;
+  that is the heavy hitters plus the token just leaving the recent window (or the new token when recent = 0);
+- exact (default): evict the lowest accumulated score among the candidates (ANCHORS.md §2.5): a leaving
+  token that scores below every heavy hitter is simply dropped;
+- port: the leaving token (the newest candidate) is always admitted and the victim is the lowest-scored of
+  the others, as in FMInference/H2O h2o_flexgen, where one heavy slot behaves like an extra recent slot.
+Ties go to the smallest position (select.argmin_score). The random policy keeps the H2O shape but evicts a
+uniformly random candidate: the "are scores doing anything" baseline.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from flexgen_h2o.kv.budget import Budget
+from flexgen_h2o.kv.select import (NO_VICTIM, argmin_score, expand_positions, keep_prefill, newest, newest_mask,
+                                   uniform_choice)
+
+
+def h2o_candidates(positions: Tensor, budget: Budget) -> tuple[Tensor, Tensor]:
+    """(candidates (b, g, s) bool, over (b, g) bool): who may be evicted, and which columns must evict."""
+    valid = positions >= 0
+    over = valid.sum(dim=-1) > budget.budget
+    candidates = valid & (positions >= budget.sink) & ~newest_mask(positions, valid, budget.recent)
+    return candidates, over
+
+
+def _only_over(victim: Tensor, over: Tensor) -> Tensor:
+    # fill-first: a column at or under its budget keeps everything
+    return torch.where(over, victim, torch.full_like(victim, NO_VICTIM))
+
+
+class H2OPolicy:
+    """Exact H2O: argmin over {heavy hitters} ∪ {the token leaving the recent window}."""
+    name = "h2o"
+    needs_scores = True
+
+    def select_prefill(self, scores: Tensor | None, positions: Tensor, budget: Budget,
+                       generator: torch.Generator | None = None) -> Tensor:
+        if scores is None:
+            raise ValueError(f"policy {self.name!r} ranks prompt tokens by attention: pass the column sums")
+        positions = expand_positions(positions, scores)
+        return keep_prefill(positions, scores, budget.sink, budget.heavy, budget.recent, budget.budget)
+
+    def choose_victim(self, scores: Tensor, positions: Tensor, budget: Budget,
+                      generator: torch.Generator | None = None) -> Tensor:
+        positions = expand_positions(positions, scores)
+        candidates, over = h2o_candidates(positions, budget)
+        return _only_over(argmin_score(scores, positions, candidates), over)
+
+
+class H2OPortPolicy(H2OPolicy):
+    """The port's approximation: the token leaving the window always enters the heavy set."""
+    name = "h2o-port"
+
+    def choose_victim(self, scores: Tensor, positions: Tensor, budget: Budget,
+                      generator: torch.Generator | None = None) -> Tensor:
+        positions = expand_positions(positions, scores)
+        candidates, over = h2o_candidates(positions, budget)
+        leaving = newest(positions, candidates)                                    # (b, g)
+        leaving_mask = torch.zeros_like(candidates).scatter_(-1, leaving.clamp(min=0).unsqueeze(-1), True)
+        victim = argmin_score(scores, positions, candidates & ~leaving_mask)
+        # no heavy hitter to evict (heavy = 0): the leaving token has to go after all
+        victim = torch.where(victim == NO_VICTIM, leaving, victim)
+        return _only_over(victim, over)
+
+
+class RandomPolicy:
+    """H2O's shape (sinks + heavy + recent) with the heavy set chosen and evicted uniformly at random."""
+    name = "random"
+    needs_scores = False
+
+    def select_prefill(self, scores: Tensor | None, positions: Tensor, budget: Budget,
+                       generator: torch.Generator | None = None) -> Tensor:
+        positions = expand_positions(positions, scores)
+        draw = torch.rand(positions.shape, generator=generator, device=positions.device)
+        return keep_prefill(positions, draw, budget.sink, budget.heavy, budget.recent, budget.budget)
+
+    def choose_victim(self, scores: Tensor, positions: Tensor, budget: Budget,
+                      generator: torch.Generator | None = None) -> Tensor:
+        positions = expand_positions(positions, scores)
+        candidates, over = h2o_candidates(positions, budget)
+        return _only_over(uniform_choice(candidates, generator), over)

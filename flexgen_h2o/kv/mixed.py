@@ -1,0 +1,59 @@
+"""SplitKVCache: one GPU batch's cache split by whole sequences across tiers (FlexGen's mixed device for KV).
+
+Sequences are independent under every eviction policy, so a split cache is just one KVCache per contiguous
+range of sequences; staging concatenates their windows and committing slices the step's outputs back.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from flexgen_h2o.kv.cache import KVCache
+from flexgen_h2o.models.layer import KVView, LayerOutput
+
+
+def _pad_slots(x: Tensor, s: int, fill) -> Tensor:
+    if x.shape[2] == s:
+        return x
+    pad_shape = list(x.shape)
+    pad_shape[2] = s - x.shape[2]
+    return torch.cat([x, torch.full(pad_shape, fill, dtype=x.dtype, device=x.device)], dim=2)
+
+
+class SplitKVCache:
+    def __init__(self, parts: list[tuple[int, int, KVCache]]):
+        self.parts = parts                     # (first sequence, end sequence, cache over that range)
+
+    @property
+    def caches(self) -> list[KVCache]:
+        return [c for _, _, c in self.parts]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.nbytes for c in self.caches)
+
+    def commit_prefill(self, k_new: Tensor, v_new: Tensor, scores: Tensor | None, token_pos: Tensor) -> None:
+        for lo, hi, cache in self.parts:
+            cache.commit_prefill(k_new[lo:hi], v_new[lo:hi], None if scores is None else scores[lo:hi],
+                                 token_pos[lo:hi])
+
+    def stage(self, device: torch.device, dtype: torch.dtype, new_rank: Tensor | None = None) -> KVView:
+        views = [c.stage(device, dtype, None if new_rank is None else new_rank[lo:hi]) for lo, hi, c in self.parts]
+        self._widths = [v.k.shape[2] for v in views]
+        if len(views) == 1:
+            return views[0]
+        s = max(self._widths)
+        cat = lambda name, fill: torch.cat([_pad_slots(getattr(v, name), s, fill) for v in views])  # noqa: E731
+        view = KVView(k=cat("k", 0.0), v=cat("v", 0.0), valid=cat("valid", False),
+                      write_slot=torch.cat([v.write_slot for v in views]))
+        if views[0].key_positions is not None:
+            view.key_positions = cat("key_positions", 0)
+        return view
+
+    def commit_decode(self, view: KVView, out: LayerOutput, new_pos: Tensor) -> None:
+        for (lo, hi, cache), width in zip(self.parts, self._widths):
+            part_view = KVView(k=view.k[lo:hi, :, :width], v=view.v[lo:hi, :, :width],
+                               valid=view.valid[lo:hi, :, :width], write_slot=view.write_slot[lo:hi])
+            part_out = LayerOutput(hidden=out.hidden, k_new=out.k_new[lo:hi], v_new=out.v_new[lo:hi],
+                                   scores=None if out.scores is None else out.scores[lo:hi, :, :width])
+            cache.commit_decode(part_view, part_out, new_pos[lo:hi])

@@ -1,0 +1,48 @@
+"""The EvictionPolicy protocol and the registry of policies by name.
+
+A policy is stateless: pure functions of the tensors the cache keeps per slot (fp32 scores, original
+positions with -1 for empty). The cache owns bytes and state; the policy owns decisions (LAYOUT.md §8.2).
+"""
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+from flexgen_h2o.kv.budget import POLICY_NAMES, Budget, EvictionConfig
+from flexgen_h2o.kv.h2o import H2OPolicy, H2OPortPolicy, RandomPolicy
+from flexgen_h2o.kv.window import FullPolicy, SinkPolicy, WindowPolicy
+
+
+class EvictionPolicy(Protocol):
+    name: str
+    needs_scores: bool          # True: attention must return the per-key mass (the slower, unfused path)
+
+    def select_prefill(self, scores: Tensor | None, positions: Tensor, budget: Budget,
+                       generator: torch.Generator | None = None) -> Tensor:
+        """scores (b, g, p) fp32 column sums over the real queries (None if not needs_scores); positions
+        (b, g, p) long, -1 for pads -> keep (b, g, p) bool, at most budget.budget per column, no pads."""
+        ...
+
+    def choose_victim(self, scores: Tensor, positions: Tensor, budget: Budget,
+                      generator: torch.Generator | None = None) -> Tensor:
+        """After a decode step has written its token and added its attention: scores (b, g, s) fp32,
+        positions (b, g, s) long (-1 = free) -> victim slot (b, g) long, -1 where the column is within budget."""
+        ...
+
+
+_POLICIES: dict[str, EvictionPolicy] = {p.name: p for p in (FullPolicy(), H2OPolicy(), H2OPortPolicy(),
+                                                             WindowPolicy(), SinkPolicy(), RandomPolicy())}
+assert tuple(sorted(_POLICIES)) == tuple(sorted(POLICY_NAMES)), "registry and budget.POLICY_NAMES disagree"
+
+
+def get_policy(name: str) -> EvictionPolicy:
+    try:
+        return _POLICIES[name]
+    except KeyError:
+        raise ValueError(f"unknown eviction policy {name!r}; choose one of {', '.join(POLICY_NAMES)}") from None
+
+
+def policy_for(config: EvictionConfig) -> EvictionPolicy:
+    return get_policy(config.policy)

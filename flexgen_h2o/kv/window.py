@@ -1,0 +1,54 @@
+"""Score-free baselines at equal budgets: the full cache, a local window, and sinks + window (StreamingLLM).
+
+`local` and `sink` are one rule: keep the `sink` first tokens and the newest tokens, evict the oldest
+non-sink. They differ only in the sink count the budget carries (0 for local, 4 by default for sink,
+ANCHORS.md §2.11). Any heavy share in a hand-built Budget is treated as window, so the kept count is always
+the budget.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from flexgen_h2o.kv.budget import Budget
+from flexgen_h2o.kv.select import NO_VICTIM, expand_positions, keep_prefill, oldest
+
+
+class FullPolicy:
+    """Keeps every real token; the capacity is prompt_len + gen_len."""
+    name = "full"
+    needs_scores = False
+
+    def select_prefill(self, scores: Tensor | None, positions: Tensor, budget: Budget,
+                       generator: torch.Generator | None = None) -> Tensor:
+        return expand_positions(positions, scores) >= 0
+
+    def choose_victim(self, scores: Tensor, positions: Tensor, budget: Budget,
+                      generator: torch.Generator | None = None) -> Tensor:
+        b, g = scores.shape[:2]
+        return torch.full((b, g), NO_VICTIM, dtype=torch.long, device=scores.device)
+
+
+class WindowPolicy:
+    """Sinks + a recent window; the victim is the oldest token that is not a sink."""
+    name = "local"
+    needs_scores = False
+
+    def select_prefill(self, scores: Tensor | None, positions: Tensor, budget: Budget,
+                       generator: torch.Generator | None = None) -> Tensor:
+        positions = expand_positions(positions, scores)
+        window = budget.heavy + budget.recent
+        return keep_prefill(positions, None, budget.sink, 0, window, budget.budget)
+
+    def choose_victim(self, scores: Tensor, positions: Tensor, budget: Budget,
+                      generator: torch.Generator | None = None) -> Tensor:
+        positions = expand_positions(positions, scores)
+        valid = positions >= 0
+        over = valid.sum(dim=-1) > budget.budget
+        victim = oldest(positions, valid & (positions >= budget.sink))
+        return torch.where(over, victim, torch.full_like(victim, NO_VICTIM))
+
+
+class SinkPolicy(WindowPolicy):
+    """StreamingLLM's cache shape: attention sinks + rolling window."""
+    name = "sink"

@@ -1,0 +1,234 @@
+"""BlockExecutor: walks the zig-zag Steps for one block; the only place a step meets weights, caches and layers.
+
+Transfers run on named lanes. With overlap, each lane is one FIFO worker thread (a CUDA stream plays that role
+for device copies), so a lane's operations stay in issue order, and a compute step waits for exactly the
+futures it consumes. A worker's exception is re-raised at the next SYNC or wait, never swallowed. Without
+overlap every step runs inline, in order, which keeps the loop easy to debug. Buffers are one-slot holders:
+storing into a full slot or popping an empty one raises, which catches ordering bugs loudly (FlexGen's
+ValueHolder idea).
+"""
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import Tensor
+
+from flexgen_h2o.models.layer import StepContext
+from flexgen_h2o.schedule.zigzag import Op, Step, block_schedule
+
+
+class Holder:
+    """A one-value box."""
+
+    def __init__(self, what: str):
+        self.what, self._value, self._full = what, None, False
+
+    def store(self, value: Any) -> None:
+        if self._full:
+            raise RuntimeError(f"schedule bug: {self.what} stored twice without being consumed")
+        self._value, self._full = value, True
+
+    def pop(self) -> Any:
+        if not self._full:
+            raise RuntimeError(f"schedule bug: {self.what} consumed before it was loaded")
+        value, self._value, self._full = self._value, None, False
+        return value.result() if isinstance(value, Future) else value
+
+    def peek(self) -> Any:
+        if not self._full:
+            raise RuntimeError(f"schedule bug: {self.what} read before it was loaded")
+        if isinstance(self._value, Future):
+            self._value = self._value.result()
+        return self._value
+
+    @property
+    def full(self) -> bool:
+        return self._full
+
+
+class Lanes:
+    """Named FIFO workers for transfers (inline when overlap is off)."""
+
+    def __init__(self, overlap: bool, names: tuple[str, ...] = ("weights", "kv")):
+        self.overlap = overlap
+        self.pools = {n: ThreadPoolExecutor(1, thread_name_prefix=f"lane-{n}") for n in names} if overlap else {}
+        self.pending: list[Future] = []
+
+    def submit(self, lane: str, fn: Callable, *args) -> Any:
+        if not self.overlap:
+            return fn(*args)
+        fut = self.pools[lane].submit(fn, *args)
+        self.pending.append(fut)
+        return fut
+
+    def sync(self) -> None:
+        """Surface finished workers' errors; drop completed futures."""
+        still = []
+        for fut in self.pending:
+            if fut.done():
+                fut.result()                      # re-raises a worker's exception here, in the caller
+            else:
+                still.append(fut)
+        self.pending = still
+
+    def drain(self) -> None:
+        for fut in self.pending:
+            fut.result()
+        self.pending = []
+
+    def close(self) -> None:
+        for pool in self.pools.values():
+            pool.shutdown(wait=True, cancel_futures=True)
+
+
+@dataclass
+class BatchState:
+    """One GPU batch of the block."""
+    seq_index: list[int]                 # indices of its sequences in the caller's prompt list
+    prompt_ids: Tensor                   # (b, p) left-padded
+    token_valid: Tensor                  # (b, p) bool
+    real_len: Tensor                     # (b,) real prompt tokens
+    caches: dict[int, Any] = field(default_factory=dict)     # layer index -> SplitKVCache
+    activations: Any = None              # where the hidden state rests between layers
+    next_ids: Tensor | None = None       # (b,) ids sampled at the last token step
+
+
+@dataclass
+class RunParts:
+    layers: list                         # flat layer list
+    groups: list[list[int]]              # schedule layers (sep_layer: one model layer each)
+    weights: Any                         # WeightPlacement
+    device: torch.device
+    compute_dtype: torch.dtype
+    needs_scores: bool
+    rolling: bool
+    score_reduce: str
+    budget: int                          # kept tokens per (sequence, KV head) before the current one
+    on_logits: Callable[[int, int, Tensor], None]   # (token, batch, logits (b, V)) -> stores next ids
+    should_stop: Callable[[int], bool]   # after token i: every sequence finished?
+
+
+class BlockExecutor:
+    def __init__(self, parts: RunParts, batches: list[BatchState], n_tokens: int, overlap: bool):
+        self.p, self.batches, self.n_tokens = parts, batches, n_tokens
+        self.lanes = Lanes(overlap)
+        self.overlap = overlap
+        n_groups = len(parts.groups)
+        self.weight_buf = [Holder(f"weights of schedule layer {j}") for j in range(n_groups)]
+        self.kv_buf = [[Holder(f"KV of layer {j} batch {k}") for k in range(len(batches))] for j in range(n_groups)]
+        self.store_buf = [[Holder(f"KV update of layer {j} batch {k}") for k in range(len(batches))]
+                          for j in range(n_groups)]
+        self.hidden_buf = [Holder(f"hidden of batch {k}") for k in range(len(batches))]
+        self.token_times: list[float] = []
+
+    # --- the loop ---
+
+    def run(self) -> list[float]:
+        """Execute every step; returns the wall time at the end of each token step."""
+        p = self.p
+        steps = block_schedule(self.n_tokens, len(p.groups), len(self.batches), overlap=self.overlap)
+        last_batch, last_group = len(self.batches) - 1, len(p.groups) - 1
+        try:
+            for step in steps:
+                self._dispatch(step)
+                if step.op is Op.COMPUTE and step.layer == last_group and step.batch == last_batch:
+                    self.token_times.append(time.perf_counter())
+                    if p.should_stop(step.token):
+                        break
+            self.lanes.drain()
+        finally:
+            self.lanes.close()
+        return self.token_times
+
+    def _dispatch(self, step: Step) -> None:
+        op, i, j, k = step.op, step.token, step.layer, step.batch
+        if op is Op.LOAD_WEIGHT:
+            self.weight_buf[j].store(self.lanes.submit("weights", self._stage_weights, j))
+        elif op is Op.FREE_WEIGHT:
+            self.weight_buf[j].pop()
+        elif op is Op.LOAD_KV:
+            if i > 0 and self._attn_layers(j):
+                self.kv_buf[j][k].store(self.lanes.submit("kv", self._stage_kv, j, k, i))
+        elif op is Op.LOAD_HIDDEN:
+            self.hidden_buf[k].store(self._load_hidden(i, j, k))
+        elif op is Op.COMPUTE:
+            self._compute(i, j, k)
+        elif op is Op.STORE_KV:
+            if self.store_buf[j][k].full:
+                update = self.store_buf[j][k].pop()
+                self.lanes.submit("kv", self._commit_kv, j, k, i, update)
+        elif op is Op.STORE_HIDDEN:
+            pass                                   # outputs are homed inside _compute (see _store_hidden)
+        elif op is Op.SYNC:
+            self.lanes.sync()
+
+    # --- step bodies ---
+
+    def _attn_layers(self, group: int) -> list[int]:
+        return [l for l in self.p.groups[group] if self.p.layers[l].kind == "attn"]
+
+    def _stage_weights(self, group: int) -> dict[int, Any]:
+        return {l: self.p.weights.stage(l) for l in self.p.groups[group]}
+
+    def _stage_kv(self, group: int, batch: int, token: int) -> dict[int, Any]:
+        b = self.batches[batch]
+        rank = self._new_rank(b, token) if self.p.rolling else None
+        return {l: b.caches[l].stage(self.p.device, self.p.compute_dtype, rank) for l in self._attn_layers(group)}
+
+    def _new_rank(self, b: BatchState, token: int) -> Tensor:
+        # the new token ranks after every kept token: min(tokens before it, budget) of them survive
+        return torch.clamp(b.real_len + token - 1, max=self.p.budget)
+
+    def _load_hidden(self, token: int, group: int, batch: int) -> Tensor:
+        b = self.batches[batch]
+        if group == 0:                              # embed input: token ids
+            ids = b.prompt_ids if token == 0 else b.next_ids.view(-1, 1)
+            return ids.to(self.p.device)
+        return b.activations.load()
+
+    def _context(self, b: BatchState, token: int) -> StepContext:
+        p = self.p
+        if token == 0:
+            positions = (b.token_valid.long().cumsum(1) - 1).masked_fill(~b.token_valid, -1)
+            return StepContext("prefill", positions.to(p.device), b.token_valid.to(p.device), p.compute_dtype,
+                               want_scores=p.needs_scores, keys_pre_rope=p.rolling, score_reduce=p.score_reduce)
+        true_pos = b.real_len + token - 1
+        pos = self._new_rank(b, token) if p.rolling else true_pos
+        valid = torch.ones(len(true_pos), 1, dtype=torch.bool)
+        return StepContext("decode", pos.view(-1, 1).to(p.device), valid.to(p.device), p.compute_dtype,
+                           want_scores=p.needs_scores, keys_pre_rope=p.rolling, score_reduce=p.score_reduce)
+
+    def _compute(self, token: int, group: int, batch: int) -> None:
+        b = self.batches[batch]
+        weights = self.weight_buf[group].peek()
+        views = self.kv_buf[group][batch].pop() if token > 0 and self._attn_layers(group) else {}
+        x = self.hidden_buf[batch].pop()
+        ctx = self._context(b, token)
+        updates = {}
+        for l in self.p.groups[group]:
+            layer = self.p.layers[l]
+            out = layer.forward(x, weights[l], views.get(l), ctx)
+            if layer.kind == "attn":
+                updates[l] = (views.get(l), out, ctx.positions if token == 0 else b.real_len + token - 1)
+                x = out.hidden
+            elif layer.kind == "head":
+                self.p.on_logits(token, batch, out.hidden)
+                x = None
+            else:
+                x = out.hidden
+        if updates:
+            self.store_buf[group][batch].store(updates)
+        if x is not None:
+            b.activations.store(x)
+
+    def _commit_kv(self, group: int, batch: int, token: int, updates: dict) -> None:
+        b = self.batches[batch]
+        for l, (view, out, pos) in updates.items():
+            if view is None:
+                b.caches[l].commit_prefill(out.k_new, out.v_new, out.scores, pos)
+            else:
+                b.caches[l].commit_decode(view, out, pos)

@@ -1,0 +1,97 @@
+"""Test helpers: tiny random transformers models, their weights as an engine source, HF greedy references."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalLM
+
+from flexgen_h2o.config import GenerationConfig, OffloadPolicy
+from flexgen_h2o.engine import Engine
+from flexgen_h2o.kv import EvictionConfig
+from flexgen_h2o.models import build_layers, from_hf_config
+from flexgen_h2o.models.transformer import all_specs
+
+VOCAB = 128
+
+
+def tiny_hf(kind: str, seed: int = 0):
+    """A random fp32 HF model whose weights are already rounded to fp16 (what our store keeps)."""
+    torch.manual_seed(seed)
+    if kind.startswith("opt"):
+        post = kind == "opt-post"
+        cfg = OPTConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, ffn_dim=128, num_attention_heads=4,
+                        max_position_embeddings=256, word_embed_proj_dim=32 if post else 64,
+                        do_layer_norm_before=not post, pad_token_id=1, bos_token_id=2, eos_token_id=2)
+        model = OPTForCausalLM(cfg)
+    else:
+        kv_heads = 4 if kind == "llama-mha" else 2
+        rope = {"rope_type": "default", "rope_theta": 10000.0}
+        if kind == "llama3":
+            rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                    "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+        cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, intermediate_size=128,
+                          num_attention_heads=4, num_key_value_heads=kv_heads, max_position_embeddings=512,
+                          rope_parameters=rope, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                          tie_word_embeddings=False)
+        model = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            # scale up so that attention is far from uniform and greedy argmax has clear winners
+            p.copy_((p * (4.0 if p.dim() > 1 else 1.0)).half().float())
+    return model.eval()
+
+
+def weight_reader(model):
+    """Engine weight source from an HF model's state dict (fp16 arrays, as a converted store holds them)."""
+    cfg = from_hf_config(model.config.to_dict(), name=type(model).__name__)
+    sd = model.state_dict()
+    arrays = {}
+    for spec in all_specs(build_layers(cfg)):
+        t = sd.get(spec.hf_name, sd.get("lm_head.weight") if spec.key == "lm_head.weight" else None)
+        arrays[spec.name] = t.detach().to(torch.float16).numpy()
+    return cfg, arrays.__getitem__
+
+
+def make_engine(model, *, offload: OffloadPolicy | None = None, eviction: EvictionConfig | None = None,
+                offload_dir=None, record: bool = True) -> Engine:
+    cfg, read = weight_reader(model)
+    offload = offload or OffloadPolicy(kv_dtype="float32", gpu_batch_size=8)
+    engine = Engine(cfg, read, offload=offload, eviction=eviction, offload_dir=offload_dir)
+    if record:
+        engine.step_logits = {}
+
+        def keep(token, seq_ids, logits):
+            for row, s in enumerate(seq_ids):
+                engine.step_logits.setdefault(s, []).append(logits[row].clone())
+        engine.on_step_logits = keep
+    return engine
+
+
+def random_prompts(lengths, seed: int = 1) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in lengths]
+
+
+def hf_greedy(model, prompts: list[list[int]], n_new: int, pad_id: int):
+    """Per prompt (run alone, no padding): generated ids and per-step logits from transformers."""
+    outs = []
+    for p in prompts:
+        ids = torch.tensor([p])
+        with torch.no_grad():
+            r = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n_new, min_new_tokens=n_new,
+                               do_sample=False, output_logits=True, return_dict_in_generate=True,
+                               pad_token_id=pad_id, eos_token_id=None)
+        outs.append((r.sequences[0, len(p):].tolist(), [l[0].float() for l in r.logits]))
+    return outs
+
+
+def greedy(n: int) -> GenerationConfig:
+    return GenerationConfig(max_new_tokens=n, stop_at_eos=False)
+
+
+def max_logit_diff(a: list, b: list) -> float:
+    return max(float((x - y).abs().max()) for x, y in zip(a, b))
+
+
+def as_numpy(x) -> np.ndarray:
+    return x.detach().cpu().numpy()

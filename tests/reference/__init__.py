@@ -1,0 +1,1 @@
+"""Slow, independent references the engine is checked against (tests/reference/h2o_masked.py)."""

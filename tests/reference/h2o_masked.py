@@ -1,0 +1,245 @@
+"""Slow, obviously-correct H2O reference: an HF model with its FULL KV cache and eviction simulated by masks.
+
+Nothing here imports flexgen_h2o: the rule is re-derived with plain Python lists and sets, and the attention
+is transformers' own model with one swapped attention function, so this file can catch bugs in both the
+engine's math and its vectorised policies.
+
+How it works: `reference_generate` runs the model step by step (greedy) with a DynamicCache that never drops
+anything. Our attention function (registered with transformers' AttentionInterface) builds its own mask per
+(sequence, KV head) from a Python set of kept cache indices, and hides evicted keys from every query head of
+that KV head's group. Scores follow the engine's contract (ANCHORS.md §2.4-2.8):
+- prefill: full causal attention over the real prompt tokens; score of a key = sum over the real queries and
+  over the group's query heads ("sum") or that divided by the group size ("mean"); then keep the sinks, the
+  `recent` newest real tokens and the `heavy` best-scored others (ties keep the larger position);
+- decode: the new token joins the kept set with score 0, attends to the kept set, every kept key's score gets
+  this step's probability; if more than sink + heavy + recent are kept, one victim is dropped:
+  exact = lowest score among the non-sink, non-recent kept tokens (ties: smallest position); port = the same
+  after always admitting the newest of those (the token leaving the window); window = the oldest non-sink.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+from transformers import AttentionInterface
+
+ATTN_NAME = "h2o_reference_masked"
+RULES = ("exact", "port", "window", "full")
+# which reference rule checks which flexgen_h2o eviction policy (random has no deterministic reference)
+RULE_FOR_POLICY = {"h2o": "exact", "h2o-port": "port", "local": "window", "sink": "window", "full": "full"}
+
+STATE_ATTR = "_h2o_reference_state"   # set on every attention module for the duration of a run
+
+
+# --- the rule, on plain lists (also the brute-force oracle for tests/kv) ---
+
+def ref_keep_prefill(scores: Sequence[float], positions: Sequence[int], sink: int, heavy: int,
+                     recent: int) -> set[int]:
+    """Indices of the prompt rows to keep. positions[i] = -1 marks a pad."""
+    real = [i for i, p in enumerate(positions) if p >= 0]
+    if len(real) <= sink + heavy + recent:
+        return set(real)
+    by_age = sorted(real, key=lambda i: positions[i])
+    keep = {i for i in real if positions[i] < sink}
+    if recent > 0:
+        keep |= set(by_age[-recent:])
+    others = [i for i in real if i not in keep]
+    others.sort(key=lambda i: (-scores[i], -positions[i]))     # best score first; ties keep the newer token
+    keep |= set(others[:heavy])
+    return keep
+
+
+def ref_victim(scores: Sequence[float], positions: Sequence[int], sink: int, heavy: int, recent: int,
+               rule: str) -> int | None:
+    """Index to evict among the slots with positions[i] >= 0, or None while within the budget."""
+    valid = [i for i, p in enumerate(positions) if p >= 0]
+    if rule == "full" or len(valid) <= sink + heavy + recent:
+        return None
+    non_sinks = [i for i in valid if positions[i] >= sink]
+    if rule == "window":
+        return min(non_sinks, key=lambda i: positions[i])
+    by_age = sorted(valid, key=lambda i: positions[i])
+    window = set(by_age[len(by_age) - recent:]) if recent > 0 else set()
+    candidates = [i for i in non_sinks if i not in window]
+    if rule == "port":
+        leaving = max(candidates, key=lambda i: positions[i])
+        others = [i for i in candidates if i != leaving]
+        if not others:                       # no heavy hitter at all: the leaving token must go
+            return leaving
+        candidates = others
+    return min(candidates, key=lambda i: (scores[i], positions[i]))
+
+
+# --- the simulated cache ---
+
+class _RefState:
+    def __init__(self, attention_mask: torch.Tensor, sink: int, heavy: int, recent: int, rule: str,
+                 score_reduce: str, max_len: int):
+        self.sink, self.heavy, self.recent, self.rule = sink, heavy, recent, rule
+        self.score_reduce = score_reduce
+        self.max_len = max_len
+        self.phase = "prefill"
+        # per sequence, per cache index: the token's position among the sequence's real tokens, -1 for pads
+        self.pos: list[list[int]] = []
+        for row in attention_mask.tolist():
+            count, plist = 0, []
+            for m in row:
+                plist.append(count if m else -1)
+                count += int(m)
+            self.pos.append(plist)
+        self.keep: dict[int, list[list[set[int]]]] = {}       # layer -> [b][g] -> kept cache indices
+        self.score: dict[int, torch.Tensor] = {}              # layer -> (b, g, max_len) fp32
+
+    def append_token(self) -> None:
+        for plist in self.pos:
+            plist.append(1 + max(plist))
+
+    def snapshot(self) -> list[list[list[list[int]]]]:
+        """[layer][b][g] -> sorted positions kept."""
+        return [[[sorted(self.pos[b][i] for i in kept) for kept in per_b] for b, per_b in enumerate(self.keep[layer])]
+                for layer in sorted(self.keep)]
+
+    def pool(self, probs: torch.Tensor, b: int, g: int, r: int, query_rows: list[int]) -> torch.Tensor:
+        """Attention mass per key for KV head g of sequence b: summed over its r query heads and the rows."""
+        heads = list(range(g * r, (g + 1) * r))
+        mass = probs[b][heads][:, query_rows].sum(dim=(0, 1))                       # (L,)
+        return mass / r if self.score_reduce == "mean" else mass
+
+    def budget_args(self) -> tuple[int, int, int]:
+        # the window rule keeps no heavy hitters: their share is window
+        if self.rule == "window":
+            return self.sink, 0, self.heavy + self.recent
+        return self.sink, self.heavy, self.recent
+
+
+def masked_h2o_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                         attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                         **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """query (b, h, q, d); key, value (b, g, L, d), the full history. HF's mask is ignored: ours is built here."""
+    # the state rides on the module rather than a global, so a second import of this file cannot split it
+    st = getattr(module, STATE_ATTR, None)
+    assert st is not None, "masked_h2o_attention runs only inside reference_generate"
+    layer = module.layer_idx
+    b, h, q, d = query.shape
+    g, L = key.shape[1], key.shape[2]
+    r = h // g
+    scale = d ** -0.5 if scaling is None else scaling
+    allowed = torch.zeros(b, g, q, L, dtype=torch.bool)
+    if st.phase == "prefill":
+        for bi in range(b):
+            for j in range(q):
+                if st.pos[bi][j] < 0:
+                    allowed[bi, :, j, j] = True          # a pad query sees only itself (its output is unused)
+                    continue
+                real_keys = torch.tensor([st.pos[bi][i] >= 0 for i in range(j + 1)])
+                allowed[bi, :, j, :j + 1] = real_keys        # causal, pads hidden
+    else:
+        assert q == 1
+        new = L - 1
+        for bi in range(b):
+            for gi in range(g):
+                st.keep[layer][bi][gi].add(new)          # the new token joins its column before attending
+                st.score[layer][bi, gi, new] = 0.0
+                allowed[bi, gi, 0, sorted(st.keep[layer][bi][gi])] = True
+    # query head hi reads KV head hi // r (HF repeat_kv groups heads contiguously)
+    keys = torch.stack([key[:, hi // r] for hi in range(h)], dim=1).float()          # (b, h, L, d)
+    values = torch.stack([value[:, hi // r] for hi in range(h)], dim=1).float()
+    mask = torch.stack([allowed[:, hi // r] for hi in range(h)], dim=1)              # (b, h, q, L)
+    logits = torch.matmul(query.float(), keys.transpose(-1, -2)) * scale
+    probs = torch.softmax(logits.masked_fill(~mask, float("-inf")), dim=-1)          # (b, h, q, L) fp32
+    out = torch.matmul(probs, values).to(query.dtype)
+
+    sink, heavy, recent = st.budget_args()
+    if st.phase == "prefill":
+        st.keep[layer] = [[set() for _ in range(g)] for _ in range(b)]
+        st.score[layer] = torch.zeros(b, g, st.max_len, dtype=torch.float32)
+        for bi in range(b):
+            real_rows = [j for j in range(q) if st.pos[bi][j] >= 0]
+            for gi in range(g):
+                col = st.pool(probs, bi, gi, r, real_rows)
+                st.score[layer][bi, gi, :L] = col
+                if st.rule == "full":            # no budget at all: every real prompt token stays
+                    st.keep[layer][bi][gi] = {i for i in range(L) if st.pos[bi][i] >= 0}
+                else:
+                    st.keep[layer][bi][gi] = ref_keep_prefill(col.tolist(), st.pos[bi][:L], sink, heavy, recent)
+    else:
+        for bi in range(b):
+            for gi in range(g):
+                col = st.pool(probs, bi, gi, r, [0])
+                kept = st.keep[layer][bi][gi]
+                idx = torch.tensor(sorted(kept))
+                st.score[layer][bi, gi, idx] += col[idx]     # every kept key, the new one included
+                positions = [st.pos[bi][i] if i in kept else -1 for i in range(L)]
+                victim = ref_victim(st.score[layer][bi, gi, :L].tolist(), positions, sink, heavy, recent, st.rule)
+                if victim is not None:
+                    kept.discard(victim)
+    return out.transpose(1, 2).contiguous(), probs
+
+
+AttentionInterface.register(ATTN_NAME, masked_h2o_attention)
+
+
+def _budget_triple(budget: Any) -> tuple[int, int, int]:
+    if budget is None:
+        return 0, 0, 0
+    if isinstance(budget, (tuple, list)):
+        sink, heavy, recent = budget
+        return int(sink), int(heavy), int(recent)
+    return int(budget.sink), int(budget.heavy), int(budget.recent)
+
+
+@torch.no_grad()
+def reference_generate(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                       budget: Any, rule: str = "exact", max_new_tokens: int = 8, score_reduce: str = "sum",
+                       trace: list | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Greedy generation with simulated eviction.
+
+    input_ids (b, p), left-padded; attention_mask (b, p) 1 = real (None = all real); budget: (sink, heavy,
+    recent) or any object with those attributes (ignored for rule "full"); rule: exact | port | window | full.
+    Returns tokens (b, max_new_tokens) and the logits (b, V) fp32 that chose each of them. If `trace` is a
+    list, it receives after the prefill and after every decode step the kept positions [layer][b][g]."""
+    if rule not in RULES:
+        raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
+    if score_reduce not in ("sum", "mean"):
+        raise ValueError(f"score_reduce must be 'sum' or 'mean', got {score_reduce!r}")
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    mask = attention_mask.long()
+    if not bool((mask[:, -1] == 1).all()) or bool((mask[:, 1:] < mask[:, :-1]).any()):
+        raise ValueError("reference_generate needs left padding (0...0 1...1 per row)")
+    sink, heavy, recent = _budget_triple(budget)
+    b, p = input_ids.shape
+    state = _RefState(mask, sink, heavy, recent, rule, score_reduce, max_len=p + max_new_tokens)
+    old_impl, was_training = model.config._attn_implementation, model.training
+    model.config._attn_implementation = ATTN_NAME
+    model.eval()
+    attn_modules = [m for m in model.modules() if hasattr(m, "layer_idx")]
+    for m in attn_modules:
+        setattr(m, STATE_ATTR, state)
+    tokens, step_logits = [], []
+    try:
+        position_ids = torch.tensor(state.pos).clamp(min=0)                         # pads' positions are unused
+        out = model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, use_cache=True)
+        if trace is not None:
+            trace.append(state.snapshot())
+        state.phase = "decode"
+        for step in range(max_new_tokens):
+            logits = out.logits[:, -1].float()
+            step_logits.append(logits)
+            nxt = logits.argmax(dim=-1)
+            tokens.append(nxt)
+            if step == max_new_tokens - 1:
+                break                            # the last token is never fed back
+            state.append_token()
+            mask = torch.cat([mask, mask.new_ones(b, 1)], dim=1)
+            position_ids = torch.tensor([[plist[-1]] for plist in state.pos])
+            out = model(input_ids=nxt[:, None], attention_mask=mask, position_ids=position_ids,
+                        past_key_values=out.past_key_values, use_cache=True)
+            if trace is not None:
+                trace.append(state.snapshot())
+    finally:
+        for m in attn_modules:
+            delattr(m, STATE_ATTR)
+        model.config._attn_implementation = old_impl
+        model.train(was_training)
+    return torch.stack(tokens, dim=1), step_logits

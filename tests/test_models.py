@@ -1,0 +1,47 @@
+"""The engine's OPT and Llama math against transformers' own models: prefill + 64 decode steps, fp32."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.helpers import greedy, hf_greedy, make_engine, max_logit_diff, random_prompts, tiny_hf
+
+KINDS = ["opt", "opt-post", "llama-mha", "llama-gqa", "llama3"]
+N_NEW = 65          # the prefill step's logits + 64 decode steps
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_logits_and_tokens_match_transformers(kind):
+    model = tiny_hf(kind)
+    prompts = random_prompts([9, 14])
+    engine = make_engine(model)
+    out = engine.generate(prompts, greedy(N_NEW))
+    refs = hf_greedy(model, prompts, N_NEW, pad_id=model.config.pad_token_id)
+    for i, (ref_tokens, ref_logits) in enumerate(refs):
+        assert out.token_ids[i] == ref_tokens
+        assert len(engine.step_logits[i]) == N_NEW
+        assert max_logit_diff(engine.step_logits[i], ref_logits) <= 1e-4
+
+
+@pytest.mark.parametrize("kind", ["opt", "llama-gqa"])
+def test_padding_changes_nothing(kind):
+    model = tiny_hf(kind)
+    prompts = random_prompts([3, 11, 7, 16])
+    batched = make_engine(model)
+    together = batched.generate(prompts, greedy(12))
+    for i, p in enumerate(prompts):
+        alone = make_engine(model)
+        single = alone.generate([p], greedy(12))
+        assert together.token_ids[i] == single.token_ids[0]
+        assert max_logit_diff(batched.step_logits[i], alone.step_logits[0]) <= 1e-5
+
+
+def test_rope_llama3_scaling_differs_from_default():
+    # the llama3 model really uses its scaled frequencies: a default-RoPE twin gives other logits
+    from flexgen_h2o.models import ops
+    scaled = ops.rope_inv_freq(16, 500000.0, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                              "high_freq_factor": 4.0, "original_max_position_embeddings": 32})
+    plain = ops.rope_inv_freq(16, 500000.0)
+    assert not torch.allclose(scaled, plain)
+    assert torch.allclose(scaled[0], plain[0])            # the highest frequency is untouched
+    assert torch.allclose(scaled[-1], plain[-1] / 8.0)    # the lowest is divided by the factor
