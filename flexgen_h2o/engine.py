@@ -57,7 +57,8 @@ class Engine:
         self.layers = build_layers(model)
         self.groups = schedule_groups(self.layers, self.offload.sep_layer)
         self.decode = decode
-        self.offload_dir = OffloadDir(offload_dir) if offload_dir else None
+        uses_disk = any(self.offload.tier_fractions(what)[2] > 0 for what in ("cache", "act"))
+        self.offload_dir = OffloadDir(offload_dir) if (offload_dir and uses_disk) else None
         self.tiers = {"compute": ComputeTier(self.backend, self.offload.compute_budget_bytes),
                       "host": HostTier(self.backend, pin=self.backend.is_cuda)}
         if self.offload_dir is not None:

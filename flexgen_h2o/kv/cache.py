@@ -50,6 +50,9 @@ class KVCache:
         self.pos = alloc((batch, g, capacity), torch.int32)            # (b, g, s) original position, -1 = free
         self.pos.fill_(-1)
         self.score.zero_()
+        # never-used slots are read (masked) by attention: garbage there would give 0 * NaN = NaN in p @ V
+        self.k.zero_()
+        self.v.zero_()
         self.n_used = 0                    # high-water mark: slots [n_used, capacity) have never held a token
         self.bytes_read: Counter = Counter()
         self.bytes_written: Counter = Counter()

@@ -67,6 +67,12 @@ class Tier:
             self.current_bytes += nbytes
             self.peak_bytes = max(self.peak_bytes, self.current_bytes)
 
+    def _refund(self, nbytes: int, old_peak: int) -> None:
+        """Undo a charge whose allocation failed; a failed allocation must not show up in the peak either."""
+        with self._lock:
+            self.current_bytes -= nbytes
+            self.peak_bytes = old_peak
+
     def _release(self, t: TieredTensor) -> None:
         if t.freed:
             raise RuntimeError(f"double free of {t!r}")
@@ -122,12 +128,16 @@ class _MemoryTier(Tier):
         # Pinning means nothing without a device to DMA to, and nothing for device memory itself.
         pin = bool(pinned) and self.backend.is_cuda and self.kind == "host"
         t = TieredTensor(shape, dtype, self, None, name, pin)
+        old_peak = self.peak_bytes
         self._charge(t.nbytes)
         try:
             t.payload = self._empty(shape, dtype, pin)
-        except torch.OutOfMemoryError as e:      # the real memory ran out before our budget did
-            with self._lock:
-                self.current_bytes -= t.nbytes
+        except BaseException as e:
+            self._refund(t.nbytes, old_peak)
+            # The real memory ran out before our budget did (CPU's allocator raises a plain RuntimeError).
+            oom = isinstance(e, torch.OutOfMemoryError) or "can't allocate memory" in str(e)
+            if not oom:
+                raise
             if self.backend.is_cuda and self.kind == "compute":
                 mem = self.backend.device_memory()
                 free = mem["total_bytes"] - mem["current_bytes"]
@@ -228,18 +238,18 @@ class DiskTier(Tier):
         stem = re.sub(r"[^A-Za-z0-9._-]", "_", name or "tensor")
         path = str(self.root_dir / f"{next(self._seq):06d}-{stem}.npy")
         t = TieredTensor(shape, dtype, self, None, name)
+        old_peak = self.peak_bytes
         self._charge(t.nbytes)
         try:
             mm = np.lib.format.open_memmap(path, mode="w+", dtype=_NP_DTYPE[dtype], shape=shape)
             offset = int(mm.offset)
             del mm
             _fallocate(path, offset + t.nbytes)
-        except OSError as e:
-            with self._lock:
-                self.current_bytes -= t.nbytes
+        except BaseException as e:
+            self._refund(t.nbytes, old_peak)
             if os.path.exists(path):
                 os.remove(path)
-            if e.errno == errno.ENOSPC:
+            if isinstance(e, OSError) and e.errno == errno.ENOSPC:
                 raise DiskFullError(path, t.nbytes) from e
             raise
         t.payload = DiskFile(path, offset, np.dtype(_NP_DTYPE[dtype]))

@@ -100,7 +100,7 @@ def test_disk_enospc_at_allocation(tmp_path, monkeypatch):
     disk = DiskTier(tmp_path)
     with pytest.raises(DiskFullError, match=r"disk full writing .*\.npy: needed 4000 bytes"):
         disk.allocate((1000,), torch.float32)
-    assert os.listdir(tmp_path) == [] and disk.current_bytes == 0
+    assert os.listdir(tmp_path) == [] and disk.current_bytes == 0 and disk.peak_bytes == 0
 
 
 def test_split_sizes():
@@ -138,3 +138,10 @@ def test_mixed_allocation_failure_frees_partial_segments(tiers, backend):
     with pytest.raises(TierFullError):
         m.allocate((4, 4), torch.float16)
     assert tiers["host"].current_bytes == 0
+
+
+def test_real_oom_maps_to_tier_full_and_restores_books(backend):
+    host = HostTier(backend)
+    with pytest.raises(TierFullError, match="host tier 'host' is full"):
+        host.allocate((1 << 50,), torch.float32)          # 4 PiB: the allocator itself refuses
+    assert host.current_bytes == 0 and host.peak_bytes == 0

@@ -56,13 +56,19 @@ def _checkpoint(folder, cfg) -> int:
     return sum(os.path.getsize(p) for p in folder.iterdir())
 
 
+# VmHWM (peak RSS of this address space) rather than ru_maxrss: ru_maxrss survives fork+exec, so a child of a
+# big pytest process would report the parent's size
 CHILD = """
 import resource, sys
 from flexgen_h2o.models import resolve_model
 from flexgen_h2o.weights import convert_checkpoint
 cfg = resolve_model("opt-1.3b").replace(name="wide", n_layers=7, vocab_size=1024, max_seq_len=126)
 convert_checkpoint(sys.argv[1], cfg, sys.argv[2], progress=False)
-print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+try:
+    hwm = [l for l in open("/proc/self/status") if l.startswith("VmHWM:")][0]
+    print(int(hwm.split()[1]) * 1024)
+except OSError:
+    print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
 """
 
 

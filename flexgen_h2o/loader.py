@@ -1,0 +1,71 @@
+"""Model name -> (ModelConfig, weight reader, tokenizer): presets, HF ids, local folders, dummy weights.
+
+Order of resolution: dummy weights (nothing on disk); an existing store at --path or the default location;
+the embedded SmolLM2 (converted on first use); a local HF folder (converted on first use); the hub (machines
+with network only; here it fails with a message that says how to convert a local checkpoint).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from flexgen_h2o.models import ModelConfig, all_specs, build_layers, resolve_model
+from flexgen_h2o.weights import (DummyStore, EMBEDDED_MODEL, WeightStoreError, convert_checkpoint,
+                                 default_store_path, download_and_convert, ensure_embedded_store, open_store,
+                                 write_dummy_store)
+
+
+@dataclass
+class LoadedModel:
+    config: ModelConfig
+    read: Callable[[str], np.ndarray]      # tensor name -> fp16 array (memmap for a store)
+    tokenizer: Any | None                  # a transformers tokenizer, or None
+    store_path: Path | None                # None for dummy weights
+
+
+def load_tokenizer(store: Path | None) -> Any | None:
+    folder = store / "tokenizer" if store is not None else None
+    if folder is None or not folder.is_dir():
+        return None
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(str(folder))
+
+
+def fallback_tokenizer() -> Any | None:
+    """Dummy-weight runs still tokenize real text: borrow the embedded model's tokenizer when it is converted."""
+    store = default_store_path(EMBEDDED_MODEL)
+    return load_tokenizer(store) if (store / "manifest.json").is_file() else None
+
+
+def load_model(model: str, *, path: str | None = None, dummy_weights: bool = False, dummy_on_disk: bool = False,
+               progress: bool = True) -> LoadedModel:
+    """dummy_on_disk: materialise the dummy weights as a real store once (cached), so a disk placement
+    streams real files instead of arrays generated in RAM."""
+    cfg = resolve_model(model)
+    specs = all_specs(build_layers(cfg))
+    if dummy_weights and not dummy_on_disk:
+        return LoadedModel(cfg, DummyStore(specs).read, fallback_tokenizer(), None)
+    if dummy_weights:
+        store = Path(path).expanduser() if path else default_store_path(cfg.name + "-dummy")
+        if not (store / "manifest.json").is_file():
+            store = write_dummy_store(cfg, store, progress=progress)
+        return LoadedModel(cfg, open_store(store, specs).read, fallback_tokenizer(), store)
+    store = Path(path).expanduser() if path else default_store_path(cfg)
+    if not (store / "manifest.json").is_file():
+        local_folder = os.path.isfile(os.path.join(os.path.expanduser(model), "config.json"))
+        if cfg.name == EMBEDDED_MODEL:
+            store = ensure_embedded_store(store, progress=progress)
+        elif local_folder:
+            store = convert_checkpoint(os.path.expanduser(model), cfg, store, progress=progress)
+        else:
+            try:
+                store = download_and_convert(cfg.hf_id or model, store, cfg=cfg, progress=progress)
+            except WeightStoreError as e:
+                raise WeightStoreError(f"{e}. Or convert a local checkpoint with `python -m flexgen_h2o.convert "
+                                       f"/path/to/hf_folder --model {model}`, or pass --dummy-weights") from None
+    reader = open_store(store, specs)
+    return LoadedModel(cfg, reader.read, load_tokenizer(store) or fallback_tokenizer(), store)

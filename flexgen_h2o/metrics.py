@@ -1,0 +1,47 @@
+"""Throughput (FlexGen's three definitions), memory readouts (engine accounting and the OS), and the log.
+
+prefill tok/s = B * prompt_len / prefill_s; decode tok/s = B * (gen_len - 1) / decode_s;
+total tok/s = B * gen_len / (prefill_s + decode_s)   (ANCHORS.md §1.10).
+"""
+from __future__ import annotations
+
+import resource
+import sys
+
+import psutil
+
+GIB = 1 << 30
+
+
+def peak_rss_bytes() -> int:
+    """The process's peak resident set, from the OS (ru_maxrss is KiB on Linux, bytes on macOS)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
+
+
+def current_rss_bytes() -> int:
+    return psutil.Process().memory_info().rss
+
+
+def throughput(block: int, prompt_len: int, gen_len: int, prefill_s: float, decode_s: float) -> dict[str, float]:
+    return {"prefill_tok_s": block * prompt_len / max(prefill_s, 1e-9),
+            "decode_tok_s": block * max(gen_len - 1, 0) / max(decode_s, 1e-9),
+            "total_tok_s": block * gen_len / max(prefill_s + decode_s, 1e-9)}
+
+
+def flexgen_log(m: dict) -> str:
+    """FlexGen's 5-line block, so existing parsers (read_benchmark_log) keep working. Sizes in GiB."""
+    return (f"model size: {m['model_bytes'] / GIB:.3f} GB\tcache size: {m['full_cache_bytes'] / GIB:.3f} GB\t"
+            f"hidden size (p): {m['hidden_bytes'] / GIB:.3f} GB\n"
+            f"peak gpu mem: {m['peak_compute_bytes'] / GIB:.3f} GB\tprojected: {m.get('projected', False)}\n"
+            f"prefill latency: {m['prefill_s']:.3f} s\tprefill throughput: {m['prefill_tok_s']:.3f} token/s\n"
+            f"decode latency: {m['decode_s']:.3f} s\tdecode throughput: {m['decode_tok_s']:.3f} token/s\n"
+            f"total latency: {m['prefill_s'] + m['decode_s']:.3f} s\ttotal throughput: "
+            f"{m['total_tok_s']:.3f} token/s\n")
+
+
+def fmt_bytes(n: float) -> str:
+    for unit, scale in (("GiB", GIB), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{int(n)} B"

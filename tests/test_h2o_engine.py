@@ -1,0 +1,253 @@
+"""The engine's REAL eviction (fixed slots, vectorised policies, every placement) against the slow masked
+reference in tests/reference/h2o_masked.py: same tokens, same logits, same kept positions; and the cache
+really stays budget + 1 slots whatever the run length."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flexgen_h2o.config import OffloadPolicy
+from flexgen_h2o.kv import EvictionConfig
+from tests.helpers import greedy, make_engine, max_logit_diff, random_prompts, tiny_hf
+from tests.reference.h2o_masked import RULE_FOR_POLICY, reference_generate
+
+KINDS = ["opt", "llama-mha", "llama-gqa"]
+LENGTHS = [20, 13, 24]
+N_NEW = 16
+H2O = EvictionConfig(policy="h2o", hh_size=4, recent_size=3)
+H2O_SINK = EvictionConfig(policy="h2o", hh_size=4, recent_size=3, sink_size=1)
+
+
+def left_padded(model, prompts):
+    pad = model.config.pad_token_id
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    mask = torch.zeros(len(prompts), width, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
+    return ids, mask
+
+
+def run_reference(model, prompts, ev: EvictionConfig, n_new: int = N_NEW, trace=None):
+    ids, mask = left_padded(model, prompts)
+    budget = ev.resolve(ids.shape[1], n_new)         # the engine resolves against the padded length too
+    return reference_generate(model, ids, mask, budget, rule=RULE_FOR_POLICY[ev.policy], max_new_tokens=n_new,
+                              score_reduce=ev.score_reduce, trace=trace)
+
+
+def run_engine(model, prompts, ev, n_new: int = N_NEW, **kw):
+    engine = make_engine(model, eviction=ev, **kw)
+    out = engine.generate(prompts, greedy(n_new))
+    return engine, out
+
+
+def engine_kept(engine) -> list[list[list[list[int]]]]:
+    """[attention layer in order][sequence][KV head] -> sorted kept positions, across GPU batches and tiers."""
+    per_layer: dict[int, list] = {}
+    for caches in engine.last_caches:
+        for layer, split in caches.items():
+            per_layer.setdefault(layer, [])
+            for cache in split.caches:
+                per_layer[layer] += cache.kept_positions()
+    return [per_layer[layer] for layer in sorted(per_layer)]
+
+
+def assert_same_as_reference(engine, out, ref_tokens, ref_logits, tol=1e-4):
+    for i in range(ref_tokens.shape[0]):
+        assert out.token_ids[i] == ref_tokens[i].tolist(), f"sequence {i}"
+        assert len(engine.step_logits[i]) == len(ref_logits)
+        assert max_logit_diff(engine.step_logits[i], [l[i] for l in ref_logits]) <= tol, f"sequence {i}"
+
+
+# --- 1. h2o exact vs the reference, eviction in prefill and decode ---
+
+@pytest.mark.parametrize("ev", [H2O, H2O_SINK], ids=["h2o", "h2o-sink1"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_h2o_matches_reference(kind, ev):
+    model = tiny_hf(kind)
+    prompts = random_prompts(LENGTHS)
+    engine, out = run_engine(model, prompts, ev)
+    trace: list = []
+    ref_tokens, ref_logits = run_reference(model, prompts, ev, trace=trace)
+    assert_same_as_reference(engine, out, ref_tokens, ref_logits)
+    budget = ev.resolve(max(LENGTHS), N_NEW).budget
+    # eviction really happened in the prefill (every prompt is longer than the budget) ...
+    assert all(len(col) == budget for layer in trace[0] for seq in layer for col in seq)
+    # ... and in decode: not every generated token that was written is still there
+    for layer in trace[-1]:
+        for i, seq in enumerate(layer):
+            assert all(len([p for p in col if p >= LENGTHS[i]]) < N_NEW - 1 for col in seq)
+    # the same tokens are kept, per layer, sequence and KV head
+    assert engine_kept(engine) == trace[-1]
+
+
+# --- 2. the other deterministic policies vs their reference rules ---
+
+@pytest.mark.parametrize("ev", [
+    EvictionConfig(policy="h2o-port", hh_size=4, recent_size=3),
+    EvictionConfig(policy="h2o-port", hh_size=3, recent_size=2, sink_size=1),
+    EvictionConfig(policy="local", recent_size=7),
+    EvictionConfig(policy="sink", recent_size=5),                   # 4 sinks + 5 window
+    EvictionConfig(policy="sink", hh_size=2, recent_size=3, sink_size=1),   # heavy share goes to the window
+], ids=["port", "port-sink1", "local", "sink", "sink-hh"])
+@pytest.mark.parametrize("kind", ["opt", "llama-gqa"])
+def test_other_policies_match_reference(kind, ev):
+    model = tiny_hf(kind)
+    prompts = random_prompts(LENGTHS)
+    engine, out = run_engine(model, prompts, ev)
+    trace: list = []
+    ref_tokens, ref_logits = run_reference(model, prompts, ev, trace=trace)
+    assert_same_as_reference(engine, out, ref_tokens, ref_logits)
+    assert engine_kept(engine) == trace[-1]
+
+
+# --- 3. score_reduce="mean" ---
+
+@pytest.mark.parametrize("kind", ["llama-mha", "llama-gqa"])
+def test_score_reduce_mean_matches_reference(kind):
+    model = tiny_hf(kind)
+    prompts = random_prompts(LENGTHS)
+    ev = EvictionConfig(policy="h2o", hh_size=4, recent_size=3, score_reduce="mean")
+    engine, out = run_engine(model, prompts, ev)
+    ref_tokens, ref_logits = run_reference(model, prompts, ev)
+    assert_same_as_reference(engine, out, ref_tokens, ref_logits)
+    # mean really divides the group's mass by its size (2 query heads per KV head for GQA, 1 for MHA)
+    summed, _ = run_engine(model, prompts, H2O)
+    group = 2 if kind == "llama-gqa" else 1
+    for mine, theirs in zip(engine.last_caches[0].values(), summed.last_caches[0].values()):
+        a, b = mine.caches[0], theirs.caches[0]
+        assert torch.equal(a.pos, b.pos)
+        assert torch.allclose(a.score * group, b.score, atol=1e-5)
+
+
+# --- 4. a budget that covers the run is the full cache, bit for bit ---
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_big_budget_is_bit_identical_to_full(kind):
+    model = tiny_hf(kind)
+    prompts = random_prompts(LENGTHS)
+    big, out_big = run_engine(model, prompts, EvictionConfig(policy="h2o", hh_size=100, recent_size=100))
+    full, out_full = run_engine(model, prompts, EvictionConfig(policy="full"))
+    assert out_big.token_ids == out_full.token_ids
+    for i in range(len(prompts)):
+        assert all(torch.equal(a, b) for a, b in zip(big.step_logits[i], full.step_logits[i]))
+
+
+# --- 5. sequences stay independent under eviction ---
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_each_sequence_alone_equals_batched(kind):
+    model = tiny_hf(kind)
+    prompts = random_prompts(LENGTHS)
+    batched, together = run_engine(model, prompts, H2O_SINK)
+    for i, p in enumerate(prompts):
+        alone, single = run_engine(model, [p], H2O_SINK)
+        assert together.token_ids[i] == single.token_ids[0]
+        assert max_logit_diff(batched.step_logits[i], alone.step_logits[0]) <= 1e-5
+
+
+# --- 6. the memory is really fixed ---
+
+def all_caches(engine):
+    return [c for caches in engine.last_caches for split in caches.values() for c in split.caches]
+
+
+def test_cache_size_fixed_over_a_long_run():
+    model = tiny_hf("llama-gqa")                     # OPT's 256 learned positions cannot hold 24 + 256
+    prompts = random_prompts([24, 13])
+    budget = H2O_SINK.resolve(24, 256).budget
+    short, _ = run_engine(model, prompts, H2O_SINK, n_new=1, record=False)
+    long, out = run_engine(model, prompts, H2O_SINK, n_new=256, record=False)
+    assert [len(t) for t in out.token_ids] == [256, 256]
+    assert [c.nbytes for c in all_caches(short)] == [c.nbytes for c in all_caches(long)]
+    for c in all_caches(long):
+        assert c.capacity == budget + 1 and c.k.shape[2] == budget + 1
+        assert int((c.pos >= 0).sum(-1).max()) <= budget
+        assert all(len(col) == budget for seq in c.kept_positions() for col in seq)
+
+
+@pytest.mark.parametrize("policy", ["h2o", "full"])
+def test_decode_bytes_read_per_step(policy):
+    model = tiny_hf("llama-gqa")
+    prompts = random_prompts([24, 13])
+    ev = H2O if policy == "h2o" else EvictionConfig(policy="full")
+    per_step = []
+    for n_new in (16, 48):
+        engine, out = run_engine(model, prompts, ev, n_new=n_new, record=False)
+        read = sum(sum(c.bytes_read.values()) for c in all_caches(engine))
+        assert out.metrics["decode_steps"] == n_new - 1
+        per_step.append(read / (n_new - 1))
+        if policy == "h2o":                          # every decode step reads exactly the budget + 1 slots
+            assert read == (n_new - 1) * sum(c._slot_bytes(c.capacity) for c in all_caches(engine))
+    if policy == "h2o":
+        assert per_step[0] == per_step[1]            # per-step bytes do not depend on the run length
+    else:
+        assert per_step[1] > per_step[0] * 1.4       # the full cache reads a growing window (avg 32 -> 48 slots)
+
+
+# --- 7. placements, schedule and position rolling ---
+
+PLACEMENTS = {"host": dict(cache_gpu_pct=0, cache_cpu_pct=100), "disk": dict(cache_gpu_pct=0, cache_cpu_pct=0),
+              "mixed": dict(cache_gpu_pct=34, cache_cpu_pct=33)}
+MANY = [20, 13, 24, 9, 17, 22]
+
+
+@pytest.fixture(scope="module")
+def compute_run():
+    model = tiny_hf("llama-gqa")
+    prompts = random_prompts(MANY)
+    engine, out = run_engine(model, prompts, H2O_SINK)
+    return model, prompts, out.token_ids, engine.step_logits
+
+
+@pytest.mark.parametrize("ngb", [1, 3])
+@pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.parametrize("where", list(PLACEMENTS))
+def test_placements_match_compute(compute_run, tmp_path, where, overlap, ngb):
+    model, prompts, want_tokens, want_logits = compute_run
+    offload = OffloadPolicy(kv_dtype="float32", gpu_batch_size=len(prompts) // ngb, num_gpu_batches=ngb,
+                            overlap=overlap, **PLACEMENTS[where])
+    engine, out = run_engine(model, prompts, H2O_SINK, offload=offload, offload_dir=tmp_path)
+    try:
+        kinds = {c.tier_kind for c in all_caches(engine)}
+        assert kinds == ({"compute", "host", "disk"} if (where, ngb) == ("mixed", 1) else
+                         {"compute", "host"} if where == "mixed" else {where})
+        assert out.token_ids == want_tokens
+        for i in range(len(prompts)):
+            assert max_logit_diff(engine.step_logits[i], want_logits[i]) <= 1e-5
+    finally:
+        engine.close()
+
+
+def test_rolling_without_eviction_equals_full():
+    model = tiny_hf("llama-gqa")
+    prompts = random_prompts(LENGTHS)
+    roll, out_roll = run_engine(model, prompts, EvictionConfig(policy="h2o", hh_size=100, recent_size=100,
+                                                               position_rolling=True))
+    full, out_full = run_engine(model, prompts, EvictionConfig(policy="full"))
+    assert out_roll.token_ids == out_full.token_ids
+    for i in range(len(prompts)):
+        assert max_logit_diff(roll.step_logits[i], full.step_logits[i]) <= 1e-4
+
+
+def test_rolling_with_eviction_uses_ranks():
+    model = tiny_hf("llama-gqa")
+    prompts = random_prompts(LENGTHS)
+    ev = EvictionConfig(policy="h2o", hh_size=4, recent_size=3, sink_size=1, position_rolling=True)
+    roll, out = run_engine(model, prompts, ev)
+    plain, _ = run_engine(model, prompts, H2O_SINK)
+    assert all(len(t) == N_NEW for t in out.token_ids)
+    # once tokens are evicted, rotating by rank instead of true position changes the logits
+    assert max(max_logit_diff(roll.step_logits[i], plain.step_logits[i]) for i in range(len(prompts))) > 1e-3
+    # at attention the kept tokens of every (b, g) rotate at ranks 0..n-1 and the new token at n = budget
+    budget = ev.resolve(max(LENGTHS), N_NEW).budget
+    for c in all_caches(roll):
+        view = c.stage(torch.device("cpu"), torch.float32, torch.full((c.batch,), budget))
+        for b in range(c.batch):
+            for g in range(c.spec.n_kv_heads):
+                slot = int(view.write_slot[b, g])
+                kept = view.valid[b, g].clone()
+                kept[slot] = False
+                assert sorted(view.key_positions[b, g][kept].tolist()) == list(range(budget))
+                assert int(view.key_positions[b, g, slot]) == budget
