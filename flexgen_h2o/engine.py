@@ -104,13 +104,16 @@ class Engine:
 
     def _make_cache(self, layer, batch: int, budget, policy, generator) -> SplitKVCache:
         parts = []
-        for lo, hi, kind in split_by_fraction(batch, self.offload.tier_fractions("cache")):
+        split = split_by_fraction(batch, self.offload.tier_fractions("cache"))
+        for lo, hi, kind in split:
             # attention reads the window on the compute device, or where the KV lives with cpu_cache_compute
             cache = KVCache(layer.kv_spec(), hi - lo, budget.capacity, policy, budget, dtype=self.kv_dtype,
                             alloc=lambda shape, dtype, kind=kind: self._alloc(kind, shape, dtype), tier_kind=kind,
                             rolling=self.eviction.position_rolling, generator=generator)
             parts.append((lo, hi, cache))
-        return SplitKVCache(parts)
+        off_device = any(kind != "compute" for _, _, kind in split)
+        host_attention = self.offload.cpu_cache_compute and off_device and self.device.type != "cpu"
+        return SplitKVCache(parts, attention_device=torch.device("cpu") if host_attention else None)
 
     # --- generation ---
 
@@ -177,7 +180,7 @@ class Engine:
             if batch == len(batches) - 1:
                 stops.update(torch.cat([x.next_ids for x in batches]).tolist())
 
-        parts = RunParts(layers=self.layers, groups=self.groups, weights=self.weights, device=self.device,
+        parts = RunParts(backend=self.backend, layers=self.layers, groups=self.groups, weights=self.weights, device=self.device,
                          compute_dtype=self.compute_dtype, needs_scores=policy.needs_scores,
                          rolling=self.eviction.position_rolling, score_reduce=self.eviction.score_reduce,
                          budget=budget.budget, on_logits=on_logits,

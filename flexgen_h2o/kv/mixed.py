@@ -21,8 +21,11 @@ def _pad_slots(x: Tensor, s: int, fill) -> Tensor:
 
 
 class SplitKVCache:
-    def __init__(self, parts: list[tuple[int, int, KVCache]]):
+    def __init__(self, parts: list[tuple[int, int, KVCache]], attention_device: torch.device | None = None):
         self.parts = parts                     # (first sequence, end sequence, cache over that range)
+        # cpu_cache_compute: the window is staged (fp32) where the KV lives and attention runs there, so only
+        # the query and the output cross the link (FlexGen's CPU attention, ANCHORS.md §1.7)
+        self.attention_device = attention_device
 
     @property
     def caches(self) -> list[KVCache]:
@@ -38,6 +41,8 @@ class SplitKVCache:
                                  token_pos[lo:hi])
 
     def stage(self, device: torch.device, dtype: torch.dtype, new_rank: Tensor | None = None) -> KVView:
+        if self.attention_device is not None:
+            device, dtype = self.attention_device, torch.float32
         views = [c.stage(device, dtype, None if new_rank is None else new_rank[lo:hi]) for lo, hi, c in self.parts]
         self._widths = [v.k.shape[2] for v in views]
         if len(views) == 1:

@@ -91,18 +91,23 @@ class AttentionLayer(_Base):
             keys, values = k, v
             mask = ops.causal_pad_mask(ctx.token_valid)                       # (b, 1, t, t)
         else:
+            if kv.k.device != q.device:          # attention where the KV was staged (cpu_cache_compute)
+                home_device, home_dtype = q.device, q.dtype
+                q, k_store, v = (t.to(kv.k.device, kv.k.dtype) for t in (q, k_store, v))
             # one new token: it goes into its free slot first, so it attends to itself like any other row
             ops.write_slot(kv.k, kv.write_slot, k_store)
             ops.write_slot(kv.v, kv.write_slot, v)
             kv.valid.scatter_(2, kv.write_slot.unsqueeze(-1), True)
             keys, values = kv.k, kv.v
             if kv.key_positions is not None:     # rolling: re-rotate every kept key by its rank
-                kcos, ksin = ops.rope_cos_sin(kv.key_positions, self.inv_freq, q.dtype)  # (b, g, s, d)
+                kcos, ksin = ops.rope_cos_sin(kv.key_positions, self.inv_freq.to(q.device), q.dtype)  # (b, g, s, d)
                 keys = ops.apply_rope(keys, kcos, ksin)
             mask = kv.valid[:, :, None, :]                                     # (b, g, 1, s)
         out, scores = ops.grouped_attention(q, keys, values, mask, scale, want_scores=ctx.want_scores,
                                             query_valid=ctx.token_valid if kv is None else None,
                                             score_reduce=ctx.score_reduce, query_chunk=ctx.query_chunk)
+        if out.device != x.device:               # only the attention output crosses back; k/v rows go home
+            out = out.to(home_device, home_dtype)
         out = F.linear(ops.merge_heads(out), w[f"self_attn.{self.out_proj}.weight"],
                        w.get(f"self_attn.{self.out_proj}.bias"))
         x = x + out

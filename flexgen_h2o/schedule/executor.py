@@ -1,88 +1,30 @@
 """BlockExecutor: walks the zig-zag Steps for one block; the only place a step meets weights, caches and layers.
 
-Transfers run on named lanes. With overlap, each lane is one FIFO worker thread (a CUDA stream plays that role
-for device copies), so a lane's operations stay in issue order, and a compute step waits for exactly the
-futures it consumes. A worker's exception is re-raised at the next SYNC or wait, never swallowed. Without
-overlap every step runs inline, in order, which keeps the loop easy to debug. Buffers are one-slot holders:
-storing into a full slot or popping an empty one raises, which catches ordering bugs loudly (FlexGen's
-ValueHolder idea).
+Transfers run on named lanes of memory.Transfer: with overlap, each lane is one FIFO worker (inside the
+backend's stream for that lane on CUDA), so a lane's operations stay in issue order, and a compute step waits
+for exactly the futures it consumes. KV loads and stores share one lane, so a cache is never staged before its
+previous update landed. A worker's exception is re-raised at the next SYNC, never swallowed. Without overlap
+every step runs inline, in order, which keeps the loop easy to debug. Buffers are one-slot ValueHolders:
+storing into a full slot or popping an empty one raises, which catches ordering bugs loudly.
 """
 from __future__ import annotations
 
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 from torch import Tensor
 
+from flexgen_h2o.memory import Transfer, ValueHolder
 from flexgen_h2o.models.layer import StepContext
 from flexgen_h2o.schedule.zigzag import Op, Step, block_schedule
 
 
-class Holder:
-    """A one-value box."""
-
-    def __init__(self, what: str):
-        self.what, self._value, self._full = what, None, False
-
-    def store(self, value: Any) -> None:
-        if self._full:
-            raise RuntimeError(f"schedule bug: {self.what} stored twice without being consumed")
-        self._value, self._full = value, True
-
-    def pop(self) -> Any:
-        if not self._full:
-            raise RuntimeError(f"schedule bug: {self.what} consumed before it was loaded")
-        value, self._value, self._full = self._value, None, False
-        return value.result() if isinstance(value, Future) else value
-
-    def peek(self) -> Any:
-        if not self._full:
-            raise RuntimeError(f"schedule bug: {self.what} read before it was loaded")
-        if isinstance(self._value, Future):
-            self._value = self._value.result()
-        return self._value
-
-    @property
-    def full(self) -> bool:
-        return self._full
-
-
-class Lanes:
-    """Named FIFO workers for transfers (inline when overlap is off)."""
-
-    def __init__(self, overlap: bool, names: tuple[str, ...] = ("weights", "kv")):
-        self.overlap = overlap
-        self.pools = {n: ThreadPoolExecutor(1, thread_name_prefix=f"lane-{n}") for n in names} if overlap else {}
-        self.pending: list[Future] = []
-
-    def submit(self, lane: str, fn: Callable, *args) -> Any:
-        if not self.overlap:
-            return fn(*args)
-        fut = self.pools[lane].submit(fn, *args)
-        self.pending.append(fut)
-        return fut
-
-    def sync(self) -> None:
-        """Surface finished workers' errors; drop completed futures."""
-        still = []
-        for fut in self.pending:
-            if fut.done():
-                fut.result()                      # re-raises a worker's exception here, in the caller
-            else:
-                still.append(fut)
-        self.pending = still
-
-    def drain(self) -> None:
-        for fut in self.pending:
-            fut.result()
-        self.pending = []
-
-    def close(self) -> None:
-        for pool in self.pools.values():
-            pool.shutdown(wait=True, cancel_futures=True)
+def ready(value: Any) -> Any:
+    """A holder's value, waiting for it if a lane is still producing it."""
+    return value.result() if isinstance(value, Future) else value
 
 
 @dataclass
@@ -99,6 +41,7 @@ class BatchState:
 
 @dataclass
 class RunParts:
+    backend: Any                         # flexgen_h2o.backend.Backend: lanes and device
     layers: list                         # flat layer list
     groups: list[list[int]]              # schedule layers (sep_layer: one model layer each)
     weights: Any                         # WeightPlacement
@@ -115,14 +58,15 @@ class RunParts:
 class BlockExecutor:
     def __init__(self, parts: RunParts, batches: list[BatchState], n_tokens: int, overlap: bool):
         self.p, self.batches, self.n_tokens = parts, batches, n_tokens
-        self.lanes = Lanes(overlap)
         self.overlap = overlap
-        n_groups = len(parts.groups)
-        self.weight_buf = [Holder(f"weights of schedule layer {j}") for j in range(n_groups)]
-        self.kv_buf = [[Holder(f"KV of layer {j} batch {k}") for k in range(len(batches))] for j in range(n_groups)]
-        self.store_buf = [[Holder(f"KV update of layer {j} batch {k}") for k in range(len(batches))]
+        self.transfer = Transfer(parts.backend) if overlap else None
+        self.in_flight: list[Future] = []
+        n_groups, n_batches = len(parts.groups), len(batches)
+        self.weight_buf = [ValueHolder(f"weights of schedule layer {j}") for j in range(n_groups)]
+        self.kv_buf = [[ValueHolder(f"KV of layer {j} batch {k}") for k in range(n_batches)] for j in range(n_groups)]
+        self.store_buf = [[ValueHolder(f"KV update of layer {j} batch {k}") for k in range(n_batches)]
                           for j in range(n_groups)]
-        self.hidden_buf = [Holder(f"hidden of batch {k}") for k in range(len(batches))]
+        self.hidden_buf = [ValueHolder(f"hidden of batch {k}") for k in range(n_batches)]
         self.token_times: list[float] = []
 
     # --- the loop ---
@@ -139,32 +83,51 @@ class BlockExecutor:
                     self.token_times.append(time.perf_counter())
                     if p.should_stop(step.token):
                         break
-            self.lanes.drain()
+            if self.transfer is not None:
+                self.transfer.synchronize()
         finally:
-            self.lanes.close()
+            if self.transfer is not None:
+                self.transfer.close()
         return self.token_times
+
+    def _submit(self, lane: str, fn, *args) -> Any:
+        if self.transfer is None:
+            return fn(*args)
+        fut = self.transfer.submit(lane, fn, *args)
+        self.in_flight.append(fut)
+        return fut
+
+    def _surface_errors(self) -> None:
+        """SYNC: re-raise a finished worker's exception here; compute waits on its own inputs only, so the next
+        layer's weights keep streaming during every batch of this layer (FlexGen's sync-all allows one)."""
+        still = []
+        for fut in self.in_flight:
+            if fut.done():
+                fut.result()
+            else:
+                still.append(fut)
+        self.in_flight = still
 
     def _dispatch(self, step: Step) -> None:
         op, i, j, k = step.op, step.token, step.layer, step.batch
         if op is Op.LOAD_WEIGHT:
-            self.weight_buf[j].store(self.lanes.submit("weights", self._stage_weights, j))
+            self.weight_buf[j].store(self._submit("weights", self._stage_weights, j))
         elif op is Op.FREE_WEIGHT:
             self.weight_buf[j].pop()
         elif op is Op.LOAD_KV:
             if i > 0 and self._attn_layers(j):
-                self.kv_buf[j][k].store(self.lanes.submit("kv", self._stage_kv, j, k, i))
+                self.kv_buf[j][k].store(self._submit("kv", self._stage_kv, j, k, i))
         elif op is Op.LOAD_HIDDEN:
             self.hidden_buf[k].store(self._load_hidden(i, j, k))
         elif op is Op.COMPUTE:
             self._compute(i, j, k)
         elif op is Op.STORE_KV:
-            if self.store_buf[j][k].full:
-                update = self.store_buf[j][k].pop()
-                self.lanes.submit("kv", self._commit_kv, j, k, i, update)
+            if self.store_buf[j][k].is_full:
+                self._submit("kv", self._commit_kv, j, k, i, self.store_buf[j][k].pop())
         elif op is Op.STORE_HIDDEN:
             pass                                   # outputs are homed inside _compute (see _store_hidden)
         elif op is Op.SYNC:
-            self.lanes.sync()
+            self._surface_errors()
 
     # --- step bodies ---
 
@@ -204,8 +167,8 @@ class BlockExecutor:
 
     def _compute(self, token: int, group: int, batch: int) -> None:
         b = self.batches[batch]
-        weights = self.weight_buf[group].peek()
-        views = self.kv_buf[group][batch].pop() if token > 0 and self._attn_layers(group) else {}
+        weights = ready(self.weight_buf[group].peek())
+        views = ready(self.kv_buf[group][batch].pop()) if token > 0 and self._attn_layers(group) else {}
         x = self.hidden_buf[batch].pop()
         ctx = self._context(b, token)
         updates = {}

@@ -75,11 +75,12 @@ class WeightPlacement:
 
     def stage(self, index: int) -> Mapping[str, Tensor]:
         """The layer's weights on the compute device, in compute dtype (embedding tables stay fp16: a lookup
-        only reads b*t rows, so converting the whole table would be wasted work)."""
+        only reads b*t rows, so converting the whole table would be wasted work; OPT's project_in is a matmul
+        and does get the compute dtype)."""
         layer = self.layers[index]
-        keep_storage_dtype = layer.kind == "embed"
         staged: dict[str, Tensor] = {}
         for spec in layer.weight_specs():
+            keep_storage_dtype = layer.kind == "embed" and spec.key.startswith("embed_")   # lookup tables
             staged[spec.key] = self._stage_one(spec, keep_storage_dtype)
         return staged
 

@@ -14,7 +14,6 @@ import subprocess
 import sys
 
 import numpy as np
-import pytest
 
 from flexgen_h2o.models import all_specs, build_layers, resolve_model
 from flexgen_h2o.weights import open_store

@@ -1,0 +1,88 @@
+"""Shared helpers for the benchmark scripts: one environment for every case, one subprocess per case, interleaved
+repeats, and a cold page cache without root.
+
+Every case runs `python -m flexgen_h2o.run ... --metrics-json F` in its own process, so peak RSS (ru_maxrss) and
+the allocator state belong to that case alone; the parent only reads the JSON back.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Iterable, Sequence, TypeVar
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+T = TypeVar("T")
+
+
+class CaseFailed(RuntimeError):
+    """A benchmark subprocess exited non-zero; the message carries its last output lines."""
+
+
+def bench_env(threads: int = 2) -> dict[str, str]:
+    """The same environment for every case: passive OpenMP waits (spinning threads starve the other case's
+    process and other tenants on a shared VM), a fixed thread count (torch reads OMP_NUM_THREADS at start-up),
+    and offline Hugging Face libraries (no network lookups inside timed runs)."""
+    env = dict(os.environ)
+    env.update(OMP_WAIT_POLICY="PASSIVE", OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads),
+               HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
+               PYTHONPATH=os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p))
+    return env
+
+
+def run_json(args: Sequence[str], json_path: str | os.PathLike, *, env: dict[str, str] | None = None,
+             log_path: str | os.PathLike | None = None, timeout: float | None = None) -> dict:
+    """Run `python <args>` from the repo root, keep its output in `log_path`, return the JSON it wrote.
+
+    The JSON file is removed first so a stale result from an earlier run can never be read back by mistake."""
+    json_path = Path(json_path)
+    json_path.unlink(missing_ok=True)
+    cmd = [sys.executable, *args]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env or bench_env(), capture_output=True, text=True,
+                          timeout=timeout)
+    wall = time.perf_counter() - t0
+    out = proc.stdout + proc.stderr
+    if log_path is not None:
+        Path(log_path).write_text(" ".join(cmd) + "\n\n" + out)
+    if proc.returncode != 0 or not json_path.is_file():
+        tail = "\n".join(out.strip().splitlines()[-15:])
+        raise CaseFailed(f"exit {proc.returncode}: {' '.join(cmd)}\n{tail}")
+    data = json.loads(json_path.read_text())
+    data["subprocess_wall_s"] = wall
+    return data
+
+
+def interleaved(cases: Sequence[T], repeats: int) -> list[tuple[int, T]]:
+    """A B A B ... order: slow drift of the machine (other tenants, thermal state) hits every case alike."""
+    return [(r, c) for r in range(repeats) for c in cases]
+
+
+def drop_page_cache(files: Iterable[str | os.PathLike]) -> tuple[int, int]:
+    """Evict the files' pages from the OS page cache so the next read comes from the device.
+
+    fsync first (dirty pages cannot be dropped), then posix_fadvise(POSIX_FADV_DONTNEED) over the whole file.
+    Needs no root, unlike `echo 1 > /proc/sys/vm/drop_caches`, and touches only these files. Pages still
+    mapped by a live process stay resident, so call it between runs. Returns (files, bytes) advised."""
+    n_files = n_bytes = 0
+    for path in files:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            n_bytes += os.fstat(fd).st_size
+            n_files += 1
+        finally:
+            os.close(fd)
+    return n_files, n_bytes
+
+
+def median(xs: Sequence[float]) -> float:
+    s = sorted(xs)
+    if not s:
+        return float("nan")
+    mid = len(s) // 2
+    return s[mid] if len(s) % 2 else 0.5 * (s[mid - 1] + s[mid])

@@ -1,0 +1,357 @@
+"""H2O against the full KV cache on the same engine, each at the largest batch that fits one memory budget.
+
+Regime (a) long context: SmolLM2-135M, prompt 2048 + gen 512, everything on the compute tier (on a CPU machine
+that is RAM), one --ram-budget-gib for weights + runtime + KV + activations.
+Regime (b) weights streamed from disk: an OPT-1.3B-shaped dummy model with every weight on disk (percent 0 0 ...),
+512+512 and 512+1024, the page cache of the weight store dropped before every run (fsync + posix_fadvise
+DONTNEED over each .npy of the store: no root needed; `fincore` checks what stayed resident), and a compute-tier
+budget (--compute-budget-gib) that the staged weights, KV and activations must fit.
+
+The batch search estimates bytes from the model config (estimate_bytes below), so it is a model, not a
+measurement; the report prints the measured KV bytes, compute-tier peak and peak RSS next to it.
+Each case is a `python -m flexgen_h2o.run` subprocess (peak RSS per case); full and h2o alternate A B A B.
+Outputs in --out: results.json, results.md, step_time_vs_seq_len.png, logs/.
+
+    python -m benchmarks.h2o_throughput --repeats 2             # the full benchmark (long on a small CPU box)
+    python -m benchmarks.h2o_throughput --quick --repeats 1     # smoke run, ~2 min on 2 cores
+"""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")     # the parent imports torch too; never spin-wait
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import shutil  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+from dataclasses import asdict, dataclass, field  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+from benchmarks.common import CaseFailed, bench_env, drop_page_cache, interleaved, median, run_json  # noqa: E402
+from flexgen_h2o.kv import EvictionConfig  # noqa: E402
+from flexgen_h2o.models import ModelConfig, build_layers, resolve_model  # noqa: E402
+
+GIB, MIB = 1 << 30, 1 << 20
+QUERY_CHUNK = 256           # grouped_attention materialises fp32 probabilities this many queries at a time
+TARGETS = {"slope_ratio_max": 0.1, "a_decode_speedup_min": 3.0, "b_total_speedup_min": 3.0}
+
+
+@dataclass
+class Setting:
+    regime: str                  # "a" (budget = RAM, weights resident) or "b" (budget = compute tier, weights on disk)
+    model: str
+    prompt_len: int
+    gen_len: int
+    budget_bytes: int
+    dummy: bool
+    percent: tuple[float, ...]
+
+    @property
+    def name(self) -> str:
+        return f"{self.regime}:{self.model} {self.prompt_len}+{self.gen_len}"
+
+
+@dataclass
+class Plan:
+    setting: Setting
+    case: str                    # "full" or "h2o"
+    slots: int                   # allocated KV slots per sequence
+    gbs: int
+    num_batches: int
+    est_bytes: int
+    search: list[dict] = field(default_factory=list)
+
+    @property
+    def batch(self) -> int:
+        return self.gbs * self.num_batches
+
+
+# --- memory model ---
+
+def kv_slots(case: str, prompt_len: int, gen_len: int, hh_ratio: float) -> int:
+    """Slots the engine allocates per sequence, from the engine's own Budget arithmetic."""
+    ev = EvictionConfig(policy="full") if case == "full" else EvictionConfig(policy="h2o", hh_ratio=hh_ratio)
+    return ev.resolve(prompt_len, gen_len).capacity
+
+
+def estimate_bytes(cfg: ModelConfig, s: Setting, slots: int, gbs: int, batch: int, act_bytes: int,
+                   overhead: int) -> dict[str, int]:
+    """Bytes the budget must hold for `batch` sequences computed `gbs` at a time.
+
+    fixed: regime (a) weights resident in the compute dtype + the runtime (interpreter, torch, tokenizer);
+           regime (b) two staged schedule layers (overlap double-buffers the next layer's weights).
+    kv: slots x kv_bytes_per_token (fp16 KV) per sequence. held: the hidden state every batch keeps between
+    layers. work: one GPU batch's transient tensors in prefill (the largest phase)."""
+    p, h, layers = s.prompt_len, cfg.hidden_size, build_layers(cfg)
+    sizes = [sum(w.numel for w in layer.weight_specs()) for layer in layers]
+    if s.regime == "a":
+        seen: dict[str, int] = {w.name: w.numel for layer in layers for w in layer.weight_specs()}
+        fixed = sum(seen.values()) * act_bytes + overhead           # tied embeddings are counted once
+    else:
+        fixed = 2 * max(sizes) * act_bytes
+    q_kv = cfg.n_heads * cfg.head_dim + 2 * cfg.n_kv_heads * cfg.head_dim
+    mlp = (3 if cfg.family == "llama" else 2) * cfg.ffn_size
+    per_layer_kv = cfg.kv_bytes_per_token() // cfg.n_layers
+    work_seq = (p * (4 * h + q_kv + mlp) * act_bytes                      # residual, norm, q/k/v, MLP hidden
+                + 3 * cfg.n_heads * min(p, QUERY_CHUNK) * p * 4           # logits, probs, mask (fp32)
+                + 2 * cfg.vocab_size * act_bytes                          # last-token logits
+                + 2 * slots * per_layer_kv * act_bytes // 2)              # one layer's KV cast to compute dtype
+    kv = batch * slots * cfg.kv_bytes_per_token()
+    held = batch * p * h * act_bytes
+    work = gbs * work_seq
+    return {"fixed": fixed, "kv": kv, "held": held, "work": work, "total": fixed + kv + held + work}
+
+
+def search_batch(cfg: ModelConfig, s: Setting, case: str, a: argparse.Namespace, act_bytes: int) -> Plan:
+    """Largest gbs x K within the budget: for each power-of-two gbs, the most batches that fit; ties go to the
+    larger gbs (fewer, fuller batches)."""
+    slots = kv_slots(case, s.prompt_len, s.gen_len, a.hh_ratio)
+    overhead = int(a.overhead_gib * GIB)
+    best, rows, gbs = None, [], 1
+    while gbs <= a.max_gpu_batch_size:
+        k_max = min(a.max_num_gpu_batches, (a.max_batch or 1 << 30) // gbs)
+        k = 0
+        while k < k_max and estimate_bytes(cfg, s, slots, gbs, gbs * (k + 1), act_bytes,
+                                           overhead)["total"] <= s.budget_bytes:
+            k += 1
+        est = estimate_bytes(cfg, s, slots, gbs, gbs * max(k, 1), act_bytes, overhead)
+        rows.append({"gbs": gbs, "num_gpu_batches": k, "batch": gbs * k, "est": est})
+        if k and (best is None or gbs * k >= best["batch"]):
+            best = rows[-1]
+        gbs *= 2
+    if best is None:
+        raise SystemExit(f"{s.name} {case}: not even one sequence fits {s.budget_bytes / GIB:.3f} GiB "
+                         f"(needs {rows[0]['est']['total'] / GIB:.3f} GiB); raise the budget")
+    return Plan(s, case, slots, best["gbs"], best["num_gpu_batches"], best["est"]["total"], rows)
+
+
+def print_search(cfg: ModelConfig, plan: Plan) -> None:
+    s = plan.setting
+    per_seq = plan.slots * cfg.kv_bytes_per_token()
+    print(f"  {plan.case:4s}: {plan.slots} slots/seq = {per_seq / MIB:.2f} MiB KV/seq; "
+          f"fixed {plan.search[0]['est']['fixed'] / GIB:.3f} GiB of {s.budget_bytes / GIB:.3f} GiB")
+    for r in plan.search:
+        e = r["est"]
+        mark = "  <= chosen" if (r["gbs"], r["num_gpu_batches"]) == (plan.gbs, plan.num_batches) else ""
+        print(f"      gbs {r['gbs']:3d} -> K {r['num_gpu_batches']:3d} (batch {r['batch']:4d}): kv "
+              f"{e['kv'] / GIB:.3f} + held {e['held'] / GIB:.3f} + work {e['work'] / GIB:.3f} = "
+              f"{e['total'] / GIB:.3f} GiB{mark}")
+
+
+# --- running ---
+
+def weight_store(cfg: ModelConfig) -> Path:
+    from flexgen_h2o.weights import default_store_path
+    return default_store_path(cfg.name + "-dummy")
+
+
+def prepare_store(model: str, env: dict[str, str]) -> None:
+    """Materialise the dummy store once in a throwaway process, so no timed case pays for writing it."""
+    code = (f"from flexgen_h2o.loader import load_model; "
+            f"load_model({model!r}, dummy_weights=True, dummy_on_disk=True)")
+    subprocess.run([sys.executable, "-c", code], check=True, env=env, cwd=Path(__file__).resolve().parent.parent)
+
+
+def resident_bytes(files: list[Path]) -> int | None:
+    """Page-cache residency of the files (util-linux fincore), to show the drop worked; None without fincore."""
+    if not shutil.which("fincore") or not files:
+        return None
+    out = subprocess.run(["fincore", "--bytes", "--noheadings", "--output", "RES", *map(str, files)],
+                         capture_output=True, text=True)
+    return sum(int(x) for x in out.stdout.split() if x.isdigit()) if out.returncode == 0 else None
+
+
+def run_args(plan: Plan, a: argparse.Namespace, json_path: Path) -> list[str]:
+    s = plan.setting
+    args = ["-m", "flexgen_h2o.run", "--model", s.model, "--prompt-len", str(s.prompt_len),
+            "--gen-len", str(s.gen_len), "--gpu-batch-size", str(plan.gbs),
+            "--num-gpu-batches", str(plan.num_batches), "--percent", *[f"{x:g}" for x in s.percent],
+            "--offload-dir", a.offload_dir, "--metrics-json", str(json_path)]
+    args += ["--full-cache"] if plan.case == "full" else ["--hh-ratio", str(a.hh_ratio)]
+    args += ["--dummy-weights"] if s.dummy else []
+    args += ["--device", a.device] if a.device else []
+    return args
+
+
+def step_slope(prompt_len: int, steps: list[float], skip: int) -> float:
+    """Least-squares slope of decode step time (s) against sequence length (tokens attended)."""
+    xs = np.arange(1, len(steps) + 1)[skip:] + prompt_len
+    ys = np.asarray(steps)[skip:]
+    return float(np.polyfit(xs, ys, 1)[0]) if len(ys) >= 2 else float("nan")
+
+
+def summarize(plan: Plan, runs: list[dict], skip: int) -> dict:
+    n = min(len(r["step_times_s"]) for r in runs)
+    steps = [median([r["step_times_s"][i] for r in runs]) for i in range(n)]   # per-step median over repeats
+    med = {k: median([r[k] for r in runs]) for k in ("prefill_tok_s", "decode_tok_s", "total_tok_s",
+                                                      "prefill_s", "decode_s", "peak_rss_bytes")}
+    return {"setting": plan.setting.name, "case": plan.case, "batch": plan.batch, "gbs": plan.gbs,
+            "num_gpu_batches": plan.num_batches, "slots_per_seq": plan.slots, "est_bytes": plan.est_bytes,
+            "kv_cache_bytes": runs[0]["kv_cache_bytes"], "peak_compute_bytes": runs[0]["peak_compute_bytes"],
+            **med, "step_times_s": steps, "seq_lens": [plan.setting.prompt_len + i for i in range(1, n + 1)],
+            "slope_s_per_token": step_slope(plan.setting.prompt_len, steps, skip), "repeats": len(runs)}
+
+
+def compare(summaries: list[dict]) -> list[dict]:
+    """Per setting: h2o / full ratios and the issue's targets."""
+    out = []
+    for name in dict.fromkeys(s["setting"] for s in summaries):
+        full, h2o = (next(s for s in summaries if s["setting"] == name and s["case"] == c) for c in ("full", "h2o"))
+        ratio = {k: h2o[k] / full[k] for k in ("prefill_tok_s", "decode_tok_s", "total_tok_s")}
+        slope_ratio = h2o["slope_s_per_token"] / full["slope_s_per_token"] if full["slope_s_per_token"] > 0 \
+            else float("nan")
+        key, need = (("decode_tok_s", TARGETS["a_decode_speedup_min"]) if name.startswith("a:")
+                     else ("total_tok_s", TARGETS["b_total_speedup_min"]))
+        out.append({"setting": name, **{f"speedup_{k}": v for k, v in ratio.items()}, "slope_ratio": slope_ratio,
+                    "slope_target_met": bool(slope_ratio <= TARGETS["slope_ratio_max"]),
+                    "speedup_target": f"{key} >= {need}x", "speedup_target_met": bool(ratio[key] >= need)})
+    return out
+
+
+def markdown(summaries: list[dict], comparisons: list[dict], header: str) -> str:
+    lines = [header, "", "| setting | case | batch (gbs x K) | KV slots/seq | KV bytes | compute peak | peak RSS | "
+             "prefill tok/s | decode tok/s | total tok/s | step slope (ms / 1k tok) |", "|" + "---|" * 11]
+    for s in summaries:
+        lines.append(f"| {s['setting']} | {s['case']} | {s['batch']} ({s['gbs']}x{s['num_gpu_batches']}) | "
+                     f"{s['slots_per_seq']} | {s['kv_cache_bytes'] / MIB:.1f} MiB | "
+                     f"{s['peak_compute_bytes'] / MIB:.1f} MiB | {s['peak_rss_bytes'] / GIB:.2f} GiB | "
+                     f"{s['prefill_tok_s']:.1f} | {s['decode_tok_s']:.1f} | {s['total_tok_s']:.1f} | "
+                     f"{s['slope_s_per_token'] * 1e6:.3f} |")
+    lines += ["", "| setting | prefill x | decode x | total x | slope h2o/full (<= 0.1) | speedup target |",
+              "|" + "---|" * 6]
+    for c in comparisons:
+        ok = "met" if c["speedup_target_met"] else "NOT met"
+        lines.append(f"| {c['setting']} | {c['speedup_prefill_tok_s']:.2f} | {c['speedup_decode_tok_s']:.2f} | "
+                     f"{c['speedup_total_tok_s']:.2f} | {c['slope_ratio']:.3f} "
+                     f"({'met' if c['slope_target_met'] else 'NOT met'}) | {c['speedup_target']}: {ok} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(summaries: list[dict], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")                     # headless: no display on benchmark machines
+    import matplotlib.pyplot as plt
+    names = list(dict.fromkeys(s["setting"] for s in summaries))
+    fig, axes = plt.subplots(1, len(names), figsize=(5.5 * len(names), 4), squeeze=False)
+    for ax, name in zip(axes[0], names):
+        for s in (x for x in summaries if x["setting"] == name):
+            ax.plot(s["seq_lens"], np.asarray(s["step_times_s"]) * 1e3, label=f"{s['case']} (batch {s['batch']})")
+        ax.set(title=name, xlabel="sequence length (tokens)", ylabel="decode step time (ms)")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def settings_from_args(a: argparse.Namespace, act_bytes: int) -> list[Setting]:
+    res: list[Setting] = []
+    if "a" in a.regimes:
+        p, g = (256, 64) if a.quick else (2048, 512)
+        res.append(Setting("a", a.long_model, p, g, int(a.ram_budget_gib * GIB), False, (100, 0, 100, 0, 100, 0)))
+    if "b" in a.regimes:
+        for p, g in ([(128, 64)] if a.quick else [(512, 512), (512, 1024)]):
+            res.append(Setting("b", a.disk_model, p, g, int(a.compute_budget_gib * GIB), True, (0, 0, 100, 0, 100, 0)))
+    if a.quick:
+        # quick budgets: just over one full-cache sequence, so the search binds and the cases differ
+        for s in res:
+            cfg = resolve_model(s.model)
+            slots = kv_slots("full", s.prompt_len, s.gen_len, a.hh_ratio)
+            one = estimate_bytes(cfg, s, slots, 1, 1, act_bytes, int(a.overhead_gib * GIB))
+            s.budget_bytes = one["total"] + (one["kv"] + one["held"]) // 2
+    return res
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.h2o_throughput", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="tiny sizes (SmolLM2 256+64, OPT-125m 128+64), ~2 min")
+    p.add_argument("--regimes", nargs="+", choices=("a", "b"), default=["a", "b"])
+    p.add_argument("--repeats", type=int, default=2, help="runs per case, full and h2o interleaved")
+    p.add_argument("--ram-budget-gib", type=float, default=4.0,
+                   help="(a): weights + runtime + KV + activations (--quick: derived, see settings_from_args)")
+    p.add_argument("--compute-budget-gib", type=float, default=2.0,
+                   help="(b): staged weights + KV + activations (--quick: derived)")
+    p.add_argument("--overhead-gib", type=float, default=0.5, help="(a): interpreter/torch/tokenizer RSS")
+    p.add_argument("--hh-ratio", type=float, default=0.1, help="H2O heavy = recent = int(r * prompt): 0.1 = 20 %%")
+    p.add_argument("--long-model", default="smollm2-135m")
+    p.add_argument("--disk-model", default=None, help="default opt-1.3b (opt-125m with --quick), dummy weights")
+    p.add_argument("--max-gpu-batch-size", type=int, default=32)
+    p.add_argument("--max-num-gpu-batches", type=int, default=64)
+    p.add_argument("--max-batch", type=int, default=None, help="cap on gbs x K (default none; 4 with --quick)")
+    p.add_argument("--skip-steps", type=int, default=2, help="first decode steps left out of the slope fit")
+    p.add_argument("--threads", type=int, default=2, help="OMP/MKL/torch threads, the same for every case")
+    p.add_argument("--device", help="passed to flexgen_h2o.run (default: its own choice)")
+    p.add_argument("--offload-dir", default=os.path.expanduser("~/flexgen_offload_dir"))
+    p.add_argument("--timeout", type=float, default=None, help="seconds per case")
+    p.add_argument("--out", default="benchmarks/results/h2o_throughput")
+    p.add_argument("--plan-only", action="store_true", help="print the batch search and exit")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
+    a.disk_model = a.disk_model or ("opt-125m" if a.quick else "opt-1.3b")
+    a.max_batch = a.max_batch or (4 if a.quick else None)
+    import torch
+    on_cuda = (a.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
+    act_bytes = 2 if on_cuda else 4                # the engine computes in fp16 on CUDA, fp32 on CPU
+    out = Path(a.out)
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    env = bench_env(a.threads)
+    plans: list[Plan] = []
+    for s in settings_from_args(a, act_bytes):
+        cfg = resolve_model(s.model)
+        print(f"[{s.name}] budget {s.budget_bytes / GIB:.3f} GiB ({'RAM' if s.regime == 'a' else 'compute tier'})"
+              f", act dtype {act_bytes} B, KV {cfg.kv_bytes_per_token()} B/token")
+        for case in ("full", "h2o"):
+            plans.append(search_batch(cfg, s, case, a, act_bytes))
+            print_search(cfg, plans[-1])
+    if a.plan_only:
+        return 0
+    for model in dict.fromkeys(p.setting.model for p in plans if p.setting.dummy):
+        prepare_store(model, env)
+    runs: dict[int, list[dict]] = {i: [] for i in range(len(plans))}
+    for setting in dict.fromkeys(p.setting.name for p in plans):
+        idx = [i for i, p in enumerate(plans) if p.setting.name == setting]
+        for rep, i in interleaved(idx, a.repeats):
+            plan = plans[i]
+            tag = f"{setting.replace(':', '_').replace(' ', '_')}_{plan.case}_r{rep}"
+            cold = {}
+            if plan.setting.dummy:
+                files = sorted(weight_store(resolve_model(plan.setting.model)).rglob("*.npy"))
+                n, nbytes = drop_page_cache(files)
+                cold = {"dropped_files": n, "dropped_bytes": nbytes, "resident_after_drop": resident_bytes(files)}
+            try:
+                m = run_json(run_args(plan, a, out / "logs" / f"{tag}.json"), out / "logs" / f"{tag}.json",
+                             env=env, log_path=out / "logs" / f"{tag}.log", timeout=a.timeout)
+            except CaseFailed as e:
+                print(f"FAILED {tag}: {e}", file=sys.stderr)
+                return 1
+            m.update(cold, repeat=rep)
+            runs[i].append(m)
+            print(f"  {tag}: batch {plan.batch} prefill {m['prefill_tok_s']:.1f} decode {m['decode_tok_s']:.1f} "
+                  f"total {m['total_tok_s']:.1f} tok/s, peak RSS {m['peak_rss_bytes'] / GIB:.2f} GiB"
+                  + (f", resident after drop {cold['resident_after_drop']} B" if cold else ""))
+    summaries = [summarize(p, runs[i], a.skip_steps) for i, p in enumerate(plans)]
+    comparisons = compare(summaries)
+    header = (f"# H2O vs full cache, largest batch per budget ({'quick' if a.quick else 'full'} mode, "
+              f"{a.repeats} repeat(s), {a.threads} threads, hh-ratio {a.hh_ratio})")
+    md = markdown(summaries, comparisons, header)
+    (out / "results.md").write_text(md)
+    plot(summaries, out / "step_time_vs_seq_len.png")
+    with open(out / "results.json", "w") as f:
+        json.dump({"args": vars(a), "targets": TARGETS, "act_bytes": act_bytes,
+                   "plans": [{**asdict(p), "batch": p.batch} for p in plans], "summaries": summaries,
+                   "comparisons": comparisons, "runs": {plans[i].setting.name + " " + plans[i].case: r
+                                                        for i, r in runs.items()}}, f, indent=2, default=str)
+    print("\n" + md)
+    print(f"wrote {out / 'results.json'}, {out / 'results.md'}, {out / 'step_time_vs_seq_len.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
