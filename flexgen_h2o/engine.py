@@ -45,7 +45,9 @@ class Engine:
     def __init__(self, model: ModelConfig, read_weight: Callable[[str], np.ndarray], *,
                  offload: OffloadPolicy | None = None, eviction: EvictionConfig | None = None,
                  device: str | None = None, offload_dir: str | None = None,
-                 decode: Callable[[list[int]], str] | None = None):
+                 decode: Callable[[list[int]], str] | None = None, locate: Callable | None = None):
+        """read_weight: name -> fp16 array; locate: a store's name -> (file, offset, bytes), so disk-homed
+        weights are streamed with plain reads instead of through a memmap."""
         self.model = model
         self.offload = (offload or OffloadPolicy()).validate()
         self.eviction = eviction or EvictionConfig(policy="full")
@@ -67,7 +69,7 @@ class Engine:
             warnings.simplefilter("ignore", UserWarning)     # read-only memmaps are never written through
             self.weights = WeightPlacement(self.layers, read_weight, self.offload.tier_fractions("weights"),
                                            device=self.device, compute_dtype=self.compute_dtype,
-                                           pin=self.backend.pin, pin_weight=self.offload.pin_weight)
+                                           pin=self.backend.pin, pin_weight=self.offload.pin_weight, locate=locate)
         self.last_caches: list[dict[int, SplitKVCache]] = []
         self._handles: list = []
 

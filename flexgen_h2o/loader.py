@@ -25,6 +25,7 @@ class LoadedModel:
     read: Callable[[str], np.ndarray]      # tensor name -> fp16 array (memmap for a store)
     tokenizer: Any | None                  # a transformers tokenizer, or None
     store_path: Path | None                # None for dummy weights
+    locate: Callable | None = None         # a store's name -> (file, offset, bytes), for streamed disk reads
 
 
 def load_tokenizer(store: Path | None) -> Any | None:
@@ -53,7 +54,8 @@ def load_model(model: str, *, path: str | None = None, dummy_weights: bool = Fal
         store = Path(path).expanduser() if path else default_store_path(cfg.name + "-dummy")
         if not (store / "manifest.json").is_file():
             store = write_dummy_store(cfg, store, progress=progress)
-        return LoadedModel(cfg, open_store(store, specs).read, fallback_tokenizer(), store)
+        reader = open_store(store, specs)
+        return LoadedModel(cfg, reader.read, fallback_tokenizer(), store, reader.locate)
     store = Path(path).expanduser() if path else default_store_path(cfg)
     if not (store / "manifest.json").is_file():
         local_folder = os.path.isfile(os.path.join(os.path.expanduser(model), "config.json"))
@@ -68,4 +70,4 @@ def load_model(model: str, *, path: str | None = None, dummy_weights: bool = Fal
                 raise WeightStoreError(f"{e}. Or convert a local checkpoint with `python -m flexgen_h2o.convert "
                                        f"/path/to/hf_folder --model {model}`, or pass --dummy-weights") from None
     reader = open_store(store, specs)
-    return LoadedModel(cfg, reader.read, load_tokenizer(store) or fallback_tokenizer(), store)
+    return LoadedModel(cfg, reader.read, load_tokenizer(store) or fallback_tokenizer(), store, reader.locate)

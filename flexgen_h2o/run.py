@@ -139,7 +139,7 @@ def _run(args: argparse.Namespace) -> int:
     budget = eviction.resolve(prompt_len, gen.max_new_tokens)
     print(describe(budget, prompt_len, gen.max_new_tokens, cfg.kv_bytes_per_token() * len(prompts)))
     with Engine(cfg, loaded.read, offload=offload, eviction=eviction, device=args.device,
-                offload_dir=args.offload_dir, decode=decode) as engine:
+                offload_dir=args.offload_dir, decode=decode, locate=loaded.locate) as engine:
         token_end: dict[int, float] = {}     # token index -> wall time its last batch's logits were ready
         engine.on_step_logits = lambda token, rows, logits: token_end.__setitem__(token, time.perf_counter())
         result = engine.generate(prompts, gen)

@@ -123,8 +123,9 @@ class Transfer:
                 ex = self._lanes[lane] = self._executor(1, f"flexgen-{lane}")
             fut = ex.submit(self._run, lane, fn, args)
             pending = self._pending[lane]
-            if len(pending) > 256:     # a lane nobody waits on must not grow forever; keep failures for later
-                pending[:] = [f for f in pending if not f.done() or f.exception() is not None]
+            # drop finished successes now: a future holds its result (e.g. a staged layer's weights), so
+            # keeping them until the next wait would keep every staged tensor alive; failures stay to be raised
+            pending[:] = [f for f in pending if not f.done() or f.exception() is not None]
             pending.append(fut)
         return fut
 

@@ -7,11 +7,15 @@ puts about 20 % of each layer's bytes on the compute tier, by whole tensors.
 Homes:
 - compute: converted once to the compute dtype (fp32 on CPU, where fp16 matmul is ~500x slower) and kept;
 - host: fp16 in RAM (pinned on CUDA when pin_weight);
-- disk: the store's own memory-mapped .npy files, read at every stage (the cold path that streams).
+- disk: the store's own .npy files, read with plain positioned reads at every stage (the path that streams).
+  Not through a long-lived memmap: every page touched through a mapping stays in the process's RSS, so a
+  model streamed from disk would look (and, under pressure, behave) as if it were resident.
 """
 from __future__ import annotations
 
+import os
 from collections import Counter
+from pathlib import Path
 from typing import Callable, Mapping
 
 import numpy as np
@@ -36,16 +40,34 @@ def choose_home(sizes: list[int], fractions: tuple[float, float, float]) -> list
     return homes
 
 
+def read_file_range(path: Path, offset: int, nbytes: int, shape: tuple[int, ...]) -> Tensor:
+    """fp16 tensor from bytes [offset, offset + nbytes) of a file, read into a fresh buffer (GIL released)."""
+    out = torch.empty(shape, dtype=torch.float16)
+    view = memoryview(out.numpy()).cast("B")
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        done = 0
+        while done < nbytes:
+            n = os.preadv(fd, [view[done:]], offset + done)
+            if n <= 0:
+                raise OSError(f"{path}: short read at byte {offset + done} (file truncated?)")
+            done += n
+    finally:
+        os.close(fd)
+    return out
+
+
 class WeightPlacement:
     def __init__(self, layers: list, read: Callable[[str], np.ndarray], fractions: tuple[float, float, float], *,
                  device: torch.device, compute_dtype: torch.dtype, pin: Callable[[Tensor], Tensor] = lambda t: t,
-                 pin_weight: bool = True):
+                 pin_weight: bool = True, locate: Callable[[str], tuple[Path, int, int]] | None = None):
+        """read: name -> fp16 array; locate (a store's): name -> (file, offset, bytes) for disk-homed reads."""
         self.layers = layers
         self.device, self.compute_dtype = device, compute_dtype
         self.home_of: dict[str, str] = {}
         self._compute: dict[str, Tensor] = {}
         self._host: dict[str, Tensor] = {}
-        self._disk: dict[str, np.ndarray] = {}
+        self._disk: dict[str, tuple[Path, int, int, tuple[int, ...]] | np.ndarray] = {}
         self.bytes_read: Counter = Counter()      # (tier) -> bytes staged from that tier
         self.resident_bytes: Counter = Counter()  # (tier) -> bytes homed there
         for layer in layers:
@@ -55,6 +77,10 @@ class WeightPlacement:
                 if spec.name in self.home_of:      # a tied tensor keeps its first home
                     continue
                 self.home_of[spec.name] = home
+                if home == "disk" and locate is not None:
+                    self._disk[spec.name] = (*locate(spec.name), tuple(spec.shape))
+                    self.resident_bytes["disk"] += spec.numel * 2
+                    continue
                 array = read(spec.name)
                 if tuple(array.shape) != tuple(spec.shape):
                     raise ValueError(f"weight {spec.name}: shape {tuple(array.shape)} != expected {spec.shape}")
@@ -91,8 +117,10 @@ class WeightPlacement:
         dtype = torch.float16 if keep_storage_dtype else self.compute_dtype
         if home == "host":
             src = self._host[spec.name]
+        elif isinstance(self._disk[spec.name], tuple):
+            src = read_file_range(*self._disk[spec.name])                        # reads the file
         else:
-            src = torch.from_numpy(np.ascontiguousarray(self._disk[spec.name]))   # reads the file
+            src = torch.from_numpy(np.ascontiguousarray(self._disk[spec.name]))   # dummy weights kept in RAM
         self.bytes_read[home] += src.nbytes
         return src.to(device=self.device, dtype=dtype, non_blocking=True)
 
