@@ -191,7 +191,8 @@ def markdown(rows: list[dict], mach: dict, a: argparse.Namespace, budget: float,
         name = "flexgen_h2o" if r["system"] == "engine" else "HF Accelerate"
         batch = f"{r['gpu_batch_size']}x{r['num_gpu_batches']}" if r["system"] == "engine" else str(r["batch"])
         if r["system"] == "accelerate":
-            batch += " (best)" if r["case"] == best else ("" if r["peak_rss_bytes"] <= budget else " (over budget)")
+            batch += " (best)" if r["case"] == best else ""
+            batch += " (over budget)" if r["peak_rss_bytes"] > budget else ""
         disk = "-" if r["disk_read_GBps"] is None else f"{r['disk_read_GBps']:.2f}"
         lines.append(f"| {name} | {r['weights']} | {batch} | {r['prefill_tok_s']:.2f} | {r['decode_tok_s']:.2f} | "
                      f"{r['total_tok_s']:.2f} | {r['weights_bytes_per_step'] / MB:.0f} | "
@@ -206,7 +207,8 @@ def markdown(rows: list[dict], mach: dict, a: argparse.Namespace, budget: float,
               f"into a reused buffer). Engine overlap: {a.engine_overlap}. Device bytes read per disk case, in "
               f"passes over its weight files (1 = one cold pass, the rest from the page cache): {cold}.",
               f"Accelerate: best batch within the memory budget (peak RSS <= {budget / GIB:.2f} GiB, the largest "
-              f"engine disk run's peak RSS): {best or 'none fits'}.",
+              f"engine disk run's peak RSS, unless --mem-budget-gb): {best or 'none ran'}"
+              f"{'' if any(r['case'] == best and r['peak_rss_bytes'] <= budget for r in rows) else ' (none fits)'}.",
               "Bound = batch / max(bytes/step / cold disk GB/s (disk rows), bytes/step / fp16->fp32 staging GB/s, "
               "decode FLOPs / GEMM peak). Within a run, decode steps after the first pass mostly hit the page cache "
               "(RAM > model), so a disk row can beat its disk term.",
@@ -282,6 +284,8 @@ def main(argv: list[str] | None = None) -> int:
                            (cfg.ffn_size, cfg.hidden_size))
     print("machine: " + ", ".join(f"{k} {v:.3g}" for k, v in mach.items()), flush=True)
     (a.out / "raw").mkdir(parents=True, exist_ok=True)
+    for old in (a.out / "raw").glob("*-r[0-9]*.*"):          # stale cases of an earlier configuration
+        old.unlink()
     cases = [c for c in schedule(a) if c.weights in a.weights]
     runs: dict[str, list[dict]] = {c.key: [] for c in cases}
     env, t_start = bench_env(a.threads), time.perf_counter()
@@ -302,8 +306,11 @@ def main(argv: list[str] | None = None) -> int:
     rows = [summarize(c, runs[c.key], cfg, a, mach) for c in cases if runs[c.key]]
     eng_disk = [r["peak_rss_bytes"] for r in rows if r["system"] == "engine" and r["weights"] == "disk"]
     budget = a.mem_budget_gb * GIB if a.mem_budget_gb else (max(eng_disk) if eng_disk else float("inf"))
-    fits = [r for r in rows if r["system"] == "accelerate" and r["peak_rss_bytes"] <= budget]
-    best = max(fits, key=lambda r: r["total_tok_s"])["case"] if fits else None
+    acc_rows = [r for r in rows if r["system"] == "accelerate"]
+    fits = [r for r in acc_rows if r["peak_rss_bytes"] <= budget]
+    # headline: best total tok/s within the budget; when even batch 1 is over it (Accelerate's imports alone
+    # cost ~0.3 GiB more RSS than the engine's), the best overall, marked over budget in the table
+    best = max(fits or acc_rows, key=lambda r: r["total_tok_s"])["case"] if acc_rows else None
     md = markdown(rows, mach, a, budget, best)
     result = {"config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()},
               "store": str(store), "accelerate_offload_folder": str(acc_folder), "machine": mach,

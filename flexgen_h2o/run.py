@@ -153,10 +153,12 @@ def _run(args: argparse.Namespace) -> int:
     rates = throughput(len(prompts), prompt_len, n_gen, m["prefill_s"], m["decode_s"])
     weights_by_tier = engine.weights.summary()
     metrics = {**m, **rates, "model": cfg.name, "block_size": len(prompts), "prompt_len": prompt_len,
-               "gen_len": n_gen, "model_bytes": sum(weights_by_tier.values()), "kv_cache_bytes": kv_bytes,
+               "gen_len": n_gen, "model_bytes": cfg.n_params() * 2, "kv_cache_bytes": kv_bytes,
                "full_cache_bytes": cfg.kv_bytes_per_token() * len(prompts) * (prompt_len + gen.max_new_tokens),
                "hidden_bytes": len(prompts) * prompt_len * cfg.hidden_size * 2,
-               "peak_compute_bytes": tier_peaks.get("compute", 0), "tier_peak_bytes": tier_peaks,
+               # resident weights are placed once, outside the tier pools: add them to the compute peak
+               "peak_compute_bytes": tier_peaks.get("compute", 0) + weights_by_tier["compute"],
+               "tier_peak_bytes": tier_peaks,
                "weights_by_tier": weights_by_tier, "weights_bytes_read": dict(engine.weights.bytes_read),
                "peak_rss_bytes": peak_rss_bytes(), "projected": False,
                "percent": list(offload.percent), "eviction": eviction.policy,
