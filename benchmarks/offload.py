@@ -193,7 +193,8 @@ def markdown(rows: list[dict], mach: dict, a: argparse.Namespace, budget: float,
         if r["system"] == "accelerate":
             batch += " (best)" if r["case"] == best else ""
             batch += " (over budget)" if r["peak_rss_bytes"] > budget else ""
-        disk = "-" if r["disk_read_GBps"] is None else f"{r['disk_read_GBps']:.2f}"
+        # host rows read the store once while loading, outside generation: no disk rate to show
+        disk = "-" if r["disk_read_GBps"] is None or r["weights"] == "host" else f"{r['disk_read_GBps']:.2f}"
         lines.append(f"| {name} | {r['weights']} | {batch} | {r['prefill_tok_s']:.2f} | {r['decode_tok_s']:.2f} | "
                      f"{r['total_tok_s']:.2f} | {r['weights_bytes_per_step'] / MB:.0f} | "
                      f"{r['kv_bytes_per_decode_step'] / MB:.1f} | {r['staged_GBps']:.2f} | {disk} | "
