@@ -5,7 +5,6 @@ it through the zig-zag schedule. Placement (OffloadPolicy) and eviction (Evictio
 """
 from __future__ import annotations
 
-import os
 import time
 import warnings
 from collections import Counter
@@ -70,8 +69,10 @@ class Engine:
             self.weights = WeightPlacement(self.layers, read_weight, self.offload.tier_fractions("weights"),
                                            device=self.device, compute_dtype=self.compute_dtype,
                                            pin=self.backend.pin, pin_weight=self.offload.pin_weight, locate=locate)
-        self.last_caches: list[dict[int, SplitKVCache]] = []
-        self._handles: list = []
+        self.last_caches: list[dict[int, SplitKVCache]] = []     # the last block's caches, for inspection
+        self._handles: list = []                                 # tier allocations of the current block
+        # optional hook (token step, sequence indices, logits (b, V)): tests and per-step timing use it
+        self.on_step_logits: Callable[[int, list[int], Tensor], None] | None = None
 
     # --- allocation on tiers ---
 
@@ -197,5 +198,3 @@ class Engine:
                    "generated_tokens": n_gen, "decode_steps": len(times) - 1, "block_size": len(prompts),
                    "padded_prompt_len": prompt_len}
         return tokens, texts, reasons, metrics
-
-    on_step_logits: Callable[[int, list[int], Tensor], None] | None = None
