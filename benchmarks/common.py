@@ -14,6 +14,8 @@ import time
 from pathlib import Path
 from typing import Iterable, Sequence, TypeVar
 
+from flexgen_h2o.memory import drop_file_cache
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 T = TypeVar("T")
 
@@ -67,17 +69,8 @@ def drop_page_cache(files: Iterable[str | os.PathLike]) -> tuple[int, int]:
     fsync first (dirty pages cannot be dropped), then posix_fadvise(POSIX_FADV_DONTNEED) over the whole file.
     Needs no root, unlike `echo 1 > /proc/sys/vm/drop_caches`, and touches only these files. Pages still
     mapped by a live process stay resident, so call it between runs. Returns (files, bytes) advised."""
-    n_files = n_bytes = 0
-    for path in files:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            n_bytes += os.fstat(fd).st_size
-            n_files += 1
-        finally:
-            os.close(fd)
-    return n_files, n_bytes
+    sizes = [drop_file_cache(path) for path in files]
+    return len(sizes), sum(sizes)
 
 
 def median(xs: Sequence[float]) -> float:

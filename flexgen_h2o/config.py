@@ -99,13 +99,6 @@ class GenerationConfig:
 
 
 @dataclass
-class StepTimes:
-    """Wall-clock seconds of the two phases, FlexGen's definitions."""
-    prefill_s: float = 0.0
-    decode_s: float = 0.0
-
-
-@dataclass
 class GenerationResult:
     token_ids: list[list[int]]                 # generated ids per prompt (after stop truncation)
     texts: list[str]                           # decoded generations ("" when no tokenizer)

@@ -27,6 +27,10 @@ from flexgen_h2o.schedule.executor import BatchState, BlockExecutor, RunParts
 from flexgen_h2o.weights.placement import WeightPlacement
 
 
+# summed over blocks; every other metric describes one block (the last)
+ADDITIVE_METRICS = ("prefill_s", "decode_s", "prompt_tokens", "generated_tokens", "decode_steps")
+
+
 def schedule_groups(layers: list, sep_layer: bool) -> list[list[int]]:
     """Schedule layers: every model layer alone, or attention and MLP of one block together."""
     if sep_layer:
@@ -127,6 +131,7 @@ class Engine:
         block = self.offload.block_size
         result = GenerationResult(token_ids=[], texts=[], finish_reasons=[], prompt_lens=[])
         totals: Counter = Counter()
+        per_block: dict = {}
         for start in range(0, len(prompts), block):
             chunk = list(range(start, min(len(prompts), start + block)))
             per_seq_max = [max_new_tokens[i] for i in chunk] if max_new_tokens is not None else None
@@ -136,8 +141,9 @@ class Engine:
             result.texts += texts
             result.finish_reasons += reasons
             result.prompt_lens += [len(prompts[i]) for i in chunk]
-            totals.update(times)
-        result.metrics = dict(totals)
+            totals.update({k: times.pop(k) for k in ADDITIVE_METRICS})
+            per_block = times                    # block shape and step times: the last block's
+        result.metrics = {**per_block, **totals}
         return result
 
     def _generate_block(self, prompts: list[Sequence[int]], seq_index: list[int], gen: GenerationConfig,
@@ -196,5 +202,7 @@ class Engine:
         n_gen = sum(len(t) for t in tokens)
         metrics = {"prefill_s": times[0] - t0, "decode_s": t_end - times[0], "prompt_tokens": len(prompts) * prompt_len,
                    "generated_tokens": n_gen, "decode_steps": len(times) - 1, "block_size": len(prompts),
-                   "padded_prompt_len": prompt_len}
+                   "padded_prompt_len": prompt_len,
+                   # wall time of decode step i (i >= 1), which attends prompt_len + i tokens (or the budget)
+                   "step_times_s": [b - a for a, b in zip(times, times[1:])]}
         return tokens, texts, reasons, metrics

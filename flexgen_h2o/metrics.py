@@ -8,8 +8,6 @@ from __future__ import annotations
 import resource
 import sys
 
-import psutil
-
 GIB = 1 << 30
 
 
@@ -17,10 +15,6 @@ def peak_rss_bytes() -> int:
     """The process's peak resident set, from the OS (ru_maxrss is KiB on Linux, bytes on macOS)."""
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak if sys.platform == "darwin" else peak * 1024
-
-
-def current_rss_bytes() -> int:
-    return psutil.Process().memory_info().rss
 
 
 def throughput(block: int, prompt_len: int, gen_len: int, prefill_s: float, decode_s: float) -> dict[str, float]:

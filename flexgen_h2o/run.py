@@ -13,7 +13,6 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import argparse  # noqa: E402
 import json  # noqa: E402
 import sys  # noqa: E402
-import time  # noqa: E402
 
 from flexgen_h2o.config import ConfigError, GenerationConfig, OffloadPolicy  # noqa: E402
 
@@ -140,8 +139,6 @@ def _run(args: argparse.Namespace) -> int:
     print(describe(budget, prompt_len, gen.max_new_tokens, cfg.kv_bytes_per_token() * len(prompts)))
     with Engine(cfg, loaded.read, offload=offload, eviction=eviction, device=args.device,
                 offload_dir=args.offload_dir, decode=decode, locate=loaded.locate) as engine:
-        token_end: dict[int, float] = {}     # token index -> wall time its last batch's logits were ready
-        engine.on_step_logits = lambda token, rows, logits: token_end.__setitem__(token, time.perf_counter())
         result = engine.generate(prompts, gen)
         kv_bytes = sum(c.nbytes for caches in engine.last_caches for c in caches.values())
         tier_peaks = {name: tier.peak_bytes for name, tier in engine.tiers.items()}
@@ -161,9 +158,7 @@ def _run(args: argparse.Namespace) -> int:
                "tier_peak_bytes": tier_peaks,
                "weights_by_tier": weights_by_tier, "weights_bytes_read": dict(engine.weights.bytes_read),
                "peak_rss_bytes": peak_rss_bytes(), "projected": False,
-               "percent": list(offload.percent), "eviction": eviction.policy,
-               # decode step i (i >= 1) attends prompt_len + i tokens; with several blocks, the last block's
-               "step_times_s": [token_end[i] - token_end[i - 1] for i in range(1, len(token_end))]}
+               "percent": list(offload.percent), "eviction": eviction.policy}
     print(f"\nthroughput: prefill {rates['prefill_tok_s']:.1f} tok/s | decode {rates['decode_tok_s']:.1f} tok/s | "
           f"total {rates['total_tok_s']:.1f} tok/s  (block {len(prompts)}, prompt {prompt_len}, gen {n_gen})")
     print("memory: " + " | ".join(f"{k} peak {fmt_bytes(v)}" for k, v in tier_peaks.items())

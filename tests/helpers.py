@@ -1,7 +1,6 @@
 """Test helpers: tiny random transformers models, their weights as an engine source, HF greedy references."""
 from __future__ import annotations
 
-import numpy as np
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalLM
 
@@ -91,7 +90,3 @@ def greedy(n: int) -> GenerationConfig:
 
 def max_logit_diff(a: list, b: list) -> float:
     return max(float((x - y).abs().max()) for x, y in zip(a, b))
-
-
-def as_numpy(x) -> np.ndarray:
-    return x.detach().cpu().numpy()

@@ -53,6 +53,19 @@ def engine_kept(engine) -> list[list[list[list[int]]]]:
     return [per_layer[layer] for layer in sorted(per_layer)]
 
 
+def check_against_reference(kind: str, ev: EvictionConfig) -> list:
+    """Engine and reference on the same padded prompts: tokens, logits and kept positions agree.
+    Returns the reference's trace of kept positions (prefill first, then after each step)."""
+    model = tiny_hf(kind)
+    prompts = random_prompts(LENGTHS)
+    engine, out = run_engine(model, prompts, ev)
+    trace: list = []
+    ref_tokens, ref_logits = run_reference(model, prompts, ev, trace=trace)
+    assert_same_as_reference(engine, out, ref_tokens, ref_logits)
+    assert engine_kept(engine) == trace[-1]
+    return trace
+
+
 def assert_same_as_reference(engine, out, ref_tokens, ref_logits, tol=1e-4):
     for i in range(ref_tokens.shape[0]):
         assert out.token_ids[i] == ref_tokens[i].tolist(), f"sequence {i}"
@@ -65,12 +78,7 @@ def assert_same_as_reference(engine, out, ref_tokens, ref_logits, tol=1e-4):
 @pytest.mark.parametrize("ev", [H2O, H2O_SINK], ids=["h2o", "h2o-sink1"])
 @pytest.mark.parametrize("kind", KINDS)
 def test_h2o_matches_reference(kind, ev):
-    model = tiny_hf(kind)
-    prompts = random_prompts(LENGTHS)
-    engine, out = run_engine(model, prompts, ev)
-    trace: list = []
-    ref_tokens, ref_logits = run_reference(model, prompts, ev, trace=trace)
-    assert_same_as_reference(engine, out, ref_tokens, ref_logits)
+    trace = check_against_reference(kind, ev)
     budget = ev.resolve(max(LENGTHS), N_NEW).budget
     # eviction really happened in the prefill (every prompt is longer than the budget) ...
     assert all(len(col) == budget for layer in trace[0] for seq in layer for col in seq)
@@ -78,8 +86,6 @@ def test_h2o_matches_reference(kind, ev):
     for layer in trace[-1]:
         for i, seq in enumerate(layer):
             assert all(len([p for p in col if p >= LENGTHS[i]]) < N_NEW - 1 for col in seq)
-    # the same tokens are kept, per layer, sequence and KV head
-    assert engine_kept(engine) == trace[-1]
 
 
 # --- 2. the other deterministic policies vs their reference rules ---
@@ -93,13 +99,7 @@ def test_h2o_matches_reference(kind, ev):
 ], ids=["port", "port-sink1", "local", "sink", "sink-hh"])
 @pytest.mark.parametrize("kind", ["opt", "llama-gqa"])
 def test_other_policies_match_reference(kind, ev):
-    model = tiny_hf(kind)
-    prompts = random_prompts(LENGTHS)
-    engine, out = run_engine(model, prompts, ev)
-    trace: list = []
-    ref_tokens, ref_logits = run_reference(model, prompts, ev, trace=trace)
-    assert_same_as_reference(engine, out, ref_tokens, ref_logits)
-    assert engine_kept(engine) == trace[-1]
+    check_against_reference(kind, ev)
 
 
 # --- 3. score_reduce="mean" ---

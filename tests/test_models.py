@@ -45,3 +45,15 @@ def test_rope_llama3_scaling_differs_from_default():
     assert not torch.allclose(scaled, plain)
     assert torch.allclose(scaled[0], plain[0])            # the highest frequency is untouched
     assert torch.allclose(scaled[-1], plain[-1] / 8.0)    # the lowest is divided by the factor
+
+
+def test_metrics_over_several_blocks():
+    # 5 prompts in blocks of 2: counts add up over blocks, the block shape is the last block's (not a sum)
+    from flexgen_h2o.config import OffloadPolicy
+    model = tiny_hf("llama-gqa")
+    engine = make_engine(model, offload=OffloadPolicy(kv_dtype="float32", gpu_batch_size=2), record=False)
+    out = engine.generate(random_prompts([4, 6, 5, 9, 7]), greedy(5))
+    m = out.metrics
+    assert m["generated_tokens"] == 25 and m["decode_steps"] == 3 * 4
+    assert m["block_size"] == 1 and m["padded_prompt_len"] == 7
+    assert len(m["step_times_s"]) == 4 and all(t > 0 for t in m["step_times_s"])

@@ -20,6 +20,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
+from flexgen_h2o.kv.select import pack_kept
 from flexgen_h2o.models.layer import KVSpec, KVView, LayerOutput
 
 Allocator = Callable[[tuple[int, ...], torch.dtype], Tensor]
@@ -80,10 +81,7 @@ class KVCache:
         if n_keep > self.capacity - 1:
             raise RuntimeError(f"eviction policy kept {n_keep} prompt rows but the cache has "
                                f"{self.capacity - 1} before the current-token slot")
-        # kept rows first, in position order (not required, but it makes dumps readable)
-        order_key = torch.where(keep, positions, torch.full_like(positions, BIG_POSITION))
-        index = order_key.argsort(dim=-1)[..., :n_keep]                                 # (b, g, n)
-        kept = gather_slots(keep, index)
+        index, kept = pack_kept(keep, n_keep)           # kept rows first, in prompt order: (b, g, n) each
         self.k[:, :, :n_keep] = gather_slots(k_new, index).to(self.k.dtype)
         self.v[:, :, :n_keep] = gather_slots(v_new, index).to(self.v.dtype)
         sc = gather_slots(scores, index) if scores is not None else torch.zeros(b, g, n_keep)

@@ -6,12 +6,12 @@ from .holder import HolderStateError, ValueHolder, holder_grid
 from .offload_dir import DiskSpaceError, OffloadDir, OffloadDirError, check_space
 from .tensor import DiskFile, Index, MixedTensor, Segment, TieredTensor, normalize_index, split_sizes
 from .tier import (ComputeTier, DiskFullError, DiskTier, HostTier, MixedTier, Tier, TierFullError,
-                   drop_page_cache)
+                   drop_file_cache, drop_page_cache)
 from .transfer import CopyHandle, Transfer, TransferTimeoutError
 
 __all__ = [
     "ComputeTier", "CopyHandle", "DiskFile", "DiskFullError", "DiskSpaceError", "DiskTier", "HolderStateError",
     "HostTier", "Index", "MixedTensor", "MixedTier", "OffloadDir", "OffloadDirError", "Segment", "Tier",
     "TierFullError", "TieredTensor", "Transfer", "TransferTimeoutError", "ValueHolder", "check_space",
-    "drop_page_cache", "holder_grid", "normalize_index", "split_sizes",
+    "drop_file_cache", "drop_page_cache", "holder_grid", "normalize_index", "split_sizes",
 ]

@@ -204,14 +204,21 @@ def _fallocate(path: str, nbytes: int) -> None:
         os.close(fd)
 
 
-def drop_page_cache(t: TieredTensor) -> None:
-    """Flush a disk tensor's file and ask the kernel to drop its cached pages, so the next read is cold."""
-    fd = os.open(t.payload.path, os.O_RDONLY)
+def drop_file_cache(path: str | os.PathLike) -> int:
+    """Flush a file and ask the kernel to drop its cached pages, so the next read is cold; returns its size.
+    Needs no root, unlike /proc/sys/vm/drop_caches; pages a live mapping still holds stay resident."""
+    fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)       # dirty pages cannot be dropped; write them first
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        return os.fstat(fd).st_size
     finally:
         os.close(fd)
+
+
+def drop_page_cache(t: TieredTensor) -> None:
+    """drop_file_cache for a disk-tier tensor."""
+    drop_file_cache(t.payload.path)
 
 
 class DiskTier(Tier):

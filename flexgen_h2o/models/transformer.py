@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from typing import Mapping
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor
 
@@ -156,7 +155,3 @@ def all_specs(layers: list) -> list[WeightSpec]:
         for spec in layer.weight_specs():
             seen.setdefault(spec.name, spec)
     return list(seen.values())
-
-
-def torch_dtype_bytes(dtype: torch.dtype) -> int:
-    return torch.tensor([], dtype=dtype).element_size()

@@ -37,6 +37,7 @@ class BatchState:
     caches: dict[int, Any] = field(default_factory=dict)     # layer index -> SplitKVCache
     activations: Any = None              # where the hidden state rests between layers
     next_ids: Tensor | None = None       # (b,) ids sampled at the last token step
+    ctx: Any = None                      # (token, StepContext) built once per token step, shared by its layers
 
 
 @dataclass
@@ -170,7 +171,9 @@ class BlockExecutor:
         weights = ready(self.weight_buf[group].peek())
         views = ready(self.kv_buf[group][batch].pop()) if token > 0 and self._attn_layers(group) else {}
         x = self.hidden_buf[batch].pop()
-        ctx = self._context(b, token)
+        if b.ctx is None or b.ctx[0] != token:
+            b.ctx = (token, self._context(b, token))
+        ctx = b.ctx[1]
         updates = {}
         for l in self.p.groups[group]:
             layer = self.p.layers[l]
