@@ -125,8 +125,15 @@ class Engine:
     # --- generation ---
 
     def generate(self, prompts: Sequence[Sequence[int]], gen: GenerationConfig | None = None,
-                 max_new_tokens: Sequence[int] | None = None) -> GenerationResult:
-        """Generate for token-id prompts; blocks of `block_size` run one after another."""
+                 max_new_tokens: Sequence[int] | None = None,
+                 forced: Sequence[Sequence[int]] | None = None) -> GenerationResult:
+        """Generate for token-id prompts; blocks of `block_size` run one after another.
+
+        forced (teacher forcing, for evaluation): per prompt, the tokens fed back at steps 0, 1, ... instead of
+        the sampled ones; eviction runs exactly as in free generation. The logits of step t (see
+        `on_step_logits`) predict forced[s][t]."""
+        if forced is not None and len(forced) != len(prompts):
+            raise ConfigError(f"forced has {len(forced)} continuations for {len(prompts)} prompts")
         gen = (gen or GenerationConfig()).validate()
         block = self.offload.block_size
         result = GenerationResult(token_ids=[], texts=[], finish_reasons=[], prompt_lens=[])
@@ -135,8 +142,9 @@ class Engine:
         for start in range(0, len(prompts), block):
             chunk = list(range(start, min(len(prompts), start + block)))
             per_seq_max = [max_new_tokens[i] for i in chunk] if max_new_tokens is not None else None
-            tokens, texts, reasons, times = self._generate_block([prompts[i] for i in chunk], chunk, gen,
-                                                                  per_seq_max)
+            tokens, texts, reasons, times = self._generate_block(
+                [prompts[i] for i in chunk], chunk, gen, per_seq_max,
+                [forced[i] for i in chunk] if forced is not None else None)
             result.token_ids += tokens
             result.texts += texts
             result.finish_reasons += reasons
@@ -147,7 +155,7 @@ class Engine:
         return result
 
     def _generate_block(self, prompts: list[Sequence[int]], seq_index: list[int], gen: GenerationConfig,
-                        per_seq_max: list[int] | None):
+                        per_seq_max: list[int] | None, forced: list[Sequence[int]] | None = None):
         if any(len(p) == 0 for p in prompts):
             raise ConfigError("empty prompt: every prompt needs at least one token")
         prompt_len = max(len(p) for p in prompts)
@@ -184,6 +192,10 @@ class Engine:
         def on_logits(token: int, batch: int, logits: Tensor) -> None:
             b = batches[batch]
             b.next_ids = sampler(logits.to("cpu"), rows=range(b.seq_index[0], b.seq_index[-1] + 1))
+            if forced is not None:
+                for row, s in enumerate(b.seq_index):
+                    if token < len(forced[s]):
+                        b.next_ids[row] = int(forced[s][token])
             if self.on_step_logits is not None:
                 self.on_step_logits(token, [seq_index[i] for i in b.seq_index], logits)
             if batch == len(batches) - 1:

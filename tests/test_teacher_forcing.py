@@ -1,0 +1,31 @@
+"""Teacher forcing (Engine.generate(forced=...)), what the accuracy harness scores: the fed-back tokens are the
+forced ones, and with a full cache each step's logits equal transformers' logits over prompt + continuation."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flexgen_h2o.config import ConfigError
+from tests.helpers import greedy, make_engine, random_prompts, tiny_hf
+
+
+@pytest.mark.parametrize("kind", ["opt", "llama-gqa"])
+def test_forced_logits_match_transformers_full_sequence(kind):
+    model = tiny_hf(kind)
+    engine = make_engine(model)
+    prompts = random_prompts([7, 11, 4])
+    forced = random_prompts([6, 6, 6], seed=5)
+    result = engine.generate(prompts, greedy(6), forced=forced)
+    assert result.token_ids == forced
+    for s, (p, f) in enumerate(zip(prompts, forced)):
+        ids = torch.tensor([p + f])
+        with torch.no_grad():
+            ref = model(ids).logits[0, len(p) - 1:len(p) + len(f) - 1]
+        ours = torch.stack(engine.step_logits[s])
+        assert float((ours - ref).abs().max()) < 1e-4
+
+
+def test_forced_must_cover_every_prompt():
+    engine = make_engine(tiny_hf("opt"))
+    with pytest.raises(ConfigError, match="forced has 1 continuations for 2 prompts"):
+        engine.generate(random_prompts([3, 4]), greedy(2), forced=[[5, 6]])
