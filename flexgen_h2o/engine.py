@@ -19,12 +19,13 @@ from flexgen_h2o.config import ConfigError, GenerationConfig, GenerationResult, 
 from flexgen_h2o.kv import EvictionConfig, get_policy
 from flexgen_h2o.kv.cache import KVCache
 from flexgen_h2o.kv.mixed import SplitKVCache
-from flexgen_h2o.memory import ComputeTier, DiskTier, HostTier, OffloadDir
+from flexgen_h2o.memory import ComputeTier, DiskTier, HostTier, OffloadDir, check_space
 from flexgen_h2o.models import ModelConfig, build_layers
 from flexgen_h2o.sampling import Sampler, StopTracker
 from flexgen_h2o.schedule.activations import ActivationHome, split_by_fraction
 from flexgen_h2o.schedule.executor import BatchState, BlockExecutor, RunParts
 from flexgen_h2o.weights.placement import WeightPlacement
+from flexgen_h2o.weights.staging import StagingPool
 
 
 # summed over blocks; every other metric describes one block (the last)
@@ -72,7 +73,9 @@ class Engine:
             warnings.simplefilter("ignore", UserWarning)     # read-only memmaps are never written through
             self.weights = WeightPlacement(self.layers, read_weight, self.offload.tier_fractions("weights"),
                                            device=self.device, compute_dtype=self.compute_dtype,
-                                           pin=self.backend.pin, pin_weight=self.offload.pin_weight, locate=locate)
+                                           pin=self.backend.pin, pin_weight=self.offload.pin_weight, locate=locate,
+                                           pool=StagingPool(self.tiers["compute"], reuse=not self.backend.is_cuda),
+                                           tiers=self.tiers)
         self.last_caches: list[dict[int, SplitKVCache]] = []     # the last block's caches, for inspection
         self._handles: list = []                                 # tier allocations of the current block
         # optional hook (token step, sequence indices, logits (b, V)): tests and per-step timing use it
@@ -96,8 +99,9 @@ class Engine:
         self._handles = []
 
     def close(self) -> None:
-        """Free tier allocations and remove this run's offload folder."""
+        """Free tier allocations and staging buffers, and remove this run's offload folder."""
         self.release()
+        self.weights.close()
         if self.offload_dir is not None:
             self.tiers.pop("disk").close()
             self.offload_dir.__exit__(None, None, None)
@@ -121,6 +125,21 @@ class Engine:
         off_device = any(kind != "compute" for _, _, kind in split)
         host_attention = self.offload.cpu_cache_compute and off_device and self.device.type != "cpu"
         return SplitKVCache(parts, attention_device=torch.device("cpu") if host_attention else None)
+
+    def _disk_bytes(self, n_seqs: int, prompt_len: int, capacity: int) -> int:
+        """Offload-file bytes a block allocates: its disk-homed KV slots and resting hidden states."""
+        gbs = self.offload.gpu_batch_size
+        sizes = [min(gbs, n_seqs - lo) for lo in range(0, n_seqs, gbs)]
+
+        def on_disk(what: str, b: int) -> int:
+            return sum(hi - lo for lo, hi, kind in split_by_fraction(b, self.offload.tier_fractions(what))
+                       if kind == "disk")
+        m = self.model
+        slot = 2 * m.n_kv_heads * m.head_dim * self.kv_dtype.itemsize + 8 * m.n_kv_heads    # K, V, score, pos
+        n_attn = sum(layer.kind == "attn" for layer in self.layers)
+        kv = sum(on_disk("cache", b) for b in sizes) * n_attn * capacity * slot
+        act = sum(on_disk("act", b) for b in sizes) * (prompt_len + 1) * m.hidden_size * self.compute_dtype.itemsize
+        return kv + act
 
     # --- generation ---
 
@@ -175,6 +194,11 @@ class Engine:
             ids[r, prompt_len - len(p):] = torch.tensor(list(p), dtype=torch.long)
             valid[r, prompt_len - len(p):] = True
         gbs = self.offload.gpu_batch_size
+        # the transient tensors of one layer forward are real memory too: charge the compute tier an estimate
+        workspace = self.model.workspace_bytes(min(gbs, len(prompts)), prompt_len, self.compute_dtype.itemsize)
+        self._handles.append(self.tiers["compute"].reserve(workspace, "workspace (estimated)"))
+        if "disk" in self.tiers:                # before the first file: enough room for this block?
+            check_space(self.offload_dir.root, self._disk_bytes(len(prompts), prompt_len, budget.capacity))
         batches = []
         for lo in range(0, len(prompts), gbs):
             hi = min(len(prompts), lo + gbs)

@@ -8,13 +8,39 @@ from __future__ import annotations
 import resource
 import sys
 
+import psutil
+
 GIB = 1 << 30
 
 
+def rss_bytes() -> int:
+    """The process's resident set now (psutil)."""
+    return psutil.Process().memory_info().rss
+
+
 def peak_rss_bytes() -> int:
-    """The process's peak resident set, from the OS (ru_maxrss is KiB on Linux, bytes on macOS)."""
+    """The process's peak resident set, from the OS: Linux's VmHWM (which reset_peak_rss can restart), else
+    ru_maxrss (KiB on Linux, bytes on macOS)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak if sys.platform == "darwin" else peak * 1024
+
+
+def reset_peak_rss() -> bool:
+    """Restart the OS's peak-RSS window (Linux >= 4.0: write 5 to /proc/self/clear_refs), so a peak can be read
+    for one phase (generation) without the loading before it. False where the OS does not allow it."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
 
 
 def throughput(block: int, prompt_len: int, gen_len: int, prefill_s: float, decode_s: float) -> dict[str, float]:

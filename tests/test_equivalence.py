@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import functools
 import os
+import shutil
 
 import pytest
 
 from flexgen_h2o.config import ConfigError, OffloadPolicy
+from flexgen_h2o.memory import DiskSpaceError
 from tests.helpers import greedy, hf_greedy, make_engine, max_logit_diff, random_prompts, tiny_hf
 
 LENGTHS = [3, 9, 5, 12, 7, 4, 10]      # 7 prompts: blocks and GPU batches of different sizes and paddings
@@ -174,4 +176,24 @@ def test_weights_only_on_disk_need_no_offload_dir():
     # weights homed on disk are the store's own files: no run folder needed when KV and activations stay up
     engine = make_engine(_model("opt"), offload=_policy([0, 0, 100, 0, 100, 0], 2, 2, True, False, True, True))
     assert engine.generate(PROMPTS, greedy(N_NEW)).token_ids == _reference("opt", 2, 2)[0]
+    engine.close()
+
+
+def test_engine_checks_disk_space_for_the_block_before_writing(tmp_path, monkeypatch):
+    policy = OffloadPolicy.from_percent([100, 0, 50, 0, 0, 50], gpu_batch_size=2, num_gpu_batches=2,
+                                        kv_dtype="float32")
+    engine = make_engine(tiny_hf("llama-gqa"), offload=policy, offload_dir=tmp_path, record=False)
+    prompts = random_prompts([5, 7, 4, 6])
+    engine.generate(prompts, greedy(3))
+    needed = engine._disk_bytes(len(prompts), 7, 7 + 3)            # full cache: capacity = prompt + new tokens
+    assert needed > 0 and engine.tiers["disk"].peak_bytes == needed  # the estimate is what the files took
+    engine.release()
+    real_usage = shutil.disk_usage
+
+    def almost_full(path):
+        return real_usage(path)._replace(free=needed - 1)
+    monkeypatch.setattr("flexgen_h2o.memory.offload_dir.shutil.disk_usage", almost_full)
+    with pytest.raises(DiskSpaceError, match=f"needs {needed} bytes but only {needed - 1} bytes are free"):
+        engine.generate(prompts, greedy(3))
+    assert not any(engine.offload_dir.path.iterdir())               # nothing was written
     engine.close()

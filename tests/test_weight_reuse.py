@@ -8,6 +8,7 @@ from collections import Counter
 import pytest
 
 from flexgen_h2o.config import OffloadPolicy
+from flexgen_h2o.weights.placement import is_lookup_table
 from tests.helpers import greedy, make_engine, random_prompts, tiny_hf
 
 GBS = 2
@@ -20,10 +21,11 @@ def _model(kind):
 
 
 def _model_bytes(engine, homes=("host", "disk")) -> int:
-    """What stage() reads for one pass over the layers: every layer's specs at fp16, a tied tensor once per
-    layer that uses it, counting only tensors homed on `homes`."""
+    """What stage() reads as whole tensors in one pass over the layers: every layer's specs at fp16 except
+    embedding lookup tables (read by row), a tied tensor once per layer that multiplies with it, counting only
+    tensors homed on `homes`."""
     return sum(s.numel * 2 for layer in engine.layers for s in layer.weight_specs()
-               if engine.weights.home_of[s.name] in homes)
+               if engine.weights.home_of[s.name] in homes and not is_lookup_table(layer, s))
 
 
 def _count_stages(engine) -> Counter:
@@ -71,15 +73,38 @@ def test_weights_staged_once_per_step_whatever_the_batch_count(pct, tier, nb, ov
     engine.close()
 
 
-def test_tied_embedding_is_read_by_each_layer_that_uses_it():
+def test_tied_embedding_is_streamed_once_by_the_head_and_looked_up_by_row():
     engine = _engine("opt", WEIGHTS_HOST, 2)
     distinct = sum(engine.weights.resident_bytes.values())
-    per_layer = _model_bytes(engine)
-    # OPT's lm_head is the embedding table: staged by the embed layer and by the head
-    embed = next(s for s in engine.layers[0].weight_specs() if s.key == "embed_tokens.weight")
-    assert per_layer == distinct + embed.numel * 2
+    per_pass = _model_bytes(engine)
+    # OPT's lm_head is the embedding table: the head stages it whole; the embed layer reads rows of it and of
+    # the learned-position table, which no layer multiplies with
+    positions = next(s for s in engine.layers[0].weight_specs() if s.key == "embed_positions.weight")
+    assert per_pass == distinct - positions.numel * 2
     engine.generate(random_prompts([4, 6, 5, 7]), greedy(N))
-    assert engine.weights.bytes_read["host"] == N * per_layer
+    assert engine.weights.bytes_read["host"] == N * per_pass
+
+
+@pytest.mark.parametrize("tier, pct", [("host", WEIGHTS_HOST), ("disk", WEIGHTS_DISK)])
+def test_offloaded_embedding_reads_only_the_rows_it_looks_up(tier, pct):
+    nb = 2
+    engine = _engine("llama-gqa", pct, nb)
+    lengths = [5, 8, 3, 6]
+    prompts = random_prompts(lengths)
+    result = engine.generate(prompts, greedy(N))
+    width = engine.model.hidden_size
+    pad = engine.model.pad_id
+    expected = 0
+    for lo in range(0, len(prompts), GBS):                  # per GPU batch: its distinct ids of each step
+        batch = range(lo, lo + GBS)
+        p_len = max(lengths)                                 # one block: one padded prompt length
+        prefill_ids = {pad} if any(lengths[s] < p_len for s in batch) else set()
+        prefill_ids |= {t for s in batch for t in prompts[s]}
+        expected += len(prefill_ids)
+        for step in range(N - 1):                            # the last generated token is never fed back
+            expected += len({result.token_ids[s][step] for s in batch})
+    assert engine.weights.lookup_bytes == Counter({tier: expected * width * 2})
+    engine.close()
 
 
 @pytest.mark.parametrize("kind", ["opt-post", "llama-gqa"])

@@ -24,6 +24,9 @@ from ..backend.base import Backend
 from .tensor import DiskFile, Index, MixedTensor, Segment, TieredTensor, region_shape, split_sizes
 
 
+RESERVED = "reserved"       # payload of a reserve() handle: accounted bytes with nothing behind them
+
+
 class TierFullError(MemoryError):
     """An allocation would exceed a tier's capacity."""
 
@@ -79,6 +82,13 @@ class Tier:
         with self._lock:
             self.current_bytes -= t.nbytes
         t.payload = None
+
+    def reserve(self, nbytes: int, name: str = "") -> TieredTensor:
+        """Charge bytes that are allocated elsewhere (transient compute workspace): counted here, held by no
+        payload; free() the handle to uncharge."""
+        handle = TieredTensor((int(nbytes),), torch.uint8, self, RESERVED, name)
+        self._charge(handle.nbytes)
+        return handle
 
     def reset_peak(self) -> None:
         self.peak_bytes = self.current_bytes

@@ -62,6 +62,18 @@ class ModelConfig:
         """K and V bytes one token costs across all layers (ANCHORS.md §5.5)."""
         return 2 * self.n_layers * self.n_kv_heads * self.head_dim * dtype_bytes
 
+    def workspace_bytes(self, batch: int, tokens: int, itemsize: int = 4, query_chunk: int = 256) -> int:
+        """Estimated transient bytes of the largest single layer forward for `batch` sequences of `tokens` new
+        tokens (prefill is the peak): the attention block (input, q/k/v, output, one chunk of probabilities)
+        or the MLP (input, the ffn-wide intermediates, output), or the head's last-token logits."""
+        h, f = self.hidden_size, self.ffn_size
+        bt = batch * tokens
+        probs = batch * self.n_heads * min(tokens, query_chunk) * tokens
+        attn = bt * (3 * h + 2 * self.n_kv_heads * self.head_dim) + probs
+        mlp = bt * (2 * h + (3 if self.activation == "silu" else 2) * f)
+        head = batch * (self.vocab_size + h)
+        return itemsize * max(attn, mlp, head)
+
     def n_params(self) -> int:
         h, e, f, v = self.hidden_size, self.embed_dim, self.ffn_size, self.vocab_size
         kv = self.n_kv_heads * self.head_dim

@@ -14,6 +14,12 @@ from torch import Tensor
 
 # --- norms ---
 
+def embedding(ids: Tensor, table) -> Tensor:
+    """Rows of an embedding table: a tensor, or a staged table that reads rows on demand (anything with
+    `lookup(ids)`, e.g. an offloaded table, so a lookup never stages the whole table)."""
+    return table.lookup(ids) if hasattr(table, "lookup") else F.embedding(ids, table)
+
+
 def layer_norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float) -> Tensor:
     return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
 

@@ -44,12 +44,12 @@ class EmbedLayer(_Base):
     kind = "embed"
 
     def forward(self, x: Tensor, w: Mapping[str, Tensor], kv: KVView | None, ctx: StepContext) -> LayerOutput:
-        h = F.embedding(x, w["embed_tokens.weight"]).to(ctx.compute_dtype)
+        h = ops.embedding(x, w["embed_tokens.weight"]).to(ctx.compute_dtype)
         if "project_in.weight" in w:
             h = F.linear(h, w["project_in.weight"])
         if self.cfg.positions == "learned":
             # pads sit at position -1 -> table row 1, as HF's cumsum(mask) * mask - 1 + 2
-            pos = F.embedding(ctx.positions.clamp(min=-1) + 2, w["embed_positions.weight"]).to(ctx.compute_dtype)
+            pos = ops.embedding(ctx.positions.clamp(min=-1) + 2, w["embed_positions.weight"]).to(ctx.compute_dtype)
             h = h + pos
         return LayerOutput(hidden=h)
 

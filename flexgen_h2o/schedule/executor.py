@@ -89,7 +89,18 @@ class BlockExecutor:
         finally:
             if self.transfer is not None:
                 self.transfer.close()
+            self._drain_weights()
         return self.token_times
+
+    def _drain_weights(self) -> None:
+        """Give back weights still staged when the loop stops early (all sequences done, or an error)."""
+        for holder in self.weight_buf:
+            if holder.is_full:
+                value = holder.pop()
+                if isinstance(value, Future) and (value.cancelled() or value.exception() is not None):
+                    continue
+                for staged in ready(value).values():
+                    self.p.weights.release(staged)
 
     def _submit(self, lane: str, fn, *args) -> Any:
         if self.transfer is None:
@@ -114,7 +125,8 @@ class BlockExecutor:
         if op is Op.LOAD_WEIGHT:
             self.weight_buf[j].store(self._submit("weights", self._stage_weights, j))
         elif op is Op.FREE_WEIGHT:
-            self.weight_buf[j].pop()
+            for staged in ready(self.weight_buf[j].pop()).values():
+                self.p.weights.release(staged)           # its buffers may now stage a later layer
         elif op is Op.LOAD_KV:
             if i > 0 and self._attn_layers(j):
                 self.kv_buf[j][k].store(self._submit("kv", self._stage_kv, j, k, i))

@@ -13,7 +13,7 @@ Homes:
 """
 from __future__ import annotations
 
-import os
+import threading
 from collections import Counter
 from pathlib import Path
 from typing import Callable, Mapping
@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from flexgen_h2o.models.layer import WeightSpec
+from flexgen_h2o.weights.staging import RowLookup, StagingPool, file_rows, host_rows, read_file_range
 
 TIERS = ("disk", "host", "compute")
 
@@ -40,35 +41,30 @@ def choose_home(sizes: list[int], fractions: tuple[float, float, float]) -> list
     return homes
 
 
-def read_file_range(path: Path, offset: int, nbytes: int, shape: tuple[int, ...]) -> Tensor:
-    """fp16 tensor from bytes [offset, offset + nbytes) of a file, read into a fresh buffer (GIL released)."""
-    out = torch.empty(shape, dtype=torch.float16)
-    view = memoryview(out.numpy()).cast("B")
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        done = 0
-        while done < nbytes:
-            n = os.preadv(fd, [view[done:]], offset + done)
-            if n <= 0:
-                raise OSError(f"{path}: short read at byte {offset + done} (file truncated?)")
-            done += n
-    finally:
-        os.close(fd)
-    return out
+def is_lookup_table(layer, spec: WeightSpec) -> bool:
+    """Embedding tables (tokens, learned positions) are read by row, never multiplied."""
+    return layer.kind == "embed" and spec.key.startswith("embed_")
 
 
 class WeightPlacement:
     def __init__(self, layers: list, read: Callable[[str], np.ndarray], fractions: tuple[float, float, float], *,
                  device: torch.device, compute_dtype: torch.dtype, pin: Callable[[Tensor], Tensor] = lambda t: t,
-                 pin_weight: bool = True, locate: Callable[[str], tuple[Path, int, int]] | None = None):
-        """read: name -> fp16 array; locate (a store's): name -> (file, offset, bytes) for disk-homed reads."""
+                 pin_weight: bool = True, locate: Callable[[str], tuple[Path, int, int]] | None = None,
+                 pool: StagingPool | None = None, tiers: Mapping | None = None):
+        """read: name -> fp16 array; locate (a store's): name -> (file, offset, bytes) for disk-homed reads;
+        pool: where staged copies land (None: fresh tensors, unaccounted); tiers: the engine's "compute" and
+        "host" tiers, charged for the resident weights (None: plain tensors, unaccounted)."""
         self.layers = layers
         self.device, self.compute_dtype = device, compute_dtype
+        self.pool, self._pin = pool, pin
+        self._count_lock = threading.Lock()
+        self._handles: list = []                  # tier allocations of resident weights, freed by close()
         self.home_of: dict[str, str] = {}
         self._compute: dict[str, Tensor] = {}
         self._host: dict[str, Tensor] = {}
         self._disk: dict[str, tuple[Path, int, int, tuple[int, ...]] | np.ndarray] = {}
-        self.bytes_read: Counter = Counter()      # (tier) -> bytes staged from that tier
+        self.bytes_read: Counter = Counter()      # (tier) -> bytes of whole tensors staged from that tier
+        self.lookup_bytes: Counter = Counter()    # (tier) -> bytes of embedding rows read from that tier
         self.resident_bytes: Counter = Counter()  # (tier) -> bytes homed there
         for layer in layers:
             specs = layer.weight_specs()
@@ -85,44 +81,102 @@ class WeightPlacement:
                 if tuple(array.shape) != tuple(spec.shape):
                     raise ValueError(f"weight {spec.name}: shape {tuple(array.shape)} != expected {spec.shape}")
                 if home == "compute":
-                    self._compute[spec.name] = torch.from_numpy(np.ascontiguousarray(array)).to(
-                        device=device, dtype=compute_dtype)
-                    self.resident_bytes["compute"] += self._compute[spec.name].nbytes
+                    t = self._resident(tiers, "compute", spec, compute_dtype, pinned=False)
+                    self._compute[spec.name] = t.copy_(torch.from_numpy(np.ascontiguousarray(array)))
+                    self.resident_bytes["compute"] += t.nbytes
                 elif home == "host":
-                    t = torch.from_numpy(np.array(array, dtype=np.float16))
-                    self._host[spec.name] = pin(t) if pin_weight else t
+                    t = self._resident(tiers, "host", spec, torch.float16, pinned=pin_weight)
+                    self._host[spec.name] = t.copy_(torch.from_numpy(np.ascontiguousarray(array)))
                     self.resident_bytes["host"] += t.nbytes
                 else:
                     self._disk[spec.name] = array
                     self.resident_bytes["disk"] += array.nbytes
 
-    def layer_bytes(self, index: int) -> int:
-        return sum(s.numel * 2 for s in self.layers[index].weight_specs())
+    def _resident(self, tiers: Mapping | None, kind: str, spec: WeightSpec, dtype: torch.dtype,
+                  pinned: bool) -> Tensor:
+        if tiers is None:
+            device = self.device if kind == "compute" else torch.device("cpu")
+            t = torch.empty(tuple(spec.shape), dtype=dtype, device=device)
+            return self._pin(t) if pinned else t
+        handle = tiers[kind].allocate(tuple(spec.shape), dtype, pinned=pinned, name=spec.name)
+        self._handles.append(handle)
+        return handle.payload
 
-    def stage(self, index: int) -> Mapping[str, Tensor]:
-        """The layer's weights on the compute device, in compute dtype (embedding tables stay fp16: a lookup
-        only reads b*t rows, so converting the whole table would be wasted work; OPT's project_in is a matmul
-        and does get the compute dtype)."""
+    def close(self) -> None:
+        """Free the resident weights' tier allocations and the idle staging buffers."""
+        for handle in self._handles:
+            handle.free()
+        self._handles, self._compute, self._host = [], {}, {}
+        if self.pool is not None:
+            self.pool.clear()
+
+    def layer_bytes(self, index: int) -> int:
+        """Bytes one stage(index) reads as whole tensors (embedding tables are read by row)."""
         layer = self.layers[index]
-        staged: dict[str, Tensor] = {}
+        return sum(s.numel * 2 for s in layer.weight_specs() if not is_lookup_table(layer, s))
+
+    def stage(self, index: int) -> Mapping[str, Tensor | RowLookup]:
+        """The layer's weights on the compute device, in compute dtype. Offloaded embedding tables come as a
+        RowLookup (resident ones stay fp16 tensors: a lookup needs no conversion of the whole table). Give
+        the result back with release() once its last batch has computed."""
+        layer = self.layers[index]
+        staged: dict[str, Tensor | RowLookup] = {}
         for spec in layer.weight_specs():
-            keep_storage_dtype = layer.kind == "embed" and spec.key.startswith("embed_")   # lookup tables
-            staged[spec.key] = self._stage_one(spec, keep_storage_dtype)
+            if is_lookup_table(layer, spec):
+                staged[spec.key] = self._stage_lookup(spec)
+            else:
+                staged[spec.key] = self._stage_one(spec)
         return staged
 
-    def _stage_one(self, spec: WeightSpec, keep_storage_dtype: bool) -> Tensor:
+    def release(self, staged: Mapping[str, Tensor | RowLookup]) -> None:
+        if self.pool is not None:
+            for t in staged.values():
+                if isinstance(t, Tensor):
+                    self.pool.give(t)
+
+    def _count(self, counter: Counter, home: str, nbytes: int) -> None:
+        with self._count_lock:                   # stage() runs on a copy worker, lookups on the main thread
+            counter[home] += nbytes
+
+    def _stage_lookup(self, spec: WeightSpec) -> Tensor | RowLookup:
         home = self.home_of[spec.name]
         if home == "compute":
             return self._compute[spec.name]
-        dtype = torch.float16 if keep_storage_dtype else self.compute_dtype
         if home == "host":
-            src = self._host[spec.name]
+            rows = host_rows(self._host[spec.name])
         elif isinstance(self._disk[spec.name], tuple):
-            src = read_file_range(*self._disk[spec.name])                        # reads the file
+            path, offset, _, shape = self._disk[spec.name]
+            rows = file_rows(path, offset, shape)
         else:
-            src = torch.from_numpy(np.ascontiguousarray(self._disk[spec.name]))   # dummy weights kept in RAM
-        self.bytes_read[home] += src.nbytes
-        return src.to(device=self.device, dtype=dtype, non_blocking=True)
+            rows = host_rows(torch.from_numpy(self._disk[spec.name]))     # dummy weights kept in RAM
+        return RowLookup(tuple(spec.shape), rows, self.device, lambda n: self._count(self.lookup_bytes, home, n))
+
+    def _take(self, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
+        if self.pool is None:
+            return torch.empty(shape, dtype=dtype, device=self.device)
+        return self.pool.take(shape, dtype)
+
+    def _stage_one(self, spec: WeightSpec) -> Tensor:
+        home = self.home_of[spec.name]
+        if home == "compute":
+            return self._compute[spec.name]
+        shape = tuple(spec.shape)
+        on_host = self.device.type == "cpu"
+        if home == "host":
+            src, scratch = self._host[spec.name], None
+        elif isinstance(self._disk[spec.name], tuple):
+            path, offset, _, _ = self._disk[spec.name]
+            # on CPU the fp16 bytes land in a pooled scratch buffer; on CUDA in a fresh host tensor
+            scratch = self._take(shape, torch.float16) if on_host else torch.empty(shape, dtype=torch.float16)
+            src = read_file_range(path, offset, scratch)
+        else:
+            src, scratch = torch.from_numpy(np.ascontiguousarray(self._disk[spec.name])), None
+        self._count(self.bytes_read, home, src.nbytes)
+        out = self._take(shape, self.compute_dtype)
+        out.copy_(src, non_blocking=True)
+        if scratch is not None and on_host and self.pool is not None:
+            self.pool.give(scratch)
+        return out
 
     def summary(self) -> dict[str, int]:
         return {tier: int(self.resident_bytes.get(tier, 0)) for tier in TIERS}
