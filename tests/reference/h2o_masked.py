@@ -15,6 +15,10 @@ that KV head's group. Scores follow the engine's contract (ANCHORS.md §2.4-2.8)
   this step's probability; if more than sink + heavy + recent are kept, one victim is dropped:
   exact = lowest score among the non-sink, non-recent kept tokens (ties: smallest position); port = the same
   after always admitting the newest of those (the token leaving the window); window = the oldest non-sink.
+- position rolling (RoPE models): at a decode step every kept key is re-rotated to its rank among the kept
+  tokens of its (sequence, KV head), and the query to the new token's rank (the number of tokens kept before
+  it). HF has already rotated both at their true positions; RoPE is a rotation, so turning a vector by
+  (rank - true position) lands it exactly at its rank.
 """
 from __future__ import annotations
 
@@ -72,10 +76,20 @@ def ref_victim(scores: Sequence[float], positions: Sequence[int], sink: int, hea
 
 # --- the simulated cache ---
 
+def rotate(x: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Turn RoPE'd vectors x (..., d) further by `delta` (...) positions (HF's rotate-half pairing)."""
+    angles = delta.double()[..., None] * inv_freq.double()                         # (..., d/2)
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    half = x.shape[-1] // 2
+    rotated_half = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return (x.double() * cos + rotated_half.double() * sin).to(x.dtype)
+
+
 class _RefState:
     def __init__(self, attention_mask: torch.Tensor, sink: int, heavy: int, recent: int, rule: str,
-                 score_reduce: str, max_len: int):
+                 score_reduce: str, max_len: int, inv_freq: torch.Tensor | None = None):
         self.sink, self.heavy, self.recent, self.rule = sink, heavy, recent, rule
+        self.inv_freq = inv_freq                  # set: position rolling
         self.score_reduce = score_reduce
         self.max_len = max_len
         self.phase = "prefill"
@@ -141,6 +155,8 @@ def masked_h2o_attention(module: torch.nn.Module, query: torch.Tensor, key: torc
                 st.keep[layer][bi][gi].add(new)          # the new token joins its column before attending
                 st.score[layer][bi, gi, new] = 0.0
                 allowed[bi, gi, 0, sorted(st.keep[layer][bi][gi])] = True
+        if st.inv_freq is not None:
+            query, key = roll_to_ranks(st, layer, query, key)
     # query head hi reads KV head hi // r (HF repeat_kv groups heads contiguously)
     keys = torch.stack([key[:, hi // r] for hi in range(h)], dim=1).float()          # (b, h, L, d)
     values = torch.stack([value[:, hi // r] for hi in range(h)], dim=1).float()
@@ -176,6 +192,23 @@ def masked_h2o_attention(module: torch.nn.Module, query: torch.Tensor, key: torc
     return out.transpose(1, 2).contiguous(), probs
 
 
+def roll_to_ranks(st: _RefState, layer: int, query: torch.Tensor, key: torch.Tensor):
+    """Decode step with rolling: kept keys of each (b, g) turned to their ranks, queries to the new token's."""
+    b, h, _, _ = query.shape
+    g, L = key.shape[1], key.shape[2]
+    key, query = key.clone(), query.clone()
+    for bi in range(b):
+        new_rank = None
+        for gi in range(g):
+            kept = sorted(st.keep[layer][bi][gi], key=lambda i: st.pos[bi][i])       # by true position
+            for rank, i in enumerate(kept):
+                key[bi, gi, i] = rotate(key[bi, gi, i], torch.tensor(rank - st.pos[bi][i]), st.inv_freq)
+            new_rank = len(kept) - 1                                                  # the new token is last
+        delta = torch.tensor(new_rank - st.pos[bi][L - 1])
+        query[bi] = rotate(query[bi], delta, st.inv_freq)
+    return query, key
+
+
 AttentionInterface.register(ATTN_NAME, masked_h2o_attention)
 
 
@@ -191,13 +224,14 @@ def _budget_triple(budget: Any) -> tuple[int, int, int]:
 @torch.no_grad()
 def reference_generate(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
                        budget: Any, rule: str = "exact", max_new_tokens: int = 8, score_reduce: str = "sum",
-                       trace: list | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+                       trace: list | None = None, rolling: bool = False) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """Greedy generation with simulated eviction.
 
     input_ids (b, p), left-padded; attention_mask (b, p) 1 = real (None = all real); budget: (sink, heavy,
     recent) or any object with those attributes (ignored for rule "full"); rule: exact | port | window | full.
     Returns tokens (b, max_new_tokens) and the logits (b, V) fp32 that chose each of them. If `trace` is a
-    list, it receives after the prefill and after every decode step the kept positions [layer][b][g]."""
+    list, it receives after the prefill and after every decode step the kept positions [layer][b][g].
+    rolling: position rolling (RoPE models only)."""
     if rule not in RULES:
         raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
     if score_reduce not in ("sum", "mean"):
@@ -209,7 +243,13 @@ def reference_generate(model: torch.nn.Module, input_ids: torch.Tensor, attentio
         raise ValueError("reference_generate needs left padding (0...0 1...1 per row)")
     sink, heavy, recent = _budget_triple(budget)
     b, p = input_ids.shape
-    state = _RefState(mask, sink, heavy, recent, rule, score_reduce, max_len=p + max_new_tokens)
+    inv_freq = None
+    if rolling:
+        rope = model.model.rotary_emb
+        if float(getattr(rope, "attention_scaling", 1.0)) != 1.0:
+            raise ValueError("rolling in the reference assumes RoPE without attention scaling")
+        inv_freq = rope.inv_freq.float()
+    state = _RefState(mask, sink, heavy, recent, rule, score_reduce, max_len=p + max_new_tokens, inv_freq=inv_freq)
     old_impl, was_training = model.config._attn_implementation, model.training
     model.config._attn_implementation = ATTN_NAME
     model.eval()
