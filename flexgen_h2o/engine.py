@@ -28,6 +28,7 @@ from flexgen_h2o.weights.placement import WeightPlacement
 from flexgen_h2o.weights.staging import StagingPool
 
 
+SAMPLE, END = -1, -2           # `forced` entries: sample this step; finish this sequence here
 # summed over blocks; every other metric describes one block (the last)
 ADDITIVE_METRICS = ("prefill_s", "decode_s", "prompt_tokens", "generated_tokens", "decode_steps")
 
@@ -148,9 +149,11 @@ class Engine:
                  forced: Sequence[Sequence[int]] | None = None) -> GenerationResult:
         """Generate for token-id prompts; blocks of `block_size` run one after another.
 
-        forced (teacher forcing, for evaluation): per prompt, the tokens fed back at steps 0, 1, ... instead of
-        the sampled ones; eviction runs exactly as in free generation. The logits of step t (see
-        `on_step_logits`) predict forced[s][t]."""
+        forced (teacher forcing, for evaluation and streaming): per prompt, the tokens fed back at steps 0, 1,
+        ... instead of the sampled ones; SAMPLE (or the end of the list) means "sample here", END finishes that
+        sequence. Eviction runs exactly as in free generation. The logits of step t (see `on_step_logits`)
+        predict forced[s][t]. Entry t is read only at step t, after the hook saw step t - 1, so a scripted
+        stream can decide what comes next from what was generated."""
         if forced is not None and len(forced) != len(prompts):
             raise ConfigError(f"forced has {len(forced)} continuations for {len(prompts)} prompts")
         gen = (gen or GenerationConfig()).validate()
@@ -218,8 +221,11 @@ class Engine:
             b.next_ids = sampler(logits.to("cpu"), rows=range(b.seq_index[0], b.seq_index[-1] + 1))
             if forced is not None:
                 for row, s in enumerate(b.seq_index):
-                    if token < len(forced[s]):
-                        b.next_ids[row] = int(forced[s][token])
+                    entry = forced[s][token] if token < len(forced[s]) else SAMPLE
+                    if entry == END:
+                        stops.end(s)
+                    elif entry >= 0:
+                        b.next_ids[row] = int(entry)
             if self.on_step_logits is not None:
                 self.on_step_logits(token, [seq_index[i] for i in b.seq_index], logits)
             if batch == len(batches) - 1:

@@ -52,6 +52,11 @@ class StopTracker:
     def all_done(self) -> bool:
         return all(r is not None for r in self.reasons)
 
+    def end(self, i: int) -> None:
+        """Finish sequence i now (a scripted stream ran out), keeping the tokens so far."""
+        if self.reasons[i] is None:
+            self.reasons[i] = "length"
+
     def update(self, next_ids: Sequence[int]) -> None:
         for i, tok in enumerate(next_ids):
             if self.reasons[i] is not None:

@@ -29,3 +29,23 @@ def test_forced_must_cover_every_prompt():
     engine = make_engine(tiny_hf("opt"))
     with pytest.raises(ConfigError, match="forced has 1 continuations for 2 prompts"):
         engine.generate(random_prompts([3, 4]), greedy(2), forced=[[5, 6]])
+
+
+def test_negative_entries_sample_and_the_rest_is_forced():
+    model = tiny_hf("llama-gqa")
+    prompts = random_prompts([9, 5])
+    free = make_engine(model).generate(prompts, greedy(5)).token_ids
+    forced = [[-1, -1, 7, -1, 9], [-1]]
+    out = make_engine(model).generate(prompts, greedy(5), forced=forced).token_ids
+    assert out[0][:2] == free[0][:2] and out[0][2] == 7 and out[0][4] == 9
+    assert out[1] == free[1]                                  # all sampled: the free run
+
+
+def test_end_entry_finishes_a_sequence_and_the_block_stops_when_all_are_done():
+    from flexgen_h2o.engine import END, SAMPLE
+    engine = make_engine(tiny_hf("opt"))
+    out = engine.generate(random_prompts([6, 4]), greedy(50), forced=[[5, SAMPLE, END], [8, 9, 10, END]])
+    assert len(out.token_ids[0]) == 2 and out.token_ids[0][0] == 5
+    assert out.token_ids[1] == [8, 9, 10]
+    assert out.finish_reasons == ["length", "length"]
+    assert out.metrics["decode_steps"] == 3                   # stopped at step 3, not after 50 tokens
