@@ -6,8 +6,20 @@ flexgen_h2o.kv.EvictionConfig. Percent fields are 0..100 of the named thing; dis
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Sequence
+
+
+def split_by_fraction(n: int, fractions: tuple[float, float, float]) -> list[tuple[int, int, str]]:
+    """Split n sequences into contiguous (lo, hi, tier) ranges: compute first, then host, then disk. Halves
+    round up, and a split with no disk share never puts a sequence on disk (1 sequence at 50/50 stays on the
+    compute tier, where Python's round(0.5) == 0 would have sent it to disk)."""
+    compute, host, disk = fractions
+    n_compute = min(n, math.floor(n * compute + 0.5))
+    n_host = n - n_compute if disk <= 0 else min(n - n_compute, math.floor(n * host + 0.5))
+    bounds = [(0, n_compute, "compute"), (n_compute, n_compute + n_host, "host"), (n_compute + n_host, n, "disk")]
+    return [(lo, hi, kind) for lo, hi, kind in bounds if hi > lo]
 
 
 class ConfigError(ValueError):

@@ -15,14 +15,14 @@ import torch
 from torch import Tensor
 
 from flexgen_h2o.backend import get_backend
-from flexgen_h2o.config import ConfigError, GenerationConfig, GenerationResult, OffloadPolicy
+from flexgen_h2o.config import ConfigError, GenerationConfig, GenerationResult, OffloadPolicy, split_by_fraction
 from flexgen_h2o.kv import EvictionConfig, get_policy
 from flexgen_h2o.kv.cache import KVCache
 from flexgen_h2o.kv.mixed import SplitKVCache
 from flexgen_h2o.memory import ComputeTier, DiskTier, HostTier, OffloadDir, check_space
 from flexgen_h2o.models import ModelConfig, build_layers
 from flexgen_h2o.sampling import Sampler, StopTracker
-from flexgen_h2o.schedule.activations import ActivationHome, split_by_fraction
+from flexgen_h2o.schedule.activations import ActivationHome
 from flexgen_h2o.schedule.executor import BatchState, BlockExecutor, RunParts
 from flexgen_h2o.weights.placement import WeightPlacement
 from flexgen_h2o.weights.staging import StagingPool

@@ -14,7 +14,7 @@ from typing import Any, Callable
 import numpy as np
 
 from flexgen_h2o.models import ModelConfig, all_specs, build_layers, resolve_model
-from flexgen_h2o.weights import (DummyStore, EMBEDDED_MODEL, WeightStoreError, convert_checkpoint,
+from flexgen_h2o.weights import (DummyStore, EMBEDDED_MODEL, convert_checkpoint,
                                  default_store_path, download_and_convert, ensure_embedded_store, open_store,
                                  write_dummy_store)
 
@@ -64,10 +64,6 @@ def load_model(model: str, *, path: str | None = None, dummy_weights: bool = Fal
         elif local_folder:
             store = convert_checkpoint(os.path.expanduser(model), cfg, store, progress=progress)
         else:
-            try:
-                store = download_and_convert(cfg.hf_id or model, store, cfg=cfg, progress=progress)
-            except WeightStoreError as e:
-                raise WeightStoreError(f"{e}. Or convert a local checkpoint with `python -m flexgen_h2o.convert "
-                                       f"/path/to/hf_folder --model {model}`, or pass --dummy-weights") from None
+            store = download_and_convert(cfg.hf_id or model, store, cfg=cfg, progress=progress)   # says how else
     reader = open_store(store, specs)
     return LoadedModel(cfg, reader.read, load_tokenizer(store) or fallback_tokenizer(), store, reader.locate)

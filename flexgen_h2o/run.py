@@ -1,7 +1,13 @@
-"""`python -m flexgen_h2o.run`: generate with offloading and an H2O KV cache, print text, throughput, memory.
+"""`python -m flexgen_h2o.run`: offloaded generation with an H2O KV cache. Three modes:
 
-Without --prompt and with --prompt-len, it is FlexGen's benchmark: real corpus text cut to --prompt-len tokens
-for a whole block. With --prompt (repeatable), it generates for those prompts. Bad input: one line, exit 2.
+- benchmark (no --input, no --prompt): FlexGen's runner on one block of real corpus text cut to --prompt-len
+  tokens: warm-up, measured run, sizes, per-tier peaks, the 5-line log and a JSON record;
+- batch (--input prompts.jsonl --output results.jsonl): every line generated, bucketed by length, written
+  block by block, resumable;
+- prompts (--prompt, repeatable): print the answers.
+
+Before loading weights, a preflight compares the per-tier estimate with this machine and refuses (exit 2)
+what would not fit. Bad input gives one line and exit 2, with nothing written.
 """
 from __future__ import annotations
 
@@ -13,165 +19,242 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import argparse  # noqa: E402
 import json  # noqa: E402
 import sys  # noqa: E402
+from typing import Any  # noqa: E402
 
-from flexgen_h2o.config import ConfigError, GenerationConfig, OffloadPolicy  # noqa: E402
-
-DEFAULT_PROMPTS = ("What is the capital of France?", "Write a short poem about the sea.",
-                   "Explain in two sentences why the sky is blue.", "Give three tips for learning a language.")
-
-
-def str2bool(v: str) -> bool:
-    if v.lower() in ("1", "true", "yes", "on"):
-        return True
-    if v.lower() in ("0", "false", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true/false, got {v!r}")
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m flexgen_h2o.run", allow_abbrev=False, description=__doc__)
-    p.add_argument("--model", default="smollm2-135m", help="preset name, HF id, or local HF checkpoint folder")
-    p.add_argument("--path", help="weight store folder (default ~/.cache/flexgen_h2o/<model>)")
-    p.add_argument("--dummy-weights", action="store_true", help="deterministic random weights, nothing on disk")
-    p.add_argument("--offload-dir", default=os.path.expanduser("~/flexgen_offload_dir"),
-                   help="root for disk-tier files; each run uses its own subfolder, removed at exit")
-    p.add_argument("--percent", nargs=6, type=float, default=[100, 0, 100, 0, 100, 0],
-                   metavar=("W_GPU", "W_CPU", "CACHE_GPU", "CACHE_CPU", "ACT_GPU", "ACT_CPU"),
-                   help="placement percents; disk takes the rest of each pair")
-    p.add_argument("--gpu-batch-size", type=int, default=4)
-    p.add_argument("--num-gpu-batches", type=int, default=1)
-    p.add_argument("--overlap", type=str2bool, default=True)
-    p.add_argument("--pin-weight", type=str2bool, default=True)
-    p.add_argument("--cpu-cache-compute", action="store_true")
-    p.add_argument("--sep-layer", type=str2bool, default=True)
-    p.add_argument("--device", help="cuda, cuda:N or cpu (default: cuda when present)")
-    kv = p.add_argument_group("KV cache (H2O)")
-    kv.add_argument("--hh-ratio", type=float, help="heavy hitters = int(r * prompt_len), as the H2O FlexGen port")
-    kv.add_argument("--recent-ratio", type=float, help="recent window = int(r * prompt_len); default: --hh-ratio")
-    kv.add_argument("--hh-size", type=int, help="heavy-hitter slots (overrides --hh-ratio)")
-    kv.add_argument("--recent-size", type=int, help="recent slots (overrides --recent-ratio)")
-    kv.add_argument("--sink-size", type=int, help="first tokens always kept (attention sinks)")
-    kv.add_argument("--kv-budget", type=int, help="total slots, split evenly heavy/recent")
-    kv.add_argument("--h2o-variant", choices=("exact", "port"), default="exact",
-                    help="victim rule: exact H2O, or the FlexGen port's approximation")
-    kv.add_argument("--policy", choices=("h2o", "local", "sink", "random"), default="h2o",
-                    help="eviction policy when a budget is given")
-    kv.add_argument("--full-cache", action="store_true", help="no eviction")
-    kv.add_argument("--position-rolling", action="store_true",
-                    help="Llama: rotate kept keys by their rank each step (runs past the context window)")
-    g = p.add_argument_group("generation")
-    g.add_argument("--prompt", action="append", help="a prompt (repeatable); default: a few built-in questions")
-    g.add_argument("--prompt-len", type=int, help="benchmark mode: corpus text cut to this many tokens")
-    g.add_argument("--gen-len", type=int, default=64)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    o = p.add_argument_group("output")
-    o.add_argument("--log-file", help="append FlexGen's 5-line log here")
-    o.add_argument("--metrics-json", help="write the run's metrics as JSON")
-    return p
-
-
-def eviction_from_args(a: argparse.Namespace):
-    from flexgen_h2o.kv import EvictionConfig
-    sizes = dict(hh_ratio=a.hh_ratio, recent_ratio=a.recent_ratio, hh_size=a.hh_size, recent_size=a.recent_size,
-                 sink_size=a.sink_size, kv_budget=a.kv_budget)
-    if a.full_cache or all(v is None for v in sizes.values()):
-        return EvictionConfig(policy="full", position_rolling=a.position_rolling)
-    policy = "h2o-port" if (a.policy == "h2o" and a.h2o_variant == "port") else a.policy
-    return EvictionConfig(policy=policy, position_rolling=a.position_rolling, seed=a.seed, **sizes)
+from flexgen_h2o.config import ConfigError, OffloadPolicy  # noqa: E402
+from flexgen_h2o.frontends.jsonl import (ResultsFile, check_folder_writable, check_writable,  # noqa: E402
+                                         read_requests)
+from flexgen_h2o.frontends.cli import build_parser, eviction_from_args, log_file_name  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return _run(args)
-    except (ConfigError, ValueError, FileNotFoundError, OSError) as e:   # one line, exit 2, nothing written
-        print(f"error: {e}", file=sys.stderr)
+    except KeyboardInterrupt:
+        print("interrupted" + (f"; rerun the same command to resume {args.output}" if args.input else ""),
+              file=sys.stderr)
+        return 130
+    except (ConfigError, ValueError, OSError) as e:   # PreflightError (multi-line report) is a ConfigError
+        if os.environ.get("FLEXGEN_H2O_DEBUG"):
+            raise
+        if type(e).__name__ == "PreflightError":       # the report: numbers per resource and what to change
+            print(str(e), file=sys.stderr)
+        else:
+            print("error: " + " ".join(str(e).split("\n")), file=sys.stderr)
         return 2
 
 
+def _mode(args: argparse.Namespace) -> str:
+    if args.input:
+        if args.prompt:
+            raise ConfigError("--input and --prompt are two modes; give one of them")
+        if not args.output:
+            raise ConfigError("--input needs --output (results.jsonl; rerunning with it resumes)")
+        if os.path.abspath(args.input) == os.path.abspath(args.output):
+            raise ConfigError("--output must differ from --input")
+        mode = "batch"
+    else:
+        if args.output:
+            raise ConfigError("--output goes with --input (batch mode)")
+        mode = "prompt" if args.prompt else "benchmark"
+    if mode != "benchmark":
+        for flag in ("prompt_len", "cut_gen_len"):
+            if getattr(args, flag) is not None:
+                raise ConfigError(f"--{flag.replace('_', '-')} is for benchmark mode (no --input, no --prompt)")
+    return mode
+
+
 def _run(args: argparse.Namespace) -> int:
-    import torch
-
-    from flexgen_h2o.engine import Engine
-    from flexgen_h2o.frontends.corpus import benchmark_prompts
-    from flexgen_h2o.kv import describe
-    from flexgen_h2o.loader import load_model
-    from flexgen_h2o.metrics import GIB, flexgen_log, fmt_bytes, peak_rss_bytes, throughput
-    from flexgen_h2o.models import ModelNameError
-    from flexgen_h2o.weights import WeightStoreError
-
-    torch.set_num_threads(max(1, min(torch.get_num_threads(), os.cpu_count() or 1)))
+    # --- cheap checks first: nothing heavy is imported and nothing is written until they pass ---
+    mode = _mode(args)
     offload = OffloadPolicy.from_percent(args.percent, gpu_batch_size=args.gpu_batch_size,
                                          num_gpu_batches=args.num_gpu_batches, overlap=args.overlap,
                                          pin_weight=args.pin_weight, cpu_cache_compute=args.cpu_cache_compute,
                                          sep_layer=args.sep_layer).validate()
-    gen = GenerationConfig(max_new_tokens=args.gen_len, temperature=args.temperature, top_p=args.top_p,
-                           top_k=args.top_k, seed=args.seed, stop=tuple(args.stop)).validate()
+    gen_len = args.gen_len or (32 if mode == "benchmark" else 128)
+    prompt_len = args.prompt_len or 512
+    if args.cut_gen_len is not None and not 4 <= args.cut_gen_len < gen_len:
+        raise ConfigError(f"--cut-gen-len must be >= 4 and below --gen-len ({gen_len}), got {args.cut_gen_len}")
+    log_path = log_file_name(args, offload, prompt_len, gen_len) if args.log_file == "auto" else args.log_file
+    for flag, path in (("--output", args.output), ("--log-file", log_path), ("--metrics-json", args.metrics_json)):
+        if path:
+            check_writable(path, flag)
+    requests = pending = results = None
+    if mode == "batch":
+        requests = read_requests(args.input, gen_len)
+        results = ResultsFile(args.output, overwrite=args.overwrite)
+        done = results.load(requests)
+        pending = [r for r in requests if r.key not in results.done]
+        if results.repaired:
+            print(f"{args.output}: dropped a torn last line; it will be generated again")
+        if done:
+            print(f"resuming {args.output}: {done} of {len(requests)} ids already done")
+        if not pending:
+            results.finalize(requests)
+            print(f"nothing to do: all {len(requests)} ids of {args.input} are in {args.output}")
+            return 0
     eviction = eviction_from_args(args)
+    return _generate(args, mode, offload, eviction, gen_len, prompt_len, log_path, requests, pending, results)
+
+
+def _load(args: argparse.Namespace, *, dummy_on_disk: bool = False) -> Any:
+    from flexgen_h2o.loader import load_model
+    from flexgen_h2o.weights import WeightStoreError
     try:
-        loaded = load_model(args.model, path=args.path, dummy_weights=args.dummy_weights,
-                            dummy_on_disk=offload.tier_fractions("weights")[2] > 0)
-    except (ModelNameError, WeightStoreError) as e:
-        raise ConfigError(str(e)) from None
-    cfg, tok = loaded.config, loaded.tokenizer
-    if args.prompt_len:
-        if tok is None:
-            raise ConfigError("benchmark mode needs a tokenizer: run `make run` once (it converts the embedded "
-                              "model, whose tokenizer dummy-weight runs borrow)")
-        prompts = benchmark_prompts(tok, offload.block_size, args.prompt_len, cfg.vocab_size)
-        texts = None
+        return load_model(args.model, path=args.path, dummy_weights=args.dummy_weights,
+                          dummy_on_disk=dummy_on_disk, progress=not args.no_progress)
+    except WeightStoreError as e:
+        msg = str(e)
+        if "cannot be downloaded" in msg:    # the hub and the loader both append the hint: say it once
+            msg = (msg.split("; convert a local")[0] + "; convert a local checkpoint with `python -m "
+                   f"flexgen_h2o.convert /path/to/hf_folder --model {args.model}`, or pass --dummy-weights")
+        raise ConfigError(msg) from None
+
+
+def _generate(args, mode, offload, eviction, gen_len, prompt_len, log_path, requests, pending, results) -> int:
+    import torch
+
+    from flexgen_h2o.api import LLM
+    from flexgen_h2o.backend import get_backend
+    from flexgen_h2o.frontends.batch import check_budgets, check_context, encode_prompts, plan_blocks
+    from flexgen_h2o.frontends.benchmark import corpus_prompts, memory_line, run_benchmark, sizes_line
+    from flexgen_h2o.frontends.jsonl import generate_file
+    from flexgen_h2o.kv import describe
+    from flexgen_h2o.loader import fallback_tokenizer
+    from flexgen_h2o.metrics import flexgen_log
+    from flexgen_h2o.models import resolve_model
+    from flexgen_h2o.planner import estimate, preflight, summary_line
+    from flexgen_h2o.planner.memory import kv_slot_bytes
+    from flexgen_h2o.weights import default_store_path
+
+    torch.set_num_threads(max(1, min(torch.get_num_threads(), os.cpu_count() or 1)))
+    cfg = resolve_model(args.model)
+    backend = get_backend(args.device)
+    # dummy weights homed on disk become a store on disk: write it only after the preflight said it fits
+    deferred = args.dummy_weights and offload.tier_fractions("weights")[2] > 0
+    loaded = None if deferred else _load(args)
+    tok = fallback_tokenizer() if deferred else loaded.tokenizer
+    chat = not args.no_chat_template and bool(getattr(tok, "chat_template", None))
+
+    # --- the prompts, checked against the context window before anything runs ---
+    run_len = args.cut_gen_len or gen_len
+    if mode == "benchmark":      # one full block; the corpus is tokenized once the preflight passed
+        texts, prompts = None, [[0] * prompt_len] * offload.block_size
+        max_new, label = [run_len] * len(prompts), (lambda i: "--prompt-len")
+    elif mode == "prompt":
+        texts = args.prompt
+        prompts = encode_prompts(tok, texts, chat=chat)
+        max_new, label = [gen_len] * len(prompts), (lambda i: f"--prompt #{i + 1}")
     else:
-        if tok is None:
-            raise ConfigError(f"{args.model} has no tokenizer in its store; pass --prompt-len for a benchmark run")
-        texts = args.prompt or list(DEFAULT_PROMPTS)
-        if getattr(tok, "chat_template", None):
-            prompts = [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
-                                               tokenize=True, return_dict=False) for t in texts]
+        texts = [r.prompt for r in pending]
+        prompts = encode_prompts(tok, texts, chat=chat)
+        max_new, label = [r.max_new_tokens for r in pending], (lambda i: f"{args.input}: line {pending[i].line}")
+    lens = [len(p) for p in prompts]
+    check_context(cfg.max_seq_len, eviction.position_rolling, lens, max_new, label, cfg.name)
+    check_budgets(eviction, plan_blocks(lens, offload.block_size, max_new), lens, max_new, label)
+
+    # --- preflight: per-tier estimate against this machine ---
+    n_seqs = min(offload.block_size, len(prompts))
+    uses_disk = any(offload.tier_fractions(w)[2] > 0 for w in ("cache", "act"))
+    if uses_disk:
+        check_folder_writable(args.offload_dir, "--offload-dir")
+    store = args.path or str(default_store_path(cfg.name + "-dummy"))
+    new_store = deferred and not os.path.isfile(os.path.join(store, "manifest.json"))
+    plan = dict(prompt_len=max(lens), gen_len=max(max_new), n_seqs=n_seqs,
+                dummy_store_bytes=cfg.n_params() * 2 if new_store else 0)
+    if args.skip_preflight:
+        est = estimate(cfg, offload, eviction, compute_dtype_bytes=2 if backend.is_cuda else 4, **plan)
+        checked = None
+    else:
+        est, checked = preflight(cfg, offload, eviction, backend=backend, store_dir=store if new_store else None,
+                                 offload_root=os.path.expanduser(args.offload_dir) if uses_disk else None, **plan)
+    print(f"model: {cfg.name} ({cfg.family}, {cfg.n_layers} layers, width {cfg.hidden_size}) | {len(prompts)} "
+          f"prompt(s), block {offload.block_size} = {offload.gpu_batch_size} x {offload.num_gpu_batches} | "
+          f"--percent {' '.join(f'{x:g}' for x in offload.percent)}")
+    kv_b = 4 if offload.kv_dtype == "float32" else 2      # slot bytes as allocated: K, V, score, position
+    print(describe(est.budget, max(lens), max(max_new), kv_slot_bytes(cfg, kv_b) * cfg.n_layers * n_seqs))
+    if mode == "benchmark":
+        prompts, source = corpus_prompts(tok, offload.block_size, prompt_len, cfg.vocab_size)
+        print(f"prompts: {len(prompts)} x {prompt_len} tokens of {source}")
+        print(sizes_line(cfg, est, len(prompts), prompt_len))
+    print(summary_line(checked) if checked else "preflight: skipped (--skip-preflight)")
+
+    if loaded is None:
+        loaded = _load(args, dummy_on_disk=True)
+    llm = LLM.from_loaded(loaded, offload=offload, eviction=eviction, device=args.device,
+                          offload_dir=args.offload_dir, preflight=False, progress=not args.no_progress)
+    try:
+        # newer placements charge resident weights to the tiers; then the peaks must not add them again
+        weights_in_tiers = any(t.current_bytes for t in llm.engine.tiers.values())
+        if mode == "benchmark":
+            sampling = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+            metrics = run_benchmark(llm, prompts, gen_len=gen_len, cut_gen_len=args.cut_gen_len,
+                                    sampling=sampling, warmup=not args.no_warmup, weights_in_tiers=weights_in_tiers,
+                                    show_sample=not args.dummy_weights)
         else:
-            prompts = [tok.encode(t) for t in texts]
-    decode = (lambda ids: tok.decode(ids, skip_special_tokens=True)) if tok is not None else None
-    prompt_len = max(len(p) for p in prompts)
-    budget = eviction.resolve(prompt_len, gen.max_new_tokens)
-    print(describe(budget, prompt_len, gen.max_new_tokens, cfg.kv_bytes_per_token() * len(prompts)))
-    with Engine(cfg, loaded.read, offload=offload, eviction=eviction, device=args.device,
-                offload_dir=args.offload_dir, decode=decode, locate=loaded.locate) as engine:
-        result = engine.generate(prompts, gen)
-        kv_bytes = sum(c.nbytes for caches in engine.last_caches for c in caches.values())
-        tier_peaks = {name: tier.peak_bytes for name, tier in engine.tiers.items()}
-    if texts is not None:
-        for t, out in zip(texts, result.texts):
-            print(f"\n>>> {t}\n{out.strip()}")
-    m = result.metrics
-    n_gen = max(len(t) for t in result.token_ids)
-    rates = throughput(len(prompts), prompt_len, n_gen, m["prefill_s"], m["decode_s"])
-    weights_by_tier = engine.weights.summary()
-    metrics = {**m, **rates, "model": cfg.name, "block_size": len(prompts), "prompt_len": prompt_len,
-               "gen_len": n_gen, "model_bytes": cfg.n_params() * 2, "kv_cache_bytes": kv_bytes,
-               "full_cache_bytes": cfg.kv_bytes_per_token() * len(prompts) * (prompt_len + gen.max_new_tokens),
-               "hidden_bytes": len(prompts) * prompt_len * cfg.hidden_size * 2,
-               # resident weights are placed once, outside the tier pools: add them to the compute peak
-               "peak_compute_bytes": tier_peaks.get("compute", 0) + weights_by_tier["compute"],
-               "tier_peak_bytes": tier_peaks,
-               "weights_by_tier": weights_by_tier, "weights_bytes_read": dict(engine.weights.bytes_read),
-               "peak_rss_bytes": peak_rss_bytes(), "projected": False,
-               "percent": list(offload.percent), "eviction": eviction.policy}
-    print(f"\nthroughput: prefill {rates['prefill_tok_s']:.1f} tok/s | decode {rates['decode_tok_s']:.1f} tok/s | "
-          f"total {rates['total_tok_s']:.1f} tok/s  (block {len(prompts)}, prompt {prompt_len}, gen {n_gen})")
-    print("memory: " + " | ".join(f"{k} peak {fmt_bytes(v)}" for k, v in tier_peaks.items())
-          + f" | KV cache {fmt_bytes(kv_bytes)} | process peak RSS {metrics['peak_rss_bytes'] / GIB:.2f} GiB")
+            gen = _gen_config(args, gen_len)
+            if mode == "prompt":
+                outs = {}
+                for block in llm.generate_blocks(prompts, gen, max_new, label=label, progress=not args.no_progress):
+                    outs.update({i: t for i, t in zip(block.indices, block.texts)})
+                for i, t in enumerate(texts):
+                    print(f"\n>>> {t}\n{outs[i].strip()}")
+                totals = dict(llm.last_metrics)
+            else:
+                totals = generate_file(llm, requests, pending, prompts, results, gen, input_name=args.input,
+                                       progress=not args.no_progress)
+                print(f"\nwrote {len(requests)} results to {args.output} ({len(pending)} generated now)")
+            metrics = _run_metrics(llm, totals, est, mode, weights_in_tiers, len(prompts))
+            print(_summary(metrics))
+            print(memory_line(metrics))
+    finally:
+        llm.close()
     log = flexgen_log(metrics)
     print(log, end="")
-    if args.log_file:
-        with open(args.log_file, "a") as f:
+    if log_path:
+        with open(log_path, "a") as f:
             f.write(log)
     if args.metrics_json:
         with open(args.metrics_json, "w") as f:
             json.dump(metrics, f, indent=2, default=str)
     return 0
+
+
+def _gen_config(args: argparse.Namespace, gen_len: int) -> Any:
+    from flexgen_h2o.config import GenerationConfig
+    return GenerationConfig(max_new_tokens=gen_len, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                            seed=args.seed, stop=tuple(args.stop)).validate()
+
+
+def _run_metrics(llm: Any, t: dict, est: Any, mode: str, weights_in_tiers: bool, n_prompts: int) -> dict:
+    """Batch and prompt modes: FlexGen's throughput definitions over real (unpadded) prompt tokens."""
+    from flexgen_h2o.frontends.benchmark import tier_peaks
+    from flexgen_h2o.metrics import peak_rss_bytes
+    engine, cfg = llm.engine, llm.config
+    peaks = tier_peaks(engine, weights_in_tiers)
+    prefill_s, decode_s = t.get("prefill_s", 0.0), t.get("decode_s", 0.0)
+    gen_tokens, prompt_tokens = t.get("generated_tokens", 0), t.get("prompt_tokens", 0)
+    padded = t.get("padded_prompt_tokens", 0)
+    return {"mode": mode, "model": cfg.name, "prompts": n_prompts, "blocks": t.get("blocks", 0),
+            "block_size": llm.offload.block_size, "prompt_tokens": prompt_tokens, "padded_prompt_tokens": padded,
+            "padding_frac": 1 - prompt_tokens / padded if padded else 0.0, "generated_tokens": gen_tokens,
+            "prefill_s": prefill_s, "decode_s": decode_s, "total_s": prefill_s + decode_s,
+            "prefill_tok_s": prompt_tokens / max(prefill_s, 1e-9),
+            "decode_tok_s": max(gen_tokens - n_prompts, 0) / max(decode_s, 1e-9),
+            "total_tok_s": gen_tokens / max(prefill_s + decode_s, 1e-9), "projected": False,
+            "hidden_size": cfg.hidden_size, "model_bytes": cfg.n_params() * 2, "kv_cache_bytes": est.kv_bytes,
+            "full_cache_bytes": est.full_kv_bytes, "hidden_bytes": est.n_seqs * est.prompt_len * cfg.hidden_size * 2,
+            "peak_compute_bytes": max(peaks.get("compute", 0), engine.backend.device_memory()["peak_bytes"]),
+            "tier_peak_bytes": peaks, "weights_by_tier": engine.weights.summary(), "peak_rss_bytes": peak_rss_bytes(),
+            "percent": list(llm.offload.percent), "eviction": llm.eviction.policy,
+            "eviction_request": llm.eviction.describe_request()}
+
+
+def _summary(m: dict) -> str:
+    return (f"\nthroughput: prefill {m['prefill_tok_s']:.1f} tok/s | decode {m['decode_tok_s']:.1f} tok/s | total "
+            f"{m['total_tok_s']:.1f} tok/s  ({m['prompts']} prompt(s) in {m['blocks']} block(s); {m['prompt_tokens']} "
+            f"prompt tokens + {m['padding_frac']:.1%} padding; {m['generated_tokens']} generated)")
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 from transformers import LlamaConfig, MistralConfig, OPTConfig
 
+from flexgen_h2o.config import split_by_fraction
 from flexgen_h2o.models import PRESETS, ModelNameError, resolve_model
 
 
@@ -39,3 +40,15 @@ def test_local_checkpoint_folder_is_read_from_config_json(tmp_path, hf_cfg, fami
 def test_unknown_model_names_say_what_is_accepted():
     with pytest.raises(ModelNameError, match="unknown model 'opt-31b'.*preset"):
         resolve_model("opt-31b")
+
+
+@pytest.mark.parametrize("n, fractions, want", [
+    (1, (0.5, 0.5, 0.0), [(0, 1, "compute")]),               # a half rounds up; no disk share, never disk
+    (3, (0.5, 0.5, 0.0), [(0, 2, "compute"), (2, 3, "host")]),
+    (3, (0.0, 0.5, 0.5), [(0, 2, "host"), (2, 3, "disk")]),
+    (4, (0.34, 0.33, 0.33), [(0, 1, "compute"), (1, 2, "host"), (2, 4, "disk")]),
+    (5, (0.0, 0.0, 1.0), [(0, 5, "disk")]),
+    (2, (1.0, 0.0, 0.0), [(0, 2, "compute")]),
+])
+def test_split_by_fraction(n, fractions, want):
+    assert split_by_fraction(n, fractions) == want

@@ -14,6 +14,7 @@ FORBIDDEN = {
     "weights": {"kv", "schedule", "engine", "run"},
     "schedule": {"engine", "run", "loader"},
     "backend": {"models", "memory", "kv", "weights", "schedule", "engine", "run"},
+    "planner": {"schedule", "engine", "run", "frontends", "hf", "eval"},
 }
 
 

@@ -45,12 +45,3 @@ class ActivationHome:
         parts, self._value = self._value, None
         moved = [p.to(self.device, copy=(kind != "compute")) for p, (_, _, kind) in zip(parts, self.parts)]
         return moved[0] if len(moved) == 1 else torch.cat(moved)
-
-
-def split_by_fraction(n: int, fractions: tuple[float, float, float]) -> list[tuple[int, int, str]]:
-    """Split n sequences into contiguous (lo, hi, tier) ranges: compute first, then host, then disk."""
-    compute, host, _ = fractions
-    n_compute = int(round(n * compute))
-    n_host = min(n - n_compute, int(round(n * host)))
-    bounds = [(0, n_compute, "compute"), (n_compute, n_compute + n_host, "host"), (n_compute + n_host, n, "disk")]
-    return [(lo, hi, kind) for lo, hi, kind in bounds if hi > lo]

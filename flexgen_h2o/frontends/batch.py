@@ -1,0 +1,136 @@
+"""Offline batches of many prompts: tokenizing, length bucketing, one engine call per block, progress bars.
+
+Shared by the Python API (`flexgen_h2o.LLM`) and the CLI's batch mode, so both produce the same tokens for the
+same prompts, seed and policies. The engine pads every block to its longest prompt and runs it to its largest
+`max_new_tokens`; sorting by length puts prompts of similar length (and budget) in one block, which wastes little
+padding. Results are handed back per block, in the caller's indices; restoring the input order is the caller's.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Sequence
+
+from flexgen_h2o.config import ConfigError, GenerationConfig
+
+def encode_prompts(tokenizer: Any, prompts: Sequence[str], *, chat: bool) -> list[list[int]]:
+    """Token ids of text prompts; `chat` wraps each as one user turn through the tokenizer's chat template."""
+    if tokenizer is None:
+        raise ConfigError("this model has no tokenizer in its store: convert a checkpoint that ships one (dummy "
+                          "weights borrow SmolLM2's once `make run` has converted it), or give token ids")
+    if chat:
+        if not getattr(tokenizer, "chat_template", None):
+            raise ConfigError("this tokenizer has no chat template; use plain prompts")
+        return [list(tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                                   tokenize=True, return_dict=False)) for p in prompts]
+    return [list(tokenizer.encode(p)) for p in prompts]
+
+
+def check_context(max_seq_len: int, rolling: bool, lens: Sequence[int], max_new: Sequence[int],
+                  label: Callable[[int], str], model_name: str = "the model") -> None:
+    """Fail before any compute when a prompt plus its new tokens would run past the context window."""
+    for i, (n, g) in enumerate(zip(lens, max_new)):
+        if n == 0:
+            raise ConfigError(f"{label(i)}: the prompt is empty after tokenization")
+        if not rolling and n + g > max_seq_len:
+            raise ConfigError(f"{label(i)}: prompt ({n} tokens) + max_new_tokens ({g}) exceed the context window "
+                              f"({max_seq_len}) of {model_name}; shorten it, lower max_new_tokens, or use "
+                              "--position-rolling (Llama)")
+
+
+def check_budgets(eviction: Any, blocks: Sequence[Sequence[int]], lens: Sequence[int], max_new: Sequence[int],
+                  label: Callable[[int], str]) -> None:
+    """A ratio budget of a block of short prompts can come to 0 slots: refuse it before any compute, naming
+    the block's shortest prompt."""
+    for block in blocks:
+        try:
+            eviction.resolve(max(lens[i] for i in block), max(max_new[i] for i in block))
+        except ValueError as e:
+            raise ConfigError(f"{label(min(block, key=lambda i: lens[i]))}: {e}") from None
+
+
+def plan_blocks(lens: Sequence[int], block_size: int, max_new: Sequence[int] | None = None, *,
+                bucket: bool = True) -> list[list[int]]:
+    """Indices cut into blocks of `block_size`. Bucketed: longest first (a run that cannot finish its largest
+    block fails in its first minute), ties broken by max_new_tokens so a block stops together."""
+    order = list(range(len(lens)))
+    if bucket:
+        order.sort(key=lambda i: (-lens[i], -(max_new[i] if max_new is not None else 0), i))
+    return [order[i:i + block_size] for i in range(0, len(order), block_size)]
+
+
+def padding_tokens(blocks: Sequence[Sequence[int]], lens: Sequence[int]) -> int:
+    """Pad positions the engine computes: every prompt of a block is left-padded to the block's longest."""
+    return sum(max(lens[i] for i in b) * len(b) - sum(lens[i] for i in b) for b in blocks if b)
+
+
+class Progress:
+    """tqdm bars for prefill (prompt tokens) and decode (generated tokens), with tokens/s, fed by the engine's
+    per-step hook (one call per GPU batch and token step)."""
+
+    def __init__(self, enabled: bool, prompt_tokens: int, new_tokens: int):
+        from tqdm import tqdm
+        kw = dict(unit="tok", unit_scale=True, dynamic_ncols=True, disable=not enabled, leave=True)
+        self.prefill = tqdm(total=prompt_tokens, desc="prefill", position=0, **kw)
+        self.decode = tqdm(total=new_tokens, desc="decode ", position=1, **kw)
+        self._decoded = 0            # exact generated tokens of finished blocks
+
+    def hook(self, lens: Sequence[int], max_new: Sequence[int]) -> Callable:
+        def on_step(token: int, seqs: list[int], logits: Any) -> None:
+            if token == 0:
+                self.prefill.update(sum(lens[s] for s in seqs))
+            # sequences still below their budget; ones stopped early are corrected when the block ends
+            self.decode.update(sum(1 for s in seqs if token < max_new[s]))
+        return on_step
+
+    def block_done(self, generated: int, budgeted: int) -> None:
+        self._decoded += generated
+        self.decode.total -= budgeted - generated      # tokens never generated (eos / stop strings)
+        self.decode.n = self._decoded
+        self.decode.refresh()
+
+    def close(self) -> None:
+        self.prefill.close()
+        self.decode.close()
+
+
+@dataclass
+class BlockResult:
+    indices: list[int]                   # caller's indices, in the order the block ran them
+    token_ids: list[list[int]]
+    texts: list[str]
+    finish_reasons: list[str]
+    metrics: dict
+
+
+def run_blocks(engine: Any, prompt_ids: Sequence[Sequence[int]], gen: GenerationConfig, max_new: Sequence[int],
+               blocks: Sequence[Sequence[int]], *, progress: bool = False) -> Iterator[BlockResult]:
+    """One engine.generate per block; yields each block's results as soon as it is done."""
+    lens = [len(p) for p in prompt_ids]
+    bars = Progress(progress, sum(lens[i] for b in blocks for i in b), sum(max_new[i] for b in blocks for i in b))
+    previous = engine.on_step_logits
+    try:
+        for block in blocks:
+            block = list(block)
+            b_lens, b_new = [lens[i] for i in block], [max_new[i] for i in block]
+            hook = bars.hook(b_lens, b_new)
+            if previous is None:
+                engine.on_step_logits = hook
+            else:      # keep a hook someone else set (tests record logits through it)
+                engine.on_step_logits = lambda t, s, l, hook=hook: (hook(t, s, l), previous(t, s, l))
+            res = engine.generate([prompt_ids[i] for i in block], gen, max_new_tokens=b_new)
+            bars.block_done(sum(len(t) for t in res.token_ids), sum(b_new))
+            yield BlockResult(block, res.token_ids, res.texts, res.finish_reasons, res.metrics)
+    finally:
+        engine.on_step_logits = previous
+        bars.close()
+
+
+def add_metrics(total: Counter, res: BlockResult, lens: Sequence[int]) -> None:
+    """Accumulate a block's times and token counts; prompt tokens are counted real and padded."""
+    m = res.metrics
+    for k in ("prefill_s", "decode_s", "generated_tokens", "decode_steps"):
+        total[k] += m.get(k, 0)
+    total["padded_prompt_tokens"] += m.get("prompt_tokens", 0)      # the engine counts block x padded length
+    total["prompt_tokens"] += sum(lens[i] for i in res.indices)
+    total["blocks"] += 1

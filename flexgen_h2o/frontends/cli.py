@@ -1,0 +1,142 @@
+"""The flags of `python -m flexgen_h2o.run`, with FlexGen's names where FlexGen has the flag (ANCHORS.md §1.10).
+
+Parsing is strict and cheap: no prefix matching (FlexGen's scripts relied on it), ranges checked by the flag
+types, and any parse error is one line on stderr with exit code 2. Stdlib only, so bad flags fail in
+milliseconds, before torch is imported.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any, NoReturn
+
+from flexgen_h2o.config import OffloadPolicy
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        """One line, exit 2 (argparse would print the whole usage first)."""
+        print(f"error: {message} (see --help)", file=sys.stderr)
+        sys.exit(2)
+
+
+def str2bool(v: str) -> bool:
+    if v.lower() in ("1", "true", "yes", "on"):
+        return True
+    if v.lower() in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true/false, got {v!r}")
+
+
+def ratio(v: str) -> float:
+    """A fraction of the prompt: 0 < r <= 1."""
+    try:
+        r = float(v)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {v!r}") from None
+    if not 0.0 < r <= 1.0:
+        raise argparse.ArgumentTypeError(f"{v} is not in (0, 1]: a ratio is a fraction of the prompt length "
+                                         "(use --hh-size / --recent-size for slot counts)")
+    return r
+
+
+def _int_at_least(low: int):
+    def parse(v: str) -> int:
+        try:
+            n = int(v)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {v!r}") from None
+        if n < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {n}")
+        return n
+    parse.__name__ = f"int>={low}"
+    return parse
+
+
+positive, count = _int_at_least(1), _int_at_least(0)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = Parser(prog="python -m flexgen_h2o.run", allow_abbrev=False,
+               description="Offloaded batch generation with an H2O KV cache. Modes: benchmark (default), "
+                           "batch (--input/--output), prompts (--prompt). See docs/cli.md.")
+    m = p.add_argument_group("model and weights")
+    m.add_argument("--model", default="smollm2-135m", help="preset name, HF id, or local HF checkpoint folder")
+    m.add_argument("--path", help="weight store folder (default ~/.cache/flexgen_h2o/<model>)")
+    m.add_argument("--dummy-weights", action="store_true", help="deterministic random weights (timings only)")
+    m.add_argument("--device", help="cuda, cuda:N or cpu (default: cuda when present)")
+    s = p.add_argument_group("placement and schedule")
+    s.add_argument("--offload-dir", default="~/flexgen_offload_dir",
+                   help="root for disk-tier files; each run uses its own subfolder, removed at exit")
+    s.add_argument("--percent", nargs=6, type=float, default=[100, 0, 100, 0, 100, 0],
+                   metavar=("W_GPU", "W_CPU", "CACHE_GPU", "CACHE_CPU", "ACT_GPU", "ACT_CPU"),
+                   help="placement percents (0..100); disk takes the rest of each pair")
+    s.add_argument("--gpu-batch-size", type=positive, default=4, help="sequences per GPU batch")
+    s.add_argument("--num-gpu-batches", type=positive, default=1, help="GPU batches per block")
+    s.add_argument("--overlap", type=str2bool, default=True, help="prefetch and write back while computing")
+    s.add_argument("--pin-weight", type=str2bool, default=True, help="pin host-resident weights (CUDA)")
+    s.add_argument("--cpu-cache-compute", action="store_true", help="decode attention where the KV lives (host)")
+    s.add_argument("--sep-layer", type=str2bool, default=True, help="attention and MLP as separate schedule layers")
+    s.add_argument("--skip-preflight", action="store_true", help="run even if the memory estimate does not fit")
+    kv = p.add_argument_group("KV cache (H2O)")
+    kv.add_argument("--hh-ratio", type=ratio, help="heavy hitters = int(r * prompt_len), as the H2O FlexGen port")
+    kv.add_argument("--recent-ratio", type=ratio, help="recent window = int(r * prompt_len); default: --hh-ratio")
+    kv.add_argument("--hh-size", type=count, help="heavy-hitter slots (overrides --hh-ratio)")
+    kv.add_argument("--recent-size", type=count, help="recent slots (overrides --recent-ratio)")
+    kv.add_argument("--sink-size", type=count, help="first tokens always kept (attention sinks)")
+    kv.add_argument("--kv-budget", type=positive, help="total slots per sequence, split evenly heavy/recent")
+    kv.add_argument("--h2o-variant", choices=("exact", "port"), default="exact",
+                    help="victim rule: exact H2O, or the FlexGen port's approximation")
+    kv.add_argument("--policy", choices=("h2o", "local", "sink", "random"), default="h2o",
+                    help="eviction rule when a budget is given (baselines at equal budget)")
+    kv.add_argument("--full-cache", action="store_true", help="no eviction (the default when no budget is given)")
+    kv.add_argument("--position-rolling", action="store_true",
+                    help="Llama: rotate kept keys by their rank each step (runs past the context window)")
+    g = p.add_argument_group("generation")
+    g.add_argument("--input", help="batch mode: JSONL, one {\"prompt\", \"id\"?, \"max_new_tokens\"?} per line")
+    g.add_argument("--output", help="batch mode: results JSONL; rerunning with the same file resumes")
+    g.add_argument("--overwrite", action="store_true", help="batch mode: start --output afresh instead of resuming")
+    g.add_argument("--prompt", action="append", help="prompts mode: a prompt (repeatable)")
+    g.add_argument("--no-chat-template", action="store_true", help="send prompts as plain text (default: wrap "
+                   "each as a user turn when the tokenizer has a chat template)")
+    g.add_argument("--prompt-len", type=positive, help="benchmark mode: corpus text cut to this many tokens (512)")
+    g.add_argument("--gen-len", type=positive, help="new tokens per prompt (benchmark 32, otherwise 128)")
+    g.add_argument("--cut-gen-len", type=positive, help="benchmark: run this many tokens and project decode to "
+                   "--gen-len with FlexGen's formula (marked projected: True)")
+    g.add_argument("--no-warmup", action="store_true", help="benchmark: skip the warm-up run")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=count, default=0, help="0 = off")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    o = p.add_argument_group("output")
+    o.add_argument("--log-file", help="append FlexGen's 5-line log here ('auto': FlexGen's fo-... file name)")
+    o.add_argument("--metrics-json", help="write the run's metrics as JSON")
+    o.add_argument("--no-progress", action="store_true", help="no tqdm bars")
+    return p
+
+
+def eviction_from_args(a: argparse.Namespace) -> Any:
+    """EvictionConfig from the KV flags; no budget flag (or --full-cache) means a full cache."""
+    from flexgen_h2o.kv import EvictionConfig
+    sizes = dict(hh_ratio=a.hh_ratio, recent_ratio=a.recent_ratio, hh_size=a.hh_size, recent_size=a.recent_size,
+                 sink_size=a.sink_size, kv_budget=a.kv_budget)
+    given = [f"--{k.replace('_', '-')}" for k, v in sizes.items() if v is not None]
+    if a.full_cache:
+        if given:
+            raise ValueError(f"--full-cache keeps every token; drop {', '.join(given)}")
+        return EvictionConfig(policy="full", position_rolling=a.position_rolling)
+    if not given:
+        return EvictionConfig(policy="full", position_rolling=a.position_rolling)
+    policy = "h2o-port" if (a.policy == "h2o" and a.h2o_variant == "port") else a.policy
+    return EvictionConfig(policy=policy, position_rolling=a.position_rolling, seed=a.seed, **sizes)
+
+
+def log_file_name(a: argparse.Namespace, offload: OffloadPolicy, prompt_len: int, gen_len: int) -> str:
+    """FlexGen's `--log-file auto` name: fo-{size}-gbs{G}-ngbs{N}-prompt{P}-gen{L}-percent-{...}-{cache}.log."""
+    size = os.path.basename(a.model.rstrip("/")).split("-")[-1]
+    pct = "-".join(f"{x:g}" for x in offload.percent)
+    cache = "cpu-cache" if offload.cpu_cache_compute else "gpu-cache"
+    return (f"fo-{size}-gbs{offload.gpu_batch_size}-ngbs{offload.num_gpu_batches}-prompt{prompt_len}-gen{gen_len}"
+            f"-percent-{pct}-{cache}.log")

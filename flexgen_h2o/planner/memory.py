@@ -1,0 +1,160 @@
+"""Per-tier memory estimate of a run, before anything is loaded: weights, KV, activations, workspace.
+
+The numbers follow what the engine really allocates, so a preflight refusal is about real bytes:
+- weights: FlexGen's midpoint rule per model layer (`weights.placement.choose_home`, the function the engine
+  uses). Compute-homed weights are converted once to the compute dtype (fp32 on CPU: twice their fp16 size);
+  host-homed weights stay fp16 in RAM; disk-homed weights stay in the store's files.
+- KV: every (attention layer, GPU batch) cache holds `Budget.capacity` slots per sequence and KV head, each slot
+  K + V in the KV dtype plus an fp32 score and an int32 position (`KVCache`); its sequences are split across
+  tiers by the cache percents, by whole sequences (`config.split_by_fraction`, the split the engine uses).
+- activations: the hidden state of every GPU batch rests between layers; off-compute parts get a prefill-sized
+  and a decode-sized buffer.
+- workspace: transients on the compute tier: staged weights (the current and, with overlap, the next schedule
+  layer), staged KV windows, and the largest intermediate of one GPU batch at prefill.
+Imports: config, models, kv budgets and the placement rule only (level 4, LAYOUT.md §8.3).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from flexgen_h2o.config import OffloadPolicy, split_by_fraction
+from flexgen_h2o.kv import Budget, EvictionConfig
+from flexgen_h2o.models import ModelConfig, build_layers
+from flexgen_h2o.weights.placement import choose_home
+
+TIERS = ("compute", "host", "disk")
+PARTS = ("weights", "kv", "activations", "workspace")
+QUERY_CHUNK = 256            # StepContext.query_chunk: prefill queries per chunk when H2O wants scores
+
+
+@dataclass
+class Estimate:
+    """Bytes per tier and part. `bytes[tier][part]`; disk counts files in the offload dir and new stores."""
+    bytes: dict[str, dict[str, int]] = field(default_factory=lambda: {t: dict.fromkeys(PARTS, 0) for t in TIERS})
+    budget: Budget | None = None          # the resolved KV slots per (sequence, KV head)
+    n_seqs: int = 0                       # sequences in the largest block
+    prompt_len: int = 0
+    gen_len: int = 0
+    kv_bytes: int = 0                     # the real (H2O or full) KV allocation of one block, all tiers
+    full_kv_bytes: int = 0                # the same block with a full cache (prompt_len + gen_len slots)
+    model_bytes: int = 0                  # fp16 parameters
+    store_bytes: int = 0                  # fp16 weights read from an existing store on disk (not offload dir)
+
+    def tier_total(self, tier: str) -> int:
+        return sum(self.bytes[tier].values())
+
+    def add(self, tier: str, part: str, n: int) -> None:
+        self.bytes[tier][part] += int(n)
+
+
+def _sizes(split: list[tuple[int, int, str]]) -> list[tuple[int, str]]:
+    return [(hi - lo, tier) for lo, hi, tier in split]
+
+
+def batch_sizes(n_seqs: int, gpu_batch_size: int) -> list[int]:
+    """Sizes of the GPU batches the engine cuts a block of n_seqs sequences into."""
+    return [min(gpu_batch_size, n_seqs - lo) for lo in range(0, n_seqs, gpu_batch_size)]
+
+
+def schedule_groups(kinds: list[str], sep_layer: bool) -> list[list[int]]:
+    """Schedule layers as the engine forms them: each layer alone, or an attention layer with its MLP."""
+    groups: list[list[int]] = []
+    for i, kind in enumerate(kinds):
+        if not sep_layer and kind == "mlp" and groups and kinds[groups[-1][-1]] == "attn":
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
+def kv_slot_bytes(model: ModelConfig, kv_dtype_bytes: int) -> int:
+    """One slot of one sequence in one attention layer: K + V for every KV head, plus score (fp32) and pos (int32)."""
+    return model.n_kv_heads * (2 * model.head_dim * kv_dtype_bytes + 4 + 4)
+
+
+def estimate(model: ModelConfig, offload: OffloadPolicy, eviction: EvictionConfig, *, prompt_len: int,
+             gen_len: int, n_seqs: int | None = None, compute_dtype_bytes: int = 4,
+             dummy_store_bytes: int = 0) -> Estimate:
+    """Peak bytes per tier of one block of `n_seqs` prompts (default: a full block) padded to `prompt_len`,
+    generating `gen_len` tokens. compute_dtype_bytes: 4 on CPU (fp32 compute), 2 on CUDA.
+    dummy_store_bytes: a dummy store that will be written before the run (counted on disk)."""
+    offload = offload.validate()
+    n = min(n_seqs or offload.block_size, offload.block_size)
+    c = compute_dtype_bytes
+    kv_b = 4 if offload.kv_dtype == "float32" else 2
+    budget = eviction.resolve(prompt_len, gen_len)
+    est = Estimate(budget=budget, n_seqs=n, prompt_len=prompt_len, gen_len=gen_len)
+    layers = build_layers(model)
+    _weights(est, layers, offload, c)
+    est.add("disk", "weights", dummy_store_bytes)
+    est.model_bytes = model.n_params() * 2
+
+    # --- KV: a full block's caches, split by sequences ---
+    n_attn = sum(1 for layer in layers if layer.kind == "attn")
+    slot = kv_slot_bytes(model, kv_b)
+    for b in batch_sizes(n, offload.gpu_batch_size):
+        for k, tier in _sizes(split_by_fraction(b, offload.tier_fractions("cache"))):
+            est.add(tier, "kv", n_attn * k * budget.capacity * slot)
+    est.kv_bytes = sum(est.bytes[t]["kv"] for t in TIERS)
+    est.full_kv_bytes = n_attn * n * (prompt_len + gen_len) * slot
+
+    # --- activations: hidden states resting between layers, in compute dtype ---
+    m = model.hidden_size
+    for b in batch_sizes(n, offload.gpu_batch_size):
+        for k, tier in _sizes(split_by_fraction(b, offload.tier_fractions("act"))):
+            # off-compute parts keep a prefill buffer and a decode buffer until the block ends
+            rows = prompt_len if tier == "compute" else prompt_len + 1
+            est.add(tier, "activations", k * rows * m * c)
+
+    # --- workspace on the compute tier ---
+    gbs = min(offload.gpu_batch_size, n)
+    windows = 2 if offload.overlap else 1
+    # staged KV window (k and v in compute dtype, plus masks/positions) of the current and the next batch
+    est.add("compute", "workspace", windows * gbs * model.n_kv_heads * budget.capacity
+            * (2 * model.head_dim * c + 16))
+    est.add("compute", "workspace", _layer_transient(model, gbs, prompt_len, c, eviction.needs_scores))
+    return est
+
+
+def _weights(est: Estimate, layers: list, offload: OffloadPolicy, c: int) -> None:
+    """Homes by FlexGen's midpoint rule; staged copies of the two largest-staging schedule layers."""
+    home_of: dict[str, str] = {}
+    staged_per_layer: list[int] = []
+    for layer in layers:
+        specs = layer.weight_specs()
+        homes = choose_home([s.numel * 2 for s in specs], offload.tier_fractions("weights"))
+        staged = 0
+        for spec, home in zip(specs, homes):
+            if spec.name in home_of:               # a tied tensor keeps its first home, but is staged again
+                home = home_of[spec.name]
+            else:
+                home_of[spec.name] = home
+                if home == "compute":
+                    est.add("compute", "weights", spec.numel * c)
+                elif home == "host":
+                    est.add("host", "weights", spec.numel * 2)
+                else:
+                    est.store_bytes += spec.numel * 2
+            if home != "compute":
+                # embedding tables are staged in fp16 (a lookup reads a few rows), the rest in compute dtype
+                table = layer.kind == "embed" and spec.key.startswith("embed_")
+                staged += spec.numel * (2 if table else c)
+        staged_per_layer.append(staged)
+    groups = schedule_groups([layer.kind for layer in layers], offload.sep_layer)
+    per_group = sorted((sum(staged_per_layer[i] for i in g) for g in groups), reverse=True)
+    # with overlap the next schedule layer is prefetched while the current one computes
+    est.add("compute", "workspace", sum(per_group[:2 if offload.overlap else 1]))
+
+
+def _layer_transient(model: ModelConfig, b: int, t: int, c: int, wants_scores: bool) -> int:
+    """The largest intermediate of one GPU batch at prefill (decode steps are t = 1, far smaller)."""
+    h, g, d, m, f = model.n_heads, model.n_kv_heads, model.head_dim, model.hidden_size, model.ffn_size
+    hidden = 2 * b * t * m * c                                   # layer input and output
+    qkv = b * t * (2 * h + 2 * g) * d * c                        # q, k, v, attention output
+    if wants_scores:      # chunked queries: logits, masked logits, probs in fp32, and the (b, g, s) scores
+        probs = 3 * b * h * min(t, QUERY_CHUNK) * t * 4 + b * g * t * 4
+    else:                 # the fused kernel's math path materialises the (b, h, t, t) weights (CPU)
+        probs = 2 * b * h * t * t * 4
+    mlp = b * t * f * c * (3 if model.activation == "silu" else 2)
+    head = 2 * b * model.vocab_size * 4                          # last-position logits and the softmax
+    return hidden + max(qkv + probs, mlp, head)

@@ -1,0 +1,55 @@
+"""A tiny local HF checkpoint (random Llama, GQA) with a character-level tokenizer, for CLI and API tests.
+
+The CLI takes a local folder as --model and converts it into a store under $FLEXGEN_H2O_HOME, tokenizer
+included, so subprocess tests run the real entry point offline in a few seconds. Every printable ASCII
+character is one token, which makes prompt lengths exact and easy to choose.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.helpers import VOCAB, tiny_hf
+
+REPO = Path(__file__).resolve().parents[1]
+SPECIALS = ("<pad>", "<s>", "</s>", "<unk>")
+
+
+def char_tokenizer():
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    vocab = {t: i for i, t in enumerate(SPECIALS)}
+    for c in range(32, 127):
+        vocab[chr(c)] = len(vocab)
+    while len(vocab) < VOCAB:                       # the model's vocabulary is 128: name the spare ids
+        vocab[f"<x{len(vocab)}>"] = len(vocab)
+    tk = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tk.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                                   pad_token="<pad>")
+
+
+def make_checkpoint(folder: Path) -> Path:
+    """Random tiny Llama (2 layers, width 64, 4 query / 2 KV heads, context 512) + tokenizer in `folder`."""
+    folder.mkdir(parents=True, exist_ok=True)
+    tiny_hf("llama").save_pretrained(folder)
+    char_tokenizer().save_pretrained(folder)
+    return folder
+
+
+def cli_env(home: Path) -> dict[str, str]:
+    """Offline, passive OpenMP, 2 threads, stores under `home` (never the user's cache)."""
+    env = dict(os.environ, FLEXGEN_H2O_HOME=str(home), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+               OMP_WAIT_POLICY="PASSIVE", OMP_NUM_THREADS="2", TOKENIZERS_PARALLELISM="false",
+               PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p))
+    env.pop("FLEXGEN_H2O_DEBUG", None)
+    return env
+
+
+def run_cli(args: list[str], env: dict[str, str], cwd: Path | None = None, timeout: float = 300,
+            **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "flexgen_h2o.run", *args], env=env, cwd=cwd or REPO,
+                          capture_output=True, text=True, timeout=timeout, **kw)
