@@ -170,7 +170,8 @@ def run_args(plan: Plan, a: argparse.Namespace, json_path: Path) -> list[str]:
     args = ["-m", "flexgen_h2o.run", "--model", s.model, "--prompt-len", str(s.prompt_len),
             "--gen-len", str(s.gen_len), "--gpu-batch-size", str(plan.gbs),
             "--num-gpu-batches", str(plan.num_batches), "--percent", *[f"{x:g}" for x in s.percent],
-            "--offload-dir", a.offload_dir, "--metrics-json", str(json_path)]
+            "--offload-dir", a.offload_dir, "--metrics-json", str(json_path),
+            "--no-warmup", "--no-progress"]            # a warm-up would warm the page cache regime (b) drops
     args += ["--full-cache"] if plan.case == "full" else ["--hh-ratio", str(a.hh_ratio)]
     args += ["--dummy-weights"] if s.dummy else []
     args += ["--device", a.device] if a.device else []

@@ -134,7 +134,7 @@ def case_args(c: Case, a: argparse.Namespace, json_path: Path, store: Path, acc_
     return ["-m", "benchmarks.offload", "--engine-child", "--model", a.model, "--path", str(store), "--device",
             "cpu", "--gpu-batch-size", str(c.gbs), "--num-gpu-batches", str(c.k), "--percent", *PLACEMENTS[c.weights],
             "--overlap", a.engine_overlap, "--offload-dir", str(a.work_dir / "engine-offload"), "--full-cache",
-            *common]
+            "--no-warmup", "--no-progress", *common]      # no warm-up: each case starts from cold weight files
 
 
 def schedule(a: argparse.Namespace) -> list[Case]:
