@@ -22,7 +22,8 @@ $(STAMP):
 install: $(STAMP)
 
 run: install
-	$(VPY) -m flexgen_h2o.run --model smollm2-135m
+	$(VPY) -m flexgen_h2o.run --model smollm2-135m --gen-len 64 \
+		--prompt "Explain in two sentences why the sky is blue." --prompt "What is the capital of France?"
 
 test: install
 	$(VPY) -m pytest -q -p no:cacheprovider tests
