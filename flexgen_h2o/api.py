@@ -180,7 +180,7 @@ class LLM:
 
     def generate_blocks(self, ids: Sequence[Sequence[int]], gen: GenerationConfig, max_new: Sequence[int], *,
                         progress: bool | None = None, label=lambda i: f"prompt {i}",
-                        bucket: bool = True) -> Iterator[BlockResult]:
+                        bucket: bool = True, seeds: Sequence[int] | None = None) -> Iterator[BlockResult]:
         """The block loop behind generate(): checks, bucketing, preflight, then one result per finished block.
         Metrics of the whole call land in `last_metrics` once the iterator is exhausted."""
         lens = [len(p) for p in ids]
@@ -194,7 +194,7 @@ class LLM:
                           offload_root=self.offload_dir, parts=tuple(p for p in PARTS if p != "weights"))
         total: Counter = Counter()
         show = self.progress if progress is None else progress
-        for res in run_blocks(self.engine, ids, gen, max_new, blocks, progress=show):
+        for res in run_blocks(self.engine, ids, gen, max_new, blocks, progress=show, seeds=seeds):
             add_metrics(total, res, lens)
             yield res
         self.last_metrics = dict(total)

@@ -146,16 +146,23 @@ class Engine:
 
     def generate(self, prompts: Sequence[Sequence[int]], gen: GenerationConfig | None = None,
                  max_new_tokens: Sequence[int] | None = None,
-                 forced: Sequence[Sequence[int]] | None = None) -> GenerationResult:
+                 forced: Sequence[Sequence[int]] | None = None,
+                 seeds: Sequence[int] | None = None) -> GenerationResult:
         """Generate for token-id prompts; blocks of `block_size` run one after another.
 
         forced (teacher forcing, for evaluation and streaming): per prompt, the tokens fed back at steps 0, 1,
         ... instead of the sampled ones; SAMPLE (or the end of the list) means "sample here", END finishes that
         sequence. Eviction runs exactly as in free generation. The logits of step t (see `on_step_logits`)
         predict forced[s][t]. Entry t is read only at step t, after the hook saw step t - 1, so a scripted
-        stream can decide what comes next from what was generated."""
+        stream can decide what comes next from what was generated.
+
+        seeds: per prompt, the key its sampling generator is seeded from (with gen.seed); default its index
+        here. Callers that reorder prompts (bucketing, resume) pass a stable key, so a prompt samples the same
+        tokens wherever it runs."""
         if forced is not None and len(forced) != len(prompts):
             raise ConfigError(f"forced has {len(forced)} continuations for {len(prompts)} prompts")
+        if seeds is not None and len(seeds) != len(prompts):
+            raise ConfigError(f"seeds has {len(seeds)} entries for {len(prompts)} prompts")
         gen = (gen or GenerationConfig()).validate()
         block = self.offload.block_size
         result = GenerationResult(token_ids=[], texts=[], finish_reasons=[], prompt_lens=[])
@@ -166,7 +173,8 @@ class Engine:
             per_seq_max = [max_new_tokens[i] for i in chunk] if max_new_tokens is not None else None
             tokens, texts, reasons, times = self._generate_block(
                 [prompts[i] for i in chunk], chunk, gen, per_seq_max,
-                [forced[i] for i in chunk] if forced is not None else None)
+                [forced[i] for i in chunk] if forced is not None else None,
+                [seeds[i] for i in chunk] if seeds is not None else chunk)
             result.token_ids += tokens
             result.texts += texts
             result.finish_reasons += reasons
@@ -177,7 +185,8 @@ class Engine:
         return result
 
     def _generate_block(self, prompts: list[Sequence[int]], seq_index: list[int], gen: GenerationConfig,
-                        per_seq_max: list[int] | None, forced: list[Sequence[int]] | None = None):
+                        per_seq_max: list[int] | None, forced: list[Sequence[int]] | None = None,
+                        seeds: Sequence[int] | None = None):
         if any(len(p) == 0 for p in prompts):
             raise ConfigError("empty prompt: every prompt needs at least one token")
         prompt_len = max(len(p) for p in prompts)
@@ -213,7 +222,7 @@ class Engine:
             b.activations = ActivationHome(split_by_fraction(hi - lo, self.offload.tier_fractions("act")),
                                            self._alloc, self.device)
             batches.append(b)
-        sampler = Sampler(gen, seq_index)
+        sampler = Sampler(gen, seeds if seeds is not None else seq_index)
         stops = StopTracker(len(prompts), gen, self.model.eos_id, self.decode, per_seq_max)
 
         def on_logits(token: int, batch: int, logits: Tensor) -> None:

@@ -104,8 +104,10 @@ class BlockResult:
 
 
 def run_blocks(engine: Any, prompt_ids: Sequence[Sequence[int]], gen: GenerationConfig, max_new: Sequence[int],
-               blocks: Sequence[Sequence[int]], *, progress: bool = False) -> Iterator[BlockResult]:
-    """One engine.generate per block; yields each block's results as soon as it is done."""
+               blocks: Sequence[Sequence[int]], *, progress: bool = False,
+               seeds: Sequence[int] | None = None) -> Iterator[BlockResult]:
+    """One engine.generate per block; yields each block's results as soon as it is done. Each prompt samples
+    from a generator seeded by seeds[i] (default: its index i here), wherever bucketing puts it."""
     lens = [len(p) for p in prompt_ids]
     bars = Progress(progress, sum(lens[i] for b in blocks for i in b), sum(max_new[i] for b in blocks for i in b))
     previous = engine.on_step_logits
@@ -118,7 +120,8 @@ def run_blocks(engine: Any, prompt_ids: Sequence[Sequence[int]], gen: Generation
                 engine.on_step_logits = hook
             else:      # keep a hook someone else set (tests record logits through it)
                 engine.on_step_logits = lambda t, s, l, hook=hook: (hook(t, s, l), previous(t, s, l))
-            res = engine.generate([prompt_ids[i] for i in block], gen, max_new_tokens=b_new)
+            res = engine.generate([prompt_ids[i] for i in block], gen, max_new_tokens=b_new,
+                                  seeds=[seeds[i] if seeds is not None else i for i in block])
             bars.block_done(sum(len(t) for t in res.token_ids), sum(b_new))
             yield BlockResult(block, res.token_ids, res.texts, res.finish_reasons, res.metrics)
     finally:
