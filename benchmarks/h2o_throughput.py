@@ -259,7 +259,7 @@ def settings_from_args(a: argparse.Namespace, act_bytes: int) -> list[Setting]:
         p, g = (256, 64) if a.quick else (2048, 512)
         res.append(Setting("a", a.long_model, p, g, int(a.ram_budget_gib * GIB), False, (100, 0, 100, 0, 100, 0)))
     if "b" in a.regimes:
-        for p, g in ([(128, 64)] if a.quick else [(512, 512), (512, 1024)]):
+        for p, g in ([(128, 64)] if a.quick else [(512, g) for g in a.b_gen_lens]):
             res.append(Setting("b", a.disk_model, p, g, int(a.compute_budget_gib * GIB), True, (0, 0, 100, 0, 100, 0)))
     if a.quick:
         # quick budgets: just over one full-cache sequence, so the search binds and the cases differ
@@ -277,7 +277,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="tiny sizes (SmolLM2 256+64, OPT-125m 128+64), ~2 min")
     p.add_argument("--regimes", nargs="+", choices=("a", "b"), default=["a", "b"])
     p.add_argument("--repeats", type=int, default=None, help="runs per case, A B A B (default 2; 1 with --quick)")
-    p.add_argument("--ram-budget-gib", type=float, default=4.0,
+    p.add_argument("--ram-budget-gib", type=float, default=2.0,
                    help="(a): weights + runtime + KV + activations (--quick: derived, see settings_from_args)")
     p.add_argument("--compute-budget-gib", type=float, default=2.0,
                    help="(b): staged weights + KV + activations (--quick: derived)")
@@ -286,7 +286,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--long-model", default="smollm2-135m")
     p.add_argument("--disk-model", default=None, help="default opt-1.3b (opt-125m with --quick), dummy weights")
     p.add_argument("--max-gpu-batch-size", type=int, default=32)
-    p.add_argument("--max-num-gpu-batches", type=int, default=64)
+    p.add_argument("--max-num-gpu-batches", type=int, default=8,
+                   help="cap on K: every GPU batch re-reads the staged layer from memory, so on a CPU many tiny "
+                        "batches (gbs 1 x 47) run slower than fewer larger ones (gbs 4 x 8)")
+    p.add_argument("--b-gen-lens", type=int, nargs="+", default=[512, 1024], help="(b): 512 + each of these")
     p.add_argument("--max-batch", type=int, default=None, help="cap on gbs x K (default none; 4 with --quick)")
     p.add_argument("--skip-steps", type=int, default=2, help="first decode steps left out of the slope fit")
     p.add_argument("--threads", type=int, default=2, help="OMP/MKL/torch threads, the same for every case")
