@@ -15,6 +15,7 @@ FORBIDDEN = {
     "schedule": {"engine", "run", "loader"},
     "backend": {"models", "memory", "kv", "weights", "schedule", "engine", "run"},
     "planner": {"schedule", "engine", "run", "frontends", "hf", "eval"},
+    "hf": {"memory", "weights", "schedule", "engine", "run", "frontends", "eval", "planner"},
 }
 
 

@@ -1,0 +1,262 @@
+"""H2OCache: a transformers 5.x `Cache` whose layers are the engine's fixed-slot KV caches (kv/cache.py).
+
+Every keep/evict decision comes from flexgen_h2o.kv: the EvictionConfig is resolved into a Budget, the policy
+from get_policy ranks the prompt (select_prefill) and picks one victim per (sequence, KV head) after each
+decode step (choose_victim), and kv.cache.KVCache owns the slot storage (K, V, fp32 score, true position).
+This module only adapts that storage to the order in which transformers calls it:
+
+    update(k, v, layer)   -> prompt: returned as is (attention runs over the prompt itself), kept pending;
+                             decode: the new row is written into a free slot and the slot window returned
+    attention function    -> computes the output AND the per-key attention mass (hf/attention.py), then
+    commit_prefill/decode -> the policy keeps the budget: the prompt is packed into budget + 1 slots, or one
+                             victim slot per (b, g) is freed for the next token
+
+The attention function finds the layer through `claim(key)`: `update` leaves a (layer, returned key) pair in a
+thread-local, because transformers passes the cache to the attention module but not to the attention function.
+"""
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+import torch
+from torch import Tensor
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from flexgen_h2o.kv import Budget, EvictionConfig, get_policy
+from flexgen_h2o.kv.cache import KVCache
+from flexgen_h2o.models.layer import KVSpec, KVView, LayerOutput
+from flexgen_h2o.models.ops import write_slot
+
+ATTN_NAME = "flexgen_h2o"
+NEEDS_ATTENTION = (f"H2OCache needs the attention function that reports attention mass: load the model with "
+                   f"attn_implementation='{ATTN_NAME}' or call flexgen_h2o.hf.enable_h2o(model)")
+_OPTIONS = {f.name for f in dataclasses.fields(EvictionConfig)}
+_ACTIVE = threading.local()          # the layer whose update() returned the tensors now being attended
+
+
+def claim(key: Tensor) -> H2OLayer | None:
+    """The H2O layer that returned `key` from update(), once; None when the key came from another cache."""
+    pending = getattr(_ACTIVE, "pending", None)
+    if pending is None or pending[1] is not key:
+        return None
+    _ACTIVE.pending = None
+    return pending[0]
+
+
+class H2OLayer(CacheLayerMixin):
+    """One attention layer: a KVCache of budget + 1 slots per (sequence, KV head), allocated at the prompt."""
+    is_compileable = False
+    is_sliding = False
+    is_croppable = False             # evicted tokens are gone: no rollback for assisted decoding
+
+    def __init__(self, owner: H2OCache):
+        super().__init__()
+        self.owner = owner
+        self.store: KVCache | None = None
+        self.seen = 0                # tokens processed, pads included: transformers' sequence length
+        self.next_pos: Tensor | None = None     # (b,) true position of each sequence's next token
+        self.phase = "prefill"
+        self._pending: tuple[Tensor, Tensor] | None = None
+        self._write_slot: Tensor | None = None
+        self._window = 0             # slots returned by the last decode update
+
+    # --- the CacheLayerMixin protocol ---
+
+    def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.is_initialized = True
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
+        t = key_states.shape[2]
+        if self.store is None:
+            self.lazy_initialization(key_states, value_states)
+            self.phase, self._pending = "prefill", (key_states, value_states)
+            self.seen += t
+            return key_states, value_states
+        if t != 1:
+            raise NotImplementedError(f"H2OCache takes the whole prompt in one forward, then one token per step; "
+                                      f"got {t} new tokens on a filled cache (chunked prefill, assisted or "
+                                      f"speculative decoding are not supported)")
+        store, budget = self.store, self.owner.budget
+        if budget.capacity <= budget.budget and self.seen + 1 > store.capacity:
+            # a non-evicting cache sized by max_new_tokens has no free slot left
+            raise RuntimeError(f"H2OCache was sized for max_new_tokens={self.owner.max_new_tokens}; this step "
+                               f"would be token {self.seen + 1} of at most {store.capacity}")
+        slot = store.free_slots()                                               # (b, g)
+        write_slot(store.k, slot, key_states.to(store.k.dtype))
+        write_slot(store.v, slot, value_states.to(store.v.dtype))
+        # the position marks the slot valid, so the new token attends to itself like any kept token
+        store.pos.scatter_(2, slot.unsqueeze(-1), self.next_pos.view(-1, 1, 1).expand(*slot.shape, 1).to(torch.int32))
+        s = max(store.n_used, int(slot.max()) + 1)          # never-used slots past s are not even read
+        self.phase, self._pending, self._write_slot, self._window = "decode", (key_states, value_states), slot, s
+        self.seen += 1
+        return store.k[:, :, :s], store.v[:, :, :s]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.seen + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.seen
+
+    def get_max_length(self) -> int:
+        return -1                    # no limit on the sequence: the cache evicts instead
+
+    def reset(self) -> None:
+        self.store, self.keys, self.values, self.next_pos = None, None, None, None
+        self.seen, self.phase, self._pending, self.is_initialized = 0, "prefill", None, False
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("H2OCache cannot roll back tokens: evicted ones are gone (assisted and "
+                                  "speculative decoding need a DynamicCache)")
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._map_batch(lambda x: x.index_select(0, beam_idx.to(x.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._map_batch(lambda x: x.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: Tensor) -> None:
+        self._map_batch(lambda x: x[indices])
+
+    def _map_batch(self, fn) -> None:
+        """Apply a batch-dimension map (beam reorder, repeat, select) to every per-sequence tensor."""
+        if self.store is None:
+            return
+        st = self.store
+        for name in ("k", "v", "score", "pos"):
+            old = getattr(st, name)
+            new = fn(old)
+            if new.shape == old.shape:
+                old.copy_(new)       # same batch: stay in the allocated buffers
+            else:
+                setattr(st, name, new.contiguous())
+        st.batch = st.k.shape[0]
+        self.next_pos = fn(self.next_pos)
+        self.keys, self.values = st.k, st.v
+
+    # --- called by the attention function (hf/attention.py) ---
+
+    @property
+    def needs_scores(self) -> bool:
+        return self.owner.policy.needs_scores
+
+    def slot_mask(self) -> Tensor:
+        """(b, g, s) bool: which slots of the window returned by the last update hold a token (the new one too)."""
+        return self.store.pos[:, :, :self._window] >= 0
+
+    def commit_prefill(self, scores: Tensor | None, token_valid: Tensor) -> None:
+        """Keep the policy's choice of the prompt rows. scores (b, g, p) fp32 column sums over the real queries
+        (None when the policy ranks without them); token_valid (b, p) bool, False for padding."""
+        k, v = self._pending
+        b, g, p, d = k.shape
+        owner = self.owner
+        token_pos = torch.where(token_valid, token_valid.long().cumsum(-1) - 1, -1)      # true positions, pads -1
+        device = k.device
+        self.store = KVCache(KVSpec(g, d), b, owner.budget.capacity, owner.policy, owner.budget, dtype=k.dtype,
+                             alloc=lambda shape, dtype: torch.empty(shape, dtype=dtype, device=device),
+                             generator=owner.generator(device))
+        if scores is None:           # score-free policies: zeros on the right device (the store's default is CPU)
+            scores = torch.zeros(b, g, p, dtype=torch.float32, device=device)
+        self.store.commit_prefill(k, v, scores, token_pos)
+        self.next_pos = token_valid.long().sum(-1)
+        self.keys, self.values = self.store.k, self.store.v
+        self._pending = None
+
+    def commit_decode(self, mass: Tensor | None) -> None:
+        """Add this step's attention mass (b, g, s) to the scores and free one victim slot per (b, g)."""
+        k_new, v_new = self._pending
+        st, s = self.store, self._window
+        view = KVView(k=st.k[:, :, :s], v=st.v[:, :, :s], valid=st.pos[:, :, :s] >= 0, write_slot=self._write_slot)
+        st.commit_decode(view, LayerOutput(hidden=None, k_new=k_new, v_new=v_new, scores=mass), self.next_pos)
+        self.next_pos = self.next_pos + 1
+        self._pending = self._write_slot = None
+
+    # --- inspection ---
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.store is None else self.store.nbytes
+
+    def kept_positions(self) -> list[list[list[int]]]:
+        return [] if self.store is None else self.store.kept_positions()
+
+
+class H2OCache(Cache):
+    """Fixed-size H2O KV cache for `model.generate(..., past_key_values=H2OCache(...))`.
+
+    Pass an EvictionConfig, or its fields as keywords (policy defaults to "h2o"):
+        H2OCache(hh_size=64, recent_size=64)                    # 64 heavy hitters + 64 recent per KV head
+        H2OCache(hh_ratio=0.1)                                   # 10 % + 10 % of the (padded) prompt length
+        H2OCache(EvictionConfig(policy="h2o-port", hh_ratio=0.1, sink_size=4, score_reduce="mean"))
+    max_new_tokens (optional) caps the slots at prompt + max_new_tokens, as the engine does; it is required
+    for policy "full". query_chunk: prompt queries per block when scoring (memory ~ b * heads * chunk * prompt).
+    """
+
+    def __init__(self, eviction: EvictionConfig | None = None, *, max_new_tokens: int | None = None,
+                 query_chunk: int = 128, **options):
+        unknown = sorted(set(options) - _OPTIONS)
+        if unknown:
+            raise ValueError(f"unknown H2OCache option(s) {', '.join(unknown)}; use EvictionConfig fields: "
+                             f"{', '.join(sorted(_OPTIONS))}")
+        if eviction is not None and options:
+            raise ValueError("pass either an EvictionConfig or its fields as keywords, not both")
+        eviction = eviction if eviction is not None else EvictionConfig(**{"policy": "h2o", **options})
+        if eviction.position_rolling:
+            raise ValueError("position_rolling needs pre-RoPE keys; transformers caches keys after RoPE, so the HF "
+                             "cache keeps true positions (use the engine for rolling)")
+        if max_new_tokens is not None and max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if eviction.policy == "full" and max_new_tokens is None:
+            raise ValueError("policy 'full' sizes the cache for the whole run: pass max_new_tokens")
+        if query_chunk < 1:
+            raise ValueError(f"query_chunk must be >= 1, got {query_chunk}")
+        super().__init__(layers=[])
+        self.eviction, self.max_new_tokens, self.query_chunk = eviction, max_new_tokens, query_chunk
+        self.policy = get_policy(eviction.policy)
+        self.budget: Budget | None = None
+        self._generator: torch.Generator | None = None
+        self._unattended: H2OLayer | None = None
+
+    def resolve(self, prompt_len: int) -> Budget:
+        """Slot counts for a padded prompt of `prompt_len` tokens (ratios are fractions of it)."""
+        budget = self.eviction.resolve(prompt_len, self.max_new_tokens or 1)
+        if self.max_new_tokens is None:
+            budget = dataclasses.replace(budget, max_tokens=None)       # run length unknown: budget + 1 slots
+        # a budget that holds the whole run is a full cache, as in the engine
+        self.policy = get_policy(self.eviction.policy if budget.evicts else "full")
+        self.budget = budget
+        return budget
+
+    def generator(self, device: torch.device) -> torch.Generator | None:
+        if self._generator is None:
+            self._generator = self.eviction.generator(device)   # one per cache (random policy only)
+        return self._generator
+
+    def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args, **kwargs
+               ) -> tuple[Tensor, Tensor]:
+        if self._unattended is not None and self._unattended._pending is not None:
+            raise RuntimeError(NEEDS_ATTENTION)     # the last layer's tensors never reached our attention function
+        while len(self.layers) <= layer_idx:
+            self.layers.append(H2OLayer(self))
+        if self.budget is None:
+            self.resolve(key_states.shape[2])        # before the first attention: it decides whether to score
+        layer = self.layers[layer_idx]
+        keys, values = layer.update(key_states, value_states)
+        self._unattended = layer
+        _ACTIVE.pending = (layer, keys)
+        return keys, values
+
+    def reset(self) -> None:
+        super().reset()
+        self.budget, self._generator, self._unattended = None, None, None
+        self.policy = get_policy(self.eviction.policy)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes allocated by every layer's slots: K, V, fp32 scores and int32 positions."""
+        return sum(layer.nbytes for layer in self.layers)
+
+    def kept_positions(self) -> list[list[list[list[int]]]]:
+        """[layer][sequence][KV head] -> sorted true positions kept (for tests and debugging)."""
+        return [layer.kept_positions() for layer in self.layers]

@@ -1,0 +1,273 @@
+"""H2OCache inside transformers' own `generate`, on tiny random Llama (MHA, GQA) and OPT models, against the
+engine's real eviction (tests/helpers.make_engine) and the slow masked reference (tests/reference/h2o_masked):
+same greedy tokens, logits within 1e-4 (fp32), the same kept positions; a budget that covers the run is
+DynamicCache; the cache's bytes never move over 256 decode steps."""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList
+
+from flexgen_h2o.hf import H2OCache, H2OLayer, enable_h2o
+from flexgen_h2o.kv import EvictionConfig
+from tests.helpers import max_logit_diff, random_prompts, tiny_hf
+from tests.test_h2o_engine import engine_kept, left_padded, run_engine, run_reference
+
+LENGTHS = [20, 13, 24]           # every prompt is longer than the budgets below: eviction starts in prefill
+N_NEW = 16
+H2O = EvictionConfig(policy="h2o", hh_size=4, recent_size=3)
+H2O_SINK = EvictionConfig(policy="h2o", hh_size=4, recent_size=3, sink_size=1)
+
+
+def hf_generate(model, prompts, cache, n_new: int = N_NEW, **kw):
+    """Greedy `model.generate` on the left-padded batch: (tokens (b, n_new), per-step fp32 logits)."""
+    ids, mask = left_padded(model, prompts)
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=n_new,
+                             min_new_tokens=n_new, do_sample=False, output_logits=True, return_dict_in_generate=True,
+                             pad_token_id=model.config.pad_token_id, eos_token_id=None, **kw)
+    return out.sequences[:, ids.shape[1]:], [l.float() for l in out.logits]
+
+
+def h2o_model(kind: str):
+    return enable_h2o(tiny_hf(kind))
+
+
+# --- 1. same tokens, logits and kept tokens as the engine and the reference ---
+
+# Long prompts: the prompt's column sums decide (the tiny models' attention is peaked, so heavy hitters from
+# the prompt outscore anything a few decode steps can add). Short prompts + long runs: decode accumulation
+# decides too (test_short_cases_depend_on_decode_scores proves it for each of them).
+SHORT, SHORT_NEW = [6, 4, 7], 24
+CASES = [(k, H2O, LENGTHS, N_NEW) for k in ("llama-mha", "llama-gqa", "opt")]
+CASES += [(k, H2O_SINK, LENGTHS, N_NEW) for k in ("llama-mha", "llama-gqa", "opt")]
+CASES += [(k, ev, LENGTHS, N_NEW) for k in ("llama-gqa", "opt") for ev in (
+    EvictionConfig(policy="h2o-port", hh_size=4, recent_size=3),
+    EvictionConfig(policy="local", recent_size=7),
+    EvictionConfig(policy="sink", recent_size=5))]
+SHORT_CASES = [(k, EvictionConfig(policy="h2o", hh_size=6, recent_size=1), SHORT, SHORT_NEW)
+               for k in ("llama-mha", "llama-gqa", "opt")]
+SHORT_CASES += [("llama-gqa", EvictionConfig(policy="h2o", hh_size=4, recent_size=2, sink_size=1), SHORT, SHORT_NEW),
+                ("opt", EvictionConfig(policy="h2o-port", hh_size=4, recent_size=3), SHORT, SHORT_NEW),
+                ("llama-gqa", EvictionConfig(policy="h2o", hh_size=6, recent_size=1, score_reduce="mean"), SHORT,
+                 SHORT_NEW)]
+
+
+def case_id(case) -> str:
+    kind, ev, lengths, _ = case
+    return f"{kind}-{ev.policy}-h{ev.hh_size}r{ev.recent_size}s{ev.sink_size}-{ev.score_reduce}-p{max(lengths)}"
+
+
+@pytest.mark.parametrize("kind,ev,lengths,n_new", CASES + SHORT_CASES, ids=[case_id(c) for c in CASES + SHORT_CASES])
+def test_matches_engine_and_reference(kind, ev, lengths, n_new):
+    model = h2o_model(kind)
+    prompts = random_prompts(lengths)
+    cache = H2OCache(ev)
+    tokens, logits = hf_generate(model, prompts, cache, n_new)
+    engine, out = run_engine(model, prompts, ev, n_new)
+    trace: list = []
+    ref_tokens, ref_logits = run_reference(model, prompts, ev, n_new, trace=trace)
+    assert torch.equal(tokens, ref_tokens)
+    assert max_logit_diff(logits, ref_logits) <= 1e-4
+    for i in range(len(prompts)):
+        assert tokens[i].tolist() == out.token_ids[i], f"sequence {i}"
+        assert max_logit_diff([l[i] for l in logits], engine.step_logits[i]) <= 1e-4, f"sequence {i}"
+    kept = cache.kept_positions()
+    assert kept == engine_kept(engine) == trace[-1]
+    # eviction really happened: every column holds exactly the budget, and no padding (positions are >= 0)
+    budget = ev.resolve(max(lengths), n_new).budget
+    assert all(len(col) == budget and min(col) >= 0 for layer in kept for seq in layer for col in seq)
+
+
+@pytest.mark.parametrize("kind,ev,lengths,n_new", SHORT_CASES, ids=[case_id(c) for c in SHORT_CASES])
+def test_short_cases_depend_on_decode_scores(kind, ev, lengths, n_new, monkeypatch):
+    """Guard for the comparison above: freezing the scores after the prompt changes what these cases keep."""
+    model = h2o_model(kind)
+    prompts = random_prompts(lengths)
+    live = H2OCache(ev)
+    hf_generate(model, prompts, live, n_new)
+    commit = H2OLayer.commit_decode
+    monkeypatch.setattr(H2OLayer, "commit_decode", lambda self, mass: commit(self, None))
+    frozen = H2OCache(ev)
+    hf_generate(model, prompts, frozen, n_new)
+    assert frozen.kept_positions() != live.kept_positions()
+
+
+def test_score_reduce_mean_divides_by_the_group():
+    """mean and sum rank alike (equal group sizes), so only the stored scores can tell them apart."""
+    model = h2o_model("llama-gqa")
+    prompts = random_prompts(SHORT)
+    mean, total = (H2OCache(hh_size=6, recent_size=1, score_reduce=r) for r in ("mean", "sum"))
+    hf_generate(model, prompts, mean, SHORT_NEW)
+    hf_generate(model, prompts, total, SHORT_NEW)
+    for a, b in zip(mean.layers, total.layers):
+        assert torch.equal(a.store.pos, b.store.pos)
+        torch.testing.assert_close(a.store.score * 2, b.store.score, atol=1e-5, rtol=1e-5)   # 4 query / 2 KV heads
+
+
+def test_eviction_changes_the_output():
+    """The budgets above really bite: the same prompts without eviction give other tokens."""
+    model = h2o_model("llama-gqa")
+    prompts = random_prompts(LENGTHS)
+    evicted, _ = hf_generate(model, prompts, H2OCache(H2O))
+    full, _ = hf_generate(model, prompts, DynamicCache())
+    assert not torch.equal(evicted, full)
+
+
+def test_ratios_resolve_against_the_padded_prompt_like_the_engine():
+    model = h2o_model("llama-gqa")
+    prompts = random_prompts(LENGTHS)
+    ev = EvictionConfig(policy="h2o", hh_ratio=0.2, recent_ratio=0.15, sink_size=1)
+    cache = H2OCache(ev)
+    tokens, logits = hf_generate(model, prompts, cache)
+    engine, out = run_engine(model, prompts, ev)
+    assert (cache.budget.sink, cache.budget.heavy, cache.budget.recent) == (1, 4, 3)   # int(0.2 * 24), int(0.15 * 24)
+    assert [t.tolist() for t in tokens] == out.token_ids
+    assert cache.kept_positions() == engine_kept(engine)
+
+
+# --- 2. a budget that covers the run is DynamicCache ---
+
+@pytest.mark.parametrize("policy", ["h2o", "h2o-port", "local", "sink", "random"])
+@pytest.mark.parametrize("kind", ["llama-mha", "llama-gqa", "opt"])
+def test_covering_budget_equals_dynamic_cache(kind, policy):
+    model = h2o_model(kind)
+    covering = dict(policy=policy, kv_budget=max(LENGTHS) + N_NEW)
+    # equal lengths: the slots hold the tokens in DynamicCache's order. Told the run length, the cache knows
+    # nothing will be evicted (as the engine does) and skips scoring: bit-identical logits
+    prompts = random_prompts([24, 24, 24])
+    want_tokens, want_logits = hf_generate(model, prompts, DynamicCache())
+    cache = H2OCache(**covering, max_new_tokens=N_NEW)
+    tokens, logits = hf_generate(model, prompts, cache)
+    assert torch.equal(tokens, want_tokens)
+    assert all(torch.equal(a, b) for a, b in zip(logits, want_logits))
+    assert cache.layers[0].store.capacity == 24 + N_NEW
+    # padded batches (pads are packed out of the slots, which changes the fp32 summation order), and runs
+    # whose length the cache is not told (the prompt is scored with an unfused softmax): the same tokens
+    prompts = random_prompts(LENGTHS)
+    want_tokens, want_logits = hf_generate(model, prompts, DynamicCache())
+    for cache in (H2OCache(**covering, max_new_tokens=N_NEW), H2OCache(**covering)):
+        tokens, logits = hf_generate(model, prompts, cache)
+        assert torch.equal(tokens, want_tokens)
+        assert max_logit_diff(logits, want_logits) <= 1e-5
+
+
+def test_dynamic_cache_with_h2o_attention_equals_sdpa():
+    """The registered attention is plain causal attention for any other cache."""
+    model = tiny_hf("llama-gqa")
+    prompts = random_prompts(LENGTHS)
+    want_tokens, want_logits = hf_generate(model, prompts, DynamicCache())          # sdpa
+    enable_h2o(model)
+    tokens, logits = hf_generate(model, prompts, DynamicCache())
+    assert torch.equal(tokens, want_tokens) and max_logit_diff(logits, want_logits) <= 1e-5
+
+
+# --- 3. fixed memory ---
+
+class Recorder(LogitsProcessor):
+    """Called once per generated token: records what the cache holds at that moment."""
+
+    def __init__(self, cache: H2OCache):
+        self.cache, self.rows = cache, []
+
+    def __call__(self, input_ids, scores):
+        c = self.cache
+        self.rows.append((c.nbytes, tuple(l.store.k.data_ptr() for l in c.layers),
+                          max(int((l.store.pos >= 0).sum(-1).max()) for l in c.layers)))
+        return scores
+
+
+def test_cache_bytes_constant_over_256_decode_steps():
+    model = h2o_model("llama-gqa")
+    prompts = random_prompts([24, 13])
+    cache = H2OCache(H2O_SINK)
+    rec = Recorder(cache)
+    tokens, _ = hf_generate(model, prompts, cache, n_new=257, logits_processor=LogitsProcessorList([rec]))
+    assert tokens.shape == (2, 257) and len(rec.rows) == 257         # prefill + 256 decode steps
+    budget = H2O_SINK.resolve(24, 257).budget
+    cfg = model.config
+    g, d = cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads
+    # per layer: K and V fp32 + fp32 score + int32 position, for budget + 1 slots per (sequence, KV head)
+    expected = cfg.num_hidden_layers * 2 * g * (budget + 1) * (2 * d * 4 + 4 + 4)
+    assert {row[0] for row in rec.rows} == {expected}                 # same bytes at every step
+    assert len({row[1] for row in rec.rows}) == 1                     # same buffers: never reallocated
+    assert all(row[2] == budget for row in rec.rows)                  # full from the prompt on, never over
+    # the point of it: DynamicCache holds every token (fp32 K and V only) after the same run
+    dyn = DynamicCache()
+    hf_generate(model, prompts, dyn, n_new=257)
+    dyn_bytes = sum(l.keys.nbytes + l.values.nbytes for l in dyn.layers)
+    assert dyn_bytes == cfg.num_hidden_layers * 2 * g * (24 + 256) * 2 * d * 4
+    assert expected * 10 < dyn_bytes
+
+
+# --- 4. chunked prompt scoring, padding ---
+
+def test_prompt_scores_are_computed_in_query_chunks(monkeypatch):
+    import flexgen_h2o.hf.attention as attention
+    seen = []
+    real = attention._scored_chunk
+
+    def spy(q, k, v, mask, *a, **kw):
+        seen.append((q.shape[2], mask.shape[-2], k.shape[2]))
+        return real(q, k, v, mask, *a, **kw)
+
+    model = h2o_model("llama-gqa")
+    prompts = random_prompts(LENGTHS)
+    big = H2OCache(H2O_SINK)
+    want_tokens, want_logits = hf_generate(model, prompts, big)
+    monkeypatch.setattr(attention, "_scored_chunk", spy)
+    small = H2OCache(H2O_SINK, query_chunk=5)
+    tokens, logits = hf_generate(model, prompts, small)
+    # 24-token prompt, 2 layers: 5 blocks of at most 5 queries each, over the keys up to the block's end
+    assert [x for x, _, _ in seen] == [5, 5, 5, 5, 4] * 2 and all(m == x for x, m, _ in seen)
+    assert [n for _, _, n in seen] == [5, 10, 15, 20, 24] * 2
+    assert torch.equal(tokens, want_tokens) and max_logit_diff(logits, want_logits) <= 1e-5
+    assert small.kept_positions() == big.kept_positions()
+
+
+def test_padding_content_changes_nothing():
+    """Pads are never attended or kept: filling them with other token ids leaves every real result unchanged."""
+    model = h2o_model("llama-gqa")
+    prompts = random_prompts(LENGTHS)
+    ids, mask = left_padded(model, prompts)
+    runs = []
+    for pad_ids in (ids, torch.where(mask.bool(), ids, torch.randint(3, 100, ids.shape))):
+        cache = H2OCache(H2O_SINK)
+        with torch.no_grad():
+            out = model.generate(pad_ids, attention_mask=mask, past_key_values=cache, max_new_tokens=N_NEW,
+                                 do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0,
+                                 eos_token_id=None)
+        runs.append((out, cache))
+    (a, ca), (b, cb) = runs
+    assert torch.equal(a.sequences[:, ids.shape[1]:], b.sequences[:, ids.shape[1]:])
+    assert all(torch.equal(x, y) for x, y in zip(a.logits, b.logits))
+    for la, lb in zip(ca.layers, cb.layers):
+        assert torch.equal(la.store.pos, lb.store.pos) and torch.equal(la.store.score, lb.store.score)
+
+
+def test_prompt_attention_matches_eager_probabilities():
+    """The scores are the eager attention probabilities, summed over the real queries and a KV head's query
+    heads (mean: divided by the group size), whatever the padding pattern and the chunk size."""
+    from flexgen_h2o.hf import prompt_attention
+    torch.manual_seed(0)
+    b, h, g, t, d = 2, 6, 2, 11, 8
+    q, k, v = torch.randn(b, h, t, d), torch.randn(b, g, t, d), torch.randn(b, g, t, d)
+    valid = torch.ones(b, t, dtype=torch.bool)
+    valid[0, :3] = False                          # left padding
+    valid[1, 4:6] = False                         # a hole in the middle: pad queries see real keys
+    kr, vr = k.repeat_interleave(h // g, dim=1), v.repeat_interleave(h // g, dim=1)
+    allowed = torch.ones(t, t, dtype=torch.bool).tril() & valid[:, None, None, :]
+    allowed |= torch.eye(t, dtype=torch.bool)
+    probs = torch.softmax((q @ kr.transpose(-1, -2) * 0.3).masked_fill(~allowed, float("-inf")), dim=-1)
+    want_out = probs @ vr
+    want_sum = (probs * valid[:, None, :, None]).sum(2).view(b, g, h // g, t).sum(2)
+    for chunk in (1, 4, 64):
+        out, scores = prompt_attention(q, k, v, valid, 0.3, query_valid=valid, want_scores=True, chunk=chunk)
+        torch.testing.assert_close(out, want_out, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(scores, want_sum, atol=1e-5, rtol=1e-5)
+        _, mean = prompt_attention(q, k, v, valid, 0.3, query_valid=valid, want_scores=True, chunk=chunk,
+                                   score_reduce="mean")
+        torch.testing.assert_close(mean, want_sum / (h // g), atol=1e-5, rtol=1e-5)
+    # the check has teeth: counting the pad queries of the middle hole would change the real keys' scores
+    every_query = probs.sum(2).view(b, g, h // g, t).sum(2)
+    assert not torch.allclose(every_query[1, :, :4], want_sum[1, :, :4], atol=1e-3)

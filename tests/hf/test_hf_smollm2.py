@@ -1,0 +1,60 @@
+"""Real weights: SmolLM2-135M-Instruct (Llama, GQA 9 query / 3 KV heads) with H2OCache in transformers'
+`generate`, on a left-padded batch of two chat prompts, against the engine's H2O and the masked reference."""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from flexgen_h2o.config import GenerationConfig
+from flexgen_h2o.hf import H2OCache, enable_h2o
+from flexgen_h2o.kv import EvictionConfig
+from tests.helpers import max_logit_diff
+from tests.reference.h2o_masked import reference_generate
+from tests.test_h2o_engine import engine_kept
+from tests.test_smollm2 import _engine, _padded, smol  # noqa: F401  (smol is the shared module fixture)
+
+pytestmark = pytest.mark.slow
+N_NEW = 24
+
+
+def hf_generate(model, ids, mask, cache, n_new=N_NEW):
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=n_new,
+                             min_new_tokens=n_new, do_sample=False, output_logits=True, return_dict_in_generate=True,
+                             pad_token_id=2, eos_token_id=None)
+    return out.sequences[:, ids.shape[1]:], [l.float() for l in out.logits]
+
+
+def test_smollm2_h2o_cache_matches_engine_and_reference(smol):  # noqa: F811
+    loaded, model, prompts = smol
+    enable_h2o(model)
+    ids, mask = _padded(prompts, 2)
+    assert int(mask.sum(1).min()) < ids.shape[1]                       # the batch really is padded
+    ev = EvictionConfig(policy="h2o", hh_size=12, recent_size=8, sink_size=2)
+    cache = H2OCache(ev)
+    tokens, logits = hf_generate(model, ids, mask, cache)
+    engine = _engine(loaded, ev)
+    out = engine.generate(prompts, GenerationConfig(max_new_tokens=N_NEW, stop_at_eos=False))
+    ref_tokens, ref_logits = reference_generate(model, ids, mask, budget=(2, 12, 8), rule="exact",
+                                                max_new_tokens=N_NEW)
+    assert model.config._attn_implementation == "flexgen_h2o"         # the reference restored it
+    assert torch.equal(tokens, ref_tokens)
+    assert max_logit_diff(logits, ref_logits) <= 1e-4
+    for i in range(len(prompts)):
+        assert tokens[i].tolist() == out.token_ids[i]
+        assert max_logit_diff([l[i] for l in logits], engine.step_logits[i]) <= 1e-4
+    assert cache.kept_positions() == engine_kept(engine)
+    # 22 slots per (sequence, KV head) in each of the 30 layers, whatever the prompt length
+    assert {layer.store.k.shape for layer in cache.layers} == {(2, 3, 23, 64)}
+    assert len(cache.layers) == 30
+
+
+def test_smollm2_covering_budget_equals_dynamic_cache(smol):  # noqa: F811
+    _, model, prompts = smol
+    enable_h2o(model)
+    ids, mask = _padded(prompts, 2)
+    want_tokens, want_logits = hf_generate(model, ids, mask, DynamicCache())
+    tokens, logits = hf_generate(model, ids, mask, H2OCache(kv_budget=ids.shape[1] + N_NEW))
+    assert torch.equal(tokens, want_tokens)
+    assert max_logit_diff(logits, want_logits) <= 1e-4
