@@ -1,0 +1,213 @@
+"""`python -m flexgen_h2o.eval`: what each KV budget costs in quality, per policy, on the engine itself.
+
+Tasks: perplexity (Wikipedia, Lee news), summarization (XSUM-style on Lee news, ROUGE), streaming (a stream
+past the context window, with and without position rolling) and needle (pass key at depths 10-90 %). Each
+task writes <out>/<task>.json after every grid point; rerunning the same command resumes. At the end (and with
+--report-only) <out>/report.md and PNG plots are written. Bad input: one error line, exit 2.
+"""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")        # spin-waiting made small ops 70x slower on busy VMs
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import argparse  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from typing import Callable  # noqa: E402
+
+from flexgen_h2o.config import ConfigError  # noqa: E402
+from flexgen_h2o.eval.grid import (DEFAULT_BUDGETS, DEFAULT_POLICIES, parse_budget, parse_budgets,  # noqa: E402
+                                   parse_policies)
+
+TASKS = ("perplexity", "summarization", "streaming", "needle")
+
+
+class OneLineParser(argparse.ArgumentParser):
+    def error(self, message: str):                   # argparse prints usage too; the harness promises one line
+        print(f"error: {message}", file=sys.stderr)
+        sys.exit(2)
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = OneLineParser(prog="python -m flexgen_h2o.eval", allow_abbrev=False, description=__doc__)
+    p.add_argument("--model", default="smollm2-135m", help="preset name, HF id or local checkpoint folder")
+    p.add_argument("--path", help="weight store folder (default ~/.cache/flexgen_h2o/<model>)")
+    p.add_argument("--dummy-weights", action="store_true", help="random weights (smoke runs only)")
+    p.add_argument("--tasks", default=",".join(TASKS), help=f"comma-separated subset of {','.join(TASKS)}")
+    p.add_argument("--out", default="benchmarks/results/eval", help="folder for the JSON, report.md and PNGs")
+    p.add_argument("--policies", default=",".join(DEFAULT_POLICIES))
+    p.add_argument("--budgets", default=",".join(DEFAULT_BUDGETS),
+                   help="%% of the sequence (prompt + new tokens) or slot counts, e.g. 20%%,256")
+    p.add_argument("--batch-size", type=int, default=8, help="sequences per engine block")
+    p.add_argument("--kv-dtype", choices=("float16", "float32"), default="float16")
+    p.add_argument("--device", help="cuda, cuda:N or cpu (default: cuda when present)")
+    p.add_argument("--seed", type=int, default=0, help="random policy's generator and pass keys")
+    p.add_argument("--fresh", action="store_true", help="discard the tasks' checkpoints and start over")
+    p.add_argument("--report-only", action="store_true", help="only rebuild report.md and plots from the JSON")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    g = p.add_argument_group("perplexity")
+    g.add_argument("--ppl-corpora", default="wiki,lee")
+    g.add_argument("--ppl-items", type=int, default=16, help="windows per corpus")
+    g.add_argument("--ppl-context", type=int, default=1792, help="prefilled tokens per window")
+    g.add_argument("--ppl-continuation", type=int, default=256, help="teacher-forced, scored tokens per window")
+    g = p.add_argument_group("summarization")
+    g.add_argument("--sum-items", type=int, default=100, help="Lee articles")
+    g.add_argument("--sum-prompt-len", type=int, default=2048, help="few-shot prompt length (tokens, at most)")
+    g.add_argument("--sum-gen-len", type=int, default=64)
+    g.add_argument("--sum-budgets", help="budgets for this task (default: --budgets)")
+    g = p.add_argument_group("streaming")
+    g.add_argument("--stream-len", type=int, help="tokens per stream (default: 1.25 x the model's window)")
+    g.add_argument("--stream-count", type=int, default=1, help="streams, batched together")
+    g.add_argument("--stream-prefill", type=int, default=128)
+    g.add_argument("--stream-budget", default="512", help="one budget (slots or %%) for every policy")
+    g.add_argument("--stream-policies", default="full,h2o,sink,local")
+    g.add_argument("--stream-windows", type=int, default=20, help="points of the perplexity-vs-position curve")
+    g = p.add_argument_group("needle")
+    g.add_argument("--needle-len", type=int, default=2048, help="prompt tokens")
+    g.add_argument("--needle-depths", type=_ints, default=list(range(10, 100, 10)), help="percent, e.g. 10,50,90")
+    g.add_argument("--needle-trials", type=int, default=3, help="pass keys per depth")
+    g.add_argument("--needle-filler", choices=("repeat", "wiki"), default="repeat",
+                   help="classic repeated lines (the full cache finds the key) or real Wikipedia text")
+    g.add_argument("--needle-budgets", help="budgets for this task (default: --budgets)")
+    return p
+
+
+def check_args(a: argparse.Namespace) -> list[str]:
+    """Validate everything before loading a model, so bad input fails in a second. Returns the tasks."""
+    tasks = [t.strip() for t in a.tasks.split(",") if t.strip()]
+    bad = [t for t in tasks if t not in TASKS]
+    if bad or not tasks:
+        raise ConfigError(f"unknown task {', '.join(bad) or '(none given)'}; choose from {', '.join(TASKS)}")
+    for name in ("batch_size", "ppl_items", "ppl_context", "ppl_continuation", "sum_items", "sum_prompt_len",
+                 "sum_gen_len", "stream_count", "stream_prefill", "stream_windows", "needle_trials"):
+        if getattr(a, name) < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
+    if a.stream_len is not None and a.stream_len <= a.stream_prefill:
+        raise ConfigError(f"--stream-len ({a.stream_len}) must exceed --stream-prefill ({a.stream_prefill})")
+    if not a.needle_depths or any(not 0 <= d <= 100 for d in a.needle_depths):
+        raise ConfigError(f"--needle-depths are percents in 0..100, got {a.needle_depths}")
+    from flexgen_h2o.eval.data import CORPORA
+    corpora = [c.strip() for c in a.ppl_corpora.split(",") if c.strip()]
+    if not corpora or any(c not in CORPORA for c in corpora):
+        raise ConfigError(f"--ppl-corpora takes {', '.join(CORPORA)}; got {a.ppl_corpora!r}")
+    a.corpora = corpora
+    a.policy_list = parse_policies(a.policies)
+    a.budget_list = parse_budgets(a.budgets)
+    a.sum_budget_list = parse_budgets(a.sum_budgets) if a.sum_budgets else a.budget_list
+    a.needle_budget_list = parse_budgets(a.needle_budgets) if a.needle_budgets else a.budget_list
+    a.stream_budget_spec = parse_budget(a.stream_budget)
+    a.stream_policy_list = parse_policies(a.stream_policies)
+    return tasks
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        tasks = check_args(args)
+        if args.report_only:
+            from flexgen_h2o.eval.report import write_report
+            print(f"report: {write_report(args.out)}")
+            return 0
+        return run_tasks(args, tasks)
+    except (ConfigError, ValueError, FileNotFoundError, OSError) as e:   # one line, exit 2
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def _check_vocab(items: list[list[int]], vocab: int) -> None:
+    if any(max(x) >= vocab for x in items if x):
+        raise ConfigError(f"the tokenizer produces ids >= the model's vocabulary ({vocab}); use the model's own "
+                          "tokenizer")
+
+
+def run_tasks(a: argparse.Namespace, tasks: list[str]) -> int:
+    import torch
+
+    from flexgen_h2o.eval.report import write_report
+    from flexgen_h2o.eval.results import ResultStore
+    from flexgen_h2o.eval.runner import Runner
+    from flexgen_h2o.loader import load_model
+    from flexgen_h2o.models import ModelNameError
+    from flexgen_h2o.weights import WeightStoreError
+
+    torch.set_num_threads(max(1, min(torch.get_num_threads(), os.cpu_count() or 1)))
+    try:
+        loaded = load_model(a.model, path=a.path, dummy_weights=a.dummy_weights, progress=not a.no_progress)
+    except (ModelNameError, WeightStoreError) as e:
+        raise ConfigError(str(e)) from None
+    common = {"model": loaded.config.name, "dummy_weights": a.dummy_weights, "kv_dtype": a.kv_dtype, "seed": a.seed}
+    runner_kw = dict(batch_size=a.batch_size, kv_dtype=a.kv_dtype, seed=a.seed, progress=not a.no_progress,
+                     device=a.device)
+    # build every task's items first: a bad size fails before hours of running
+    plans = {task: _plan(task, a, loaded) for task in tasks}
+    t_start = time.perf_counter()
+    for task, (meta, n_points, n_items, run, lift_window) in plans.items():
+        t0 = time.perf_counter()
+        store = ResultStore(a.out, task, {**common, **meta}, fresh=a.fresh, verbose=True)
+        done = len(store.records)
+        print(f"{task}: {n_points} grid points x {n_items} items"
+              + (f" ({done} points already in {store.path}, resuming)" if done else ""), flush=True)
+        with Runner(loaded, lift_window=lift_window, **runner_kw) as runner:
+            run(runner, store)
+        print(f"{task}: done in {time.perf_counter() - t0:.0f} s -> {store.path}", flush=True)
+        write_report(a.out)
+    print(f"all tasks done in {time.perf_counter() - t_start:.0f} s; report: {write_report(a.out)}")
+    return 0
+
+
+def _plan(task: str, a: argparse.Namespace, loaded) -> tuple[dict, int, int, Callable, bool]:
+    """(settings recorded in the checkpoint, grid points, items, run(runner, store), lift the window?)"""
+    from flexgen_h2o.eval import data
+    from flexgen_h2o.eval.grid import make_grid
+
+    if loaded.tokenizer is None:
+        raise ConfigError(f"{loaded.config.name} has no tokenizer in its store; the tasks need one to read text")
+    tok, cfg = loaded.tokenizer, loaded.config
+    if task == "perplexity":
+        from flexgen_h2o.eval.perplexity import run_perplexity
+        items = {c: data.perplexity_items(tok, c, a.ppl_items, a.ppl_context, a.ppl_continuation) for c in a.corpora}
+        _check_vocab([x for pairs in items.values() for p, c in pairs for x in (p, c)], cfg.vocab_size)
+        points = make_grid(a.policy_list, a.budget_list)
+        meta = {"corpora": a.corpora, "items": a.ppl_items, "context": a.ppl_context,
+                "continuation": a.ppl_continuation, "budgets": [b.label for b in a.budget_list]}
+        return (meta, len(points) * len(items), sum(map(len, items.values())),
+                lambda r, s: run_perplexity(r, s, items, points), False)
+    if task == "summarization":
+        from flexgen_h2o.eval.summarize import rouge_scorer, run_summarization
+        rouge_scorer()                                   # fail now, not after the first point, without rouge-score
+        sitems = data.summary_items(tok, a.sum_items, a.sum_prompt_len)
+        _check_vocab([it.prompt for it in sitems], cfg.vocab_size)
+        points = make_grid(a.policy_list, a.sum_budget_list)
+        meta = {"items": a.sum_items, "prompt_len": a.sum_prompt_len, "gen_len": a.sum_gen_len,
+                "budgets": [b.label for b in a.sum_budget_list]}
+        return (meta, len(points), len(sitems),
+                lambda r, s: run_summarization(r, s, sitems, points, a.sum_gen_len), False)
+    if task == "streaming":
+        from flexgen_h2o.eval.streaming import run_streaming, streaming_points
+        length = a.stream_len or int(cfg.max_seq_len * 1.25)
+        if length <= a.stream_prefill:
+            raise ConfigError(f"stream length {length} must exceed --stream-prefill ({a.stream_prefill})")
+        streams = data.stream_items(tok, a.stream_count, length)
+        _check_vocab(streams, cfg.vocab_size)
+        points = streaming_points(a.stream_policy_list, a.stream_budget_spec)
+        meta = {"length": length, "streams": a.stream_count, "prefill": a.stream_prefill,
+                "budget": a.stream_budget_spec.label, "windows": a.stream_windows, "model_window": cfg.max_seq_len}
+        # the no-rolling baselines must run past the window: that is what is measured
+        return (meta, len(points), len(streams),
+                lambda r, s: run_streaming(r, s, streams, a.stream_prefill, points, a.stream_windows), True)
+    from flexgen_h2o.eval.needle import run_needle
+    nitems = data.needle_items(tok, a.needle_len, a.needle_depths, a.needle_trials, a.needle_filler, a.seed)
+    _check_vocab([it.prompt for it in nitems], cfg.vocab_size)
+    points = make_grid(a.policy_list, a.needle_budget_list)
+    meta = {"length": a.needle_len, "depths": a.needle_depths, "trials": a.needle_trials, "filler": a.needle_filler,
+            "budgets": [b.label for b in a.needle_budget_list]}
+    return meta, len(points), len(nitems), lambda r, s: run_needle(r, s, nitems, points), False

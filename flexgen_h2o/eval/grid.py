@@ -1,0 +1,109 @@
+"""The grid every task runs: eviction policies x KV budgets, each point turned into the engine's EvictionConfig.
+
+A budget is either a share of the sequence ("20%": of prompt + new tokens, resolved per block because the
+engine gives every sequence of a block the same slot count) or an absolute slot count ("256", seed 000's
+"KV cache size"). Every evicting policy gets the same total through `kv_budget`, so the policies compete at
+exactly equal cache sizes (sinks, heavy hitters and recent window all come out of that total).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from flexgen_h2o.config import ConfigError
+from flexgen_h2o.kv import EvictionConfig
+from flexgen_h2o.kv.budget import DEFAULT_SINKS, POLICY_NAMES
+
+DEFAULT_POLICIES = POLICY_NAMES                       # full, h2o, h2o-port, local, sink, random
+DEFAULT_BUDGETS = ("5%", "10%", "20%", "40%", "64", "128", "256", "512", "1024")
+
+
+@dataclass(frozen=True)
+class BudgetSpec:
+    """One budget of the grid: a fraction of the sequence, or a slot count."""
+    label: str
+    fraction: float | None = None
+    slots: int | None = None
+
+    @property
+    def is_fraction(self) -> bool:
+        return self.fraction is not None
+
+    def slots_for(self, seq_len: int) -> int:
+        """Total KV slots per (sequence, KV head) for a block whose longest sequence has seq_len tokens."""
+        if self.fraction is not None:
+            return max(1, int(round(self.fraction * seq_len)))
+        assert self.slots is not None
+        return self.slots
+
+
+def parse_budget(text: str) -> BudgetSpec:
+    """'20%' -> 20 % of the sequence; '256' -> 256 slots. Raises ConfigError with what is accepted."""
+    t = text.strip()
+    try:
+        number = float(t[:-1]) if t.endswith("%") else int(t)
+    except ValueError:
+        raise ConfigError(f"budget {text!r} is neither a percentage like 20% nor a slot count like 256") from None
+    if t.endswith("%"):
+        if not 0 < number <= 100:
+            raise ConfigError(f"budget {text!r}: a percentage must be in (0, 100]")
+        return BudgetSpec(label=f"{number:g}%", fraction=number / 100.0)
+    slots = int(number)
+    if slots < 1:
+        raise ConfigError(f"budget {text!r}: a slot count must be >= 1")
+    return BudgetSpec(label=str(slots), slots=slots)
+
+
+def parse_budgets(text: str) -> list[BudgetSpec]:
+    specs = [parse_budget(t) for t in text.split(",") if t.strip()]
+    if not specs:
+        raise ConfigError("--budgets is empty; give e.g. 5%,10%,20%,40%,64,128,256,512,1024")
+    labels = [s.label for s in specs]
+    if len(set(labels)) != len(labels):
+        raise ConfigError(f"--budgets repeats a budget: {','.join(labels)}")
+    return specs
+
+
+def parse_policies(text: str) -> list[str]:
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    bad = [n for n in names if n not in POLICY_NAMES]
+    if bad or not names:
+        raise ConfigError(f"unknown policy {', '.join(bad) or '(none given)'}; choose from {', '.join(POLICY_NAMES)}")
+    if len(set(names)) != len(names):
+        raise ConfigError(f"--policies repeats a policy: {','.join(names)}")
+    return names
+
+
+@dataclass(frozen=True)
+class GridPoint:
+    """One run configuration: a policy, its budget (None for full) and whether positions roll."""
+    policy: str
+    budget: BudgetSpec | None = None
+    rolling: bool = False
+
+    @property
+    def key(self) -> str:
+        """Stable name used in the checkpoint JSON and the tables, e.g. 'h2o@20%' or 'sink@512+roll'."""
+        base = self.policy if self.budget is None else f"{self.policy}@{self.budget.label}"
+        return base + ("+roll" if self.rolling else "")
+
+    def slots(self, seq_len: int) -> int | None:
+        """The total slots this point asks for in a block of seq_len tokens (None: full cache)."""
+        if self.budget is None:
+            return None
+        # sink needs room for its 4 sinks plus one window slot; smaller requests are raised (and recorded)
+        return max(self.budget.slots_for(seq_len), DEFAULT_SINKS.get(self.policy, 0) + 1)
+
+    def eviction(self, seq_len: int, seed: int = 0) -> EvictionConfig:
+        slots = self.slots(seq_len)
+        if slots is None:
+            return EvictionConfig(policy="full", position_rolling=self.rolling)
+        return EvictionConfig(policy=self.policy, kv_budget=slots, position_rolling=self.rolling, seed=seed)
+
+
+def make_grid(policies: list[str], budgets: list[BudgetSpec], rolling: bool = False) -> list[GridPoint]:
+    """full first (other tasks compare against its output), then every evicting policy at every budget."""
+    points = [GridPoint("full", None, rolling)] if "full" in policies else []
+    for policy in policies:
+        if policy != "full":
+            points += [GridPoint(policy, b, rolling) for b in budgets]
+    return points

@@ -1,0 +1,237 @@
+"""Markdown tables, PNG plots and the issue's target checks, built from the checkpoint JSON files alone.
+
+So a report can be rebuilt at any time (`--report-only`), also from a partial run: missing points are "–".
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from flexgen_h2o.eval.grid import parse_budget
+from flexgen_h2o.eval.results import load_results
+
+TASKS = ("perplexity", "summarization", "streaming", "needle")
+MISSING = "–"
+
+
+def _fmt(x: float | None, digits: int = 2) -> str:
+    return MISSING if x is None else f"{x:.{digits}f}"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
+
+
+def _budgets_and_policies(records: dict, prefix: str = "") -> tuple[list[str], list[str]]:
+    """Budget labels (percentages first, then slots ascending) and evicting policies, in first-seen order."""
+    budgets, policies = [], []
+    for key, r in records.items():
+        if not key.startswith(prefix) or r["budget"] == "full" or r.get("rolling"):
+            continue
+        budgets += [r["budget"]] if r["budget"] not in budgets else []
+        policies += [r["policy"]] if r["policy"] not in policies else []
+
+    def order(label: str):
+        spec = parse_budget(label)
+        return (0, spec.fraction) if spec.is_fraction else (1, spec.slots)
+    return sorted(budgets, key=order), policies
+
+
+def _mark(r: dict) -> str:
+    """'*' where no block evicted: the budget held the whole run, so the point is the full cache itself."""
+    return "*" if r.get("blocks_evicting") == 0 and r.get("budget") != "full" else ""
+
+
+def _policy_grid(records: dict, prefix: str, value, digits: int = 2) -> tuple[list[str], list[list[str]]]:
+    budgets, policies = _budgets_and_policies(records, prefix)
+    full = records.get(prefix + "full")
+    header = ["policy"] + budgets + ["full"]
+    rows = []
+    for p in policies:
+        cells = []
+        for b in budgets:
+            r = records.get(f"{prefix}{p}@{b}")
+            cells.append(MISSING if r is None else _fmt(value(r), digits) + _mark(r))
+        rows.append([p] + cells + [_fmt(value(full), digits) if full else MISSING])
+    return header, rows
+
+
+def _plt():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def _budget_plot(records: dict, prefix: str, value, ylabel: str, title: str, path: Path, log_y: bool = False) -> None:
+    """Two panels (% of the sequence | absolute slots), budget on x, one line per policy, full dashed."""
+    plt = _plt()
+    budgets, policies = _budgets_and_policies(records, prefix)
+    groups = [[b for b in budgets if b.endswith("%")], [b for b in budgets if not b.endswith("%")]]
+    groups = [g for g in groups if g]
+    if not groups:
+        return
+    fig, axes = plt.subplots(1, len(groups), figsize=(6 * len(groups), 4), squeeze=False)
+    full = records.get(prefix + "full")
+    for ax, group in zip(axes[0], groups):
+        xs = [parse_budget(b).fraction * 100 if b.endswith("%") else parse_budget(b).slots for b in group]
+        for p in policies:
+            pts = [(x, value(records[f"{prefix}{p}@{b}"])) for x, b in zip(xs, group) if f"{prefix}{p}@{b}" in records]
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=p)
+        if full:
+            ax.axhline(value(full), color="black", linestyle="--", label="full")
+        ax.set_xlabel("KV budget (% of sequence)" if group[0].endswith("%") else "KV budget (slots)")
+        if not group[0].endswith("%"):
+            ax.set_xscale("log", base=2)
+        if log_y:
+            ax.set_yscale("log")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _meta_line(data: dict) -> str:
+    return "settings: " + ", ".join(f"{k}={v}" for k, v in data["meta"].items())
+
+
+def perplexity_section(data: dict, out: Path) -> str:
+    recs = data["records"]
+    parts = ["## Perplexity", _meta_line(data)]
+    for corpus in data["meta"].get("corpora", []):
+        prefix = f"{corpus}/"
+        header, rows = _policy_grid(recs, prefix, lambda r: r["ppl"])
+        png = out / f"perplexity_{corpus}.png"
+        _budget_plot(recs, prefix, lambda r: r["ppl"], "perplexity", f"Perplexity ({corpus})", png, log_y=True)
+        parts += [f"### {corpus}", _table(header, rows), f"![perplexity {corpus}]({png.name})"]
+    parts.append("`*`: the budget held the whole sequence, so nothing was evicted (identical to full).")
+    return "\n\n".join(parts)
+
+
+def summarization_section(data: dict, out: Path) -> str:
+    recs = data["records"]
+    parts = ["## Summarization (XSUM-style, Lee news)", _meta_line(data)]
+    header, rows = _policy_grid(recs, "", lambda r: r["vs_reference"]["rouge2"], 4)
+    parts += ["Rouge-2 against the lead sentence (seed 000's shape; KV size in slots or % of the sequence):",
+              _table(header, rows)]
+    header, rows = _policy_grid(recs, "", lambda r: (r["vs_full"] or {"rouge2": 1.0})["rouge2"], 4)
+    parts += ["Fidelity: Rouge-2 against the full-cache summary of the same article:", _table(header, rows)]
+    detail = []
+    for key, r in recs.items():
+        ref, fid = r["vs_reference"], r["vs_full"]
+        detail.append([key + _mark(r)] + [_fmt(ref[t], 4) for t in ("rouge1", "rouge2", "rougeL")]
+                      + [_fmt(fid[t], 4) if fid else ("1.0000" if key == "full" else MISSING)
+                         for t in ("rouge1", "rouge2", "rougeL")])
+    parts += ["All ROUGE F-measures (vs reference | vs full-cache output):",
+              _table(["point", "R-1", "R-2", "R-L", "R-1 fid", "R-2 fid", "R-L fid"], detail)]
+    png = out / "summarization_rouge2.png"
+    _budget_plot(recs, "", lambda r: r["vs_reference"]["rouge2"], "Rouge-2", "Summarization Rouge-2", png)
+    parts.append(f"![summarization]({png.name})")
+    return "\n\n".join(parts)
+
+
+def streaming_section(data: dict, out: Path) -> str:
+    recs = data["records"]
+    full = recs.get("full")
+    # the text itself gets easier or harder along one stream; full's own last 10 % is the control for that
+    rows = [[k, _fmt(r["ppl"]), _fmt(r["ppl_first10"]), _fmt(r["ppl_last10"]), _fmt(r["last_over_first"], 3),
+             _fmt(r["ppl_last10"] / full["ppl_last10"], 3) if full else MISSING, str(r.get("slots_max") or "all")]
+            for k, r in recs.items()]
+    parts = ["## Streaming", _meta_line(data),
+             _table(["point", "ppl", "first 10 %", "last 10 %", "last / first", "last 10 % / full's", "slots"], rows)]
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    prefill = data["meta"].get("prefill", 0)
+    for k, r in recs.items():
+        w, n = r["window_ppl"], len(r["nll_curve"])
+        xs = [prefill + (i + 0.5) * n / len(w) for i in range(len(w))]
+        ax.plot(xs, w, marker=".", label=k, linestyle="-" if r["rolling"] or k == "full" else ":")
+    window = data["meta"].get("model_window")
+    if window and window < prefill + max((len(r["nll_curve"]) for r in recs.values()), default=0):
+        ax.axvline(window, color="red", alpha=0.5, label="model window")
+    ax.set_xlabel("stream position (tokens)")
+    ax.set_ylabel("perplexity (per window)")
+    ax.set_yscale("log")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    png = out / "streaming.png"
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+    parts.append(f"![streaming]({png.name})")
+    return "\n\n".join(parts)
+
+
+def needle_section(data: dict, out: Path) -> str:
+    recs = data["records"]
+    depths = data["meta"].get("depths", [])
+    rows = [[k + _mark(r), _fmt(r["accuracy"])] + [_fmt(r["accuracy_by_depth"].get(str(d))) for d in depths]
+            + [_fmt(r["answer_nll"], 3)] for k, r in recs.items()]
+    parts = ["## Needle retrieval (pass key)", _meta_line(data),
+             _table(["point", "accuracy"] + [f"{d} %" for d in depths] + ["answer NLL"], rows)]
+    if recs:
+        plt = _plt()
+        keys = list(recs)
+        grid = [[recs[k]["accuracy_by_depth"].get(str(d), float("nan")) for d in depths] for k in keys]
+        fig, ax = plt.subplots(figsize=(3.5 + 0.7 * len(depths), 1.5 + 0.3 * len(keys)))
+        im = ax.imshow(grid, vmin=0, vmax=1, cmap="viridis", aspect="auto")
+        ax.set_xticks(range(len(depths)), [f"{d}%" for d in depths])
+        ax.set_yticks(range(len(keys)), keys, fontsize=7)
+        ax.set_xlabel("needle depth")
+        fig.colorbar(im, ax=ax, label="exact-match accuracy")
+        fig.tight_layout()
+        png = out / "needle.png"
+        fig.savefig(png, dpi=110)
+        plt.close(fig)
+        parts.append(f"![needle]({png.name})")
+    return "\n\n".join(parts)
+
+
+def target_checks(results: dict[str, dict]) -> list[str]:
+    """The issue's targets, where the run has the points they need."""
+    lines = []
+    ppl = (results.get("perplexity") or {}).get("records", {})
+    for corpus in (results.get("perplexity") or {}).get("meta", {}).get("corpora", []):
+        get = lambda k: (ppl.get(f"{corpus}/{k}") or {}).get("ppl")   # noqa: E731
+        h2o, full, local, sink = get("h2o@20%"), get("full"), get("local@20%"), get("sink@20%")
+        if h2o and full:
+            lines.append(f"- {corpus}: h2o@20% perplexity / full = {h2o / full:.3f} (target <= 1.10: "
+                         f"{'met' if h2o / full <= 1.10 else 'MISSED'})")
+        for name, other in (("local", local), ("sink", sink)):
+            if h2o and other:
+                lines.append(f"- {corpus}: h2o@20% {h2o:.2f} vs {name}@20% {other:.2f} (target below: "
+                             f"{'met' if h2o < other else 'MISSED'})")
+    summ = (results.get("summarization") or {}).get("records", {})
+    if "h2o@20%" in summ and "full" in summ:
+        a, b = summ["h2o@20%"]["vs_reference"]["rouge2"], summ["full"]["vs_reference"]["rouge2"]
+        if b > 0:
+            lines.append(f"- summarization: Rouge-2 h2o@20% / full = {a / b:.3f} (target >= 0.95: "
+                         f"{'met' if a / b >= 0.95 else 'MISSED'})")
+        else:
+            lines.append("- summarization: full-cache Rouge-2 is 0, so the ratio target cannot be judged")
+    for k, r in ((results.get("streaming") or {}).get("records", {})).items():
+        if r.get("rolling"):
+            lines.append(f"- streaming {k}: last 10 % / first 10 % = {r['last_over_first']:.3f} (target <= 1.2: "
+                         f"{'met' if r['last_over_first'] <= 1.2 else 'MISSED'})")
+    return lines
+
+
+def write_report(out_dir: str | Path, title: str = "Accuracy report") -> Path:
+    out = Path(out_dir)
+    results = {t: load_results(out, t) for t in TASKS}
+    builders = {"perplexity": perplexity_section, "summarization": summarization_section,
+                "streaming": streaming_section, "needle": needle_section}
+    parts = [f"# {title}"]
+    for task in TASKS:
+        if results[task] and results[task]["records"]:
+            parts.append(builders[task](results[task], out))
+    checks = target_checks(results)
+    if checks:
+        parts += ["## Targets", "\n".join(checks)]
+    path = out / "report.md"
+    path.write_text("\n\n".join(parts) + "\n")
+    return path
