@@ -90,9 +90,7 @@ def _budget_plot(records: dict, prefix: str, value, ylabel: str, title: str, pat
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, path)
 
 
 def _meta_line(data: dict) -> str:
@@ -158,12 +156,16 @@ def streaming_section(data: dict, out: Path) -> str:
     ax.set_yscale("log")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    png = out / "streaming.png"
-    fig.savefig(png, dpi=110)
-    plt.close(fig)
-    parts.append(f"![streaming]({png.name})")
+    parts.append(f"![streaming]({_save(fig, out / 'streaming.png')})")
     return "\n\n".join(parts)
+
+
+def _save(fig, path: Path) -> str:
+    """Write a figure as PNG and close it; returns the file name for the markdown link."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    _plt().close(fig)
+    return path.name
 
 
 def needle_section(data: dict, out: Path) -> str:
@@ -183,11 +185,7 @@ def needle_section(data: dict, out: Path) -> str:
         ax.set_yticks(range(len(keys)), keys, fontsize=7)
         ax.set_xlabel("needle depth")
         fig.colorbar(im, ax=ax, label="exact-match accuracy")
-        fig.tight_layout()
-        png = out / "needle.png"
-        fig.savefig(png, dpi=110)
-        plt.close(fig)
-        parts.append(f"![needle]({png.name})")
+        parts.append(f"![needle]({_save(fig, out / 'needle.png')})")
     return "\n\n".join(parts)
 
 
