@@ -1,0 +1,323 @@
+"""Throughput of our engine and its real peers, side by side on one machine, with the roofline beside them.
+
+    python -m benchmarks.suite                                    # every workload, every system (hours)
+    python -m benchmarks.suite --workload s2048+512 --systems ours hf kvpress-observed-20
+    python -m benchmarks.suite --smoke                            # tiny shapes, a few minutes, CI
+
+Per workload: (1) each selected system that can run here prepares once (stores, offload folders, the kvpress
+virtualenv); one that cannot is kept as a skipped row with its reason. (2) A small batch search per system:
+short probes (`probe_gen_len` new tokens) at candidate batch sizes, each probe's peak RSS projected to the full
+length and checked against the workload's budget; ours asks its planner first and probes from the largest
+admitted batch down, the peers probe upwards until over budget or slower. (3) Final runs at each system's best
+batch, fully measured (nothing projected), `--repeats` times, interleaved A B C ... C B A so machine drift hits
+every system alike. Every run is its own subprocess with the same environment (bench_env: OMP_WAIT_POLICY=PASSIVE,
+the same thread count). (4) Medians, the roofline from `benchmarks.machine` (measured first, same day), a markdown
+report, PNG plots and results.json under --out.
+"""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import shlex  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from dataclasses import asdict, dataclass, field  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any, Callable  # noqa: E402
+
+from benchmarks.common import REPO_ROOT, CaseFailed, bench_env, drop_page_cache, median  # noqa: E402
+from benchmarks.systems import RESULT_KEYS, Candidate, System, all_systems, select_systems  # noqa: E402
+from benchmarks.workloads import WORKLOADS, Workload, select_workloads  # noqa: E402
+
+SMOKE_WORKLOADS = ["s512+128", "disk512+128"]
+SLOWER = 0.97                  # a probe this much below the best so far ends the search (noise margin)
+
+
+# --- the batch search (pure: `probe` is injected, so tests drive it with a fake) ---
+
+@dataclass
+class Step:
+    candidate: Candidate
+    status: str                              # ok | best | over budget (planner|measured) | slower | failed | ...
+    projected_peak_bytes: int | None = None
+    projected_total_tok_s: float | None = None
+
+
+@dataclass
+class SearchResult:
+    best: Candidate | None
+    steps: list[Step] = field(default_factory=list)
+
+
+def project_probe(row: dict[str, Any], gen_len: int, growth_bytes: int) -> tuple[float, int]:
+    """(total tok/s, peak RSS) a probe of row['gen_len'] tokens projects for gen_len: the median decode step
+    (first step left out: it pays one-off costs) repeated, plus the bytes the cache would still grow."""
+    steps = row["step_times_s"][1:] or row["step_times_s"]
+    step = median(steps) if steps else row["decode_s"] / max(row["gen_len"] - 1, 1)
+    total = row["batch"] * gen_len / (row["prefill_s"] + step * (gen_len - 1))
+    return total, row["peak_rss_bytes"] + growth_bytes
+
+
+def search_batch(cands: list[Candidate], probe: Callable[[Candidate], tuple[float, int]], budget: int, *,
+                 order: str = "up", max_probes: int = 4) -> SearchResult:
+    """The best batch within `budget`. probe(c) -> (projected total tok/s, projected peak bytes), or raises
+    CaseFailed. "up": ascending until over budget, slower, or failed. "down": the planner's admitted candidates
+    from the largest, skipping measured over-budget ones, until one is slower than the best so far.
+    A lone admissible candidate is taken without a probe."""
+    res = SearchResult(None)
+    admitted = [c for c in cands if c.predicted_bytes is None or c.predicted_bytes <= budget]
+    rejected = [Step(c, "over budget (planner)", c.predicted_bytes) for c in cands if c not in admitted]
+    if len(admitted) == 1:
+        res.best = admitted[0]
+        res.steps = [Step(admitted[0], "best (only candidate, not probed)", admitted[0].predicted_bytes)] + rejected
+        return res
+    order_list = admitted if order == "up" else admitted[::-1]
+    best_tps, probes = 0.0, 0
+    for i, c in enumerate(order_list):
+        if probes >= max_probes:
+            res.steps += [Step(x, "not probed (probe cap)") for x in order_list[i:]]
+            break
+        probes += 1
+        try:
+            tps, peak = probe(c)
+        except CaseFailed as e:
+            res.steps.append(Step(c, f"failed: {str(e).strip().splitlines()[-1][:120]}"))
+            if order == "up":
+                break
+            continue
+        if peak > budget:
+            res.steps.append(Step(c, "over budget (measured)", peak, tps))
+            if order == "up":
+                break
+            continue
+        slower = res.best is not None and tps < SLOWER * best_tps
+        res.steps.append(Step(c, "slower" if slower else "ok", peak, tps))
+        if not slower and tps > best_tps:
+            res.best, best_tps = c, tps
+        if slower:
+            break
+    for s in res.steps:
+        if s.candidate == res.best:
+            s.status = "best"
+    res.steps += rejected
+    return res
+
+
+# --- running cases ---
+
+def run_child(python: str, args: list[str], json_path: Path, env: dict[str, str], log_path: Path,
+              timeout: float | None) -> tuple[dict[str, Any], float]:
+    """One case in its own process; returns (its JSON, wall seconds). The JSON is removed first so a stale one
+    is never read back."""
+    json_path.unlink(missing_ok=True)
+    cmd = [python, *args]
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        raise CaseFailed(f"timeout after {timeout} s: {shlex.join(cmd)}") from e
+    wall = time.perf_counter() - t0
+    out = proc.stdout + proc.stderr
+    log_path.write_text(shlex.join(cmd) + "\n\n" + out)
+    if proc.returncode != 0 or not json_path.is_file():
+        tail = "\n".join(out.strip().splitlines()[-8:])
+        raise CaseFailed(f"exit {proc.returncode}: {shlex.join(cmd)}\n{tail}")
+    return json.loads(json_path.read_text()), wall
+
+
+class Runner:
+    def __init__(self, a: argparse.Namespace, env: dict[str, str]) -> None:
+        self.a, self.env = a, env
+        self.runs_dir = a.out / "runs"
+        self.runs_dir.mkdir(parents=True, exist_ok=True)
+
+    def case(self, s: System, w: Workload, c: Candidate, gen_len: int, *, probe: bool, repeat: int) -> dict:
+        tag = f"{w.name}_{s.name}_b{c.label}_{'probe' if probe else f'r{repeat}'}"
+        json_path = self.runs_dir / f"{tag}.json"
+        if w.cold_disk:
+            drop_page_cache(s.cold_files(w))             # every run starts with its weight files cold
+        raw, wall = run_child(s.python(), s.command(w, c, gen_len, json_path, self.a.work), json_path, self.env,
+                              self.runs_dir / f"{tag}.log", self.a.timeout)
+        row = s.normalize(raw, w, c, gen_len, wall_s=wall, threads=self.a.threads, probe=probe, repeat=repeat)
+        json_path.with_suffix(".row.json").write_text(json.dumps(row, indent=2, default=str))
+        mark = "probe" if probe else f"run {repeat}"
+        print(f"  {s.name:22s} {mark:7s} batch {c.label:>5}: prefill {row['prefill_tok_s']:8.1f} | decode "
+              f"{row['decode_tok_s']:7.2f} | total {row['total_tok_s']:7.2f} tok/s | peak RSS "
+              f"{row['peak_rss_bytes'] / 2**30:.2f} GiB | {wall:.0f} s", flush=True)
+        return row
+
+    def search(self, s: System, w: Workload) -> SearchResult:
+        def probe(c: Candidate) -> tuple[float, int]:
+            row = self.case(s, w, c, w.probe_gen_len, probe=True, repeat=0)
+            return project_probe(row, w.gen_len, s.kv_growth_bytes(w, c.batch, w.gen_len - w.probe_gen_len))
+        cands = s.candidates(w, w.max_batch)
+        return search_batch(cands, probe, w.budget_bytes, order=s.search_order(), max_probes=self.a.max_probes)
+
+
+def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Medians over repeats (rates, times), the largest peak, per-step medians for the scaling plot."""
+    out = {k: median([r[k] for r in rows]) for k in ("prefill_s", "decode_s", "prefill_tok_s", "decode_tok_s",
+                                                     "total_tok_s", "wall_s")}
+    out["peak_rss_bytes"] = max(r["peak_rss_bytes"] for r in rows)
+    gpu = [r["peak_gpu_bytes"] for r in rows if r["peak_gpu_bytes"]]
+    out["peak_gpu_bytes"] = max(gpu) if gpu else None
+    n = min(len(r["step_times_s"]) for r in rows)
+    out["step_times_s"] = [median([r["step_times_s"][i] for r in rows]) for i in range(n)]
+    first = rows[0]
+    out.update({k: first[k] for k in ("system", "workload", "batch", "gbs", "num_batches", "prompt_len", "gen_len",
+                                      "kv_bytes_per_seq", "kv_grows")})
+    out["kv_tokens_per_seq"] = first["extra"].get("kv_tokens_per_seq")
+    out["offloaded_weight_bytes"] = first["extra"].get("offloaded_weight_bytes", 0) or 0
+    out["repeats"] = len(rows)
+    out["runs_total_tok_s"] = [r["total_tok_s"] for r in rows]
+    return out
+
+
+def roofline(machine: dict[str, Any], w: Workload, s: System, summ: dict[str, Any]) -> dict[str, Any]:
+    """The run's bound (machine.bound) and the share of it achieved, per phase. KV read per decode step is the
+    average over the run: constant for H2O, (end - gen/2) tokens for caches that keep every new token."""
+    from benchmarks.machine import bound
+    g = summ["gen_len"]
+    tokens_end = summ.get("kv_tokens_per_seq") or (summ["prompt_len"] + g)
+    avg_tokens = tokens_end if s.kv_fixed_tokens else max(tokens_end - g / 2, 1)
+    per_seq = summ.get("kv_bytes_per_seq") or 0
+    cfg = w.model_config()
+    off = summ["offloaded_weight_bytes"]
+    # resident weights in the fp32 compute dtype: what is not homed on disk (fp16 there, hence / 2 params)
+    resident = max(cfg.n_params() - off / 2, 0) * 4
+    b = bound(machine, cfg, batch=summ["batch"], prompt_len=summ["prompt_len"], gen_len=g,
+              kv_read_bytes_per_seq=per_seq * avg_tokens / tokens_end, offloaded_weight_bytes=off,
+              resident_weight_bytes=resident, kv_tokens=avg_tokens)
+    for k in ("prefill_tok_s", "decode_tok_s", "total_tok_s"):
+        b[k.replace("tok_s", "pct")] = 100 * summ[k] / b[k] if b[k] > 0 else float("nan")
+    # total can never beat the prefill rate times gen/prompt: the time to read the prompt alone
+    b["total_ceiling_tok_s"] = summ["prefill_tok_s"] * g / summ["prompt_len"]
+    return b
+
+
+def validate_row(row: dict[str, Any]) -> list[str]:
+    """Problems with a result row (smoke mode's only check: it never asserts a speed)."""
+    bad = [f"missing {k}" for k in RESULT_KEYS if k not in row]
+    for k in ("prefill_tok_s", "decode_tok_s", "total_tok_s", "prefill_s", "decode_s", "wall_s"):
+        v = row.get(k)
+        if not isinstance(v, (int, float)) or not v == v or v < 0:
+            bad.append(f"{k}={v!r}")
+    if not isinstance(row.get("peak_rss_bytes"), int) or row["peak_rss_bytes"] <= 0:
+        bad.append(f"peak_rss_bytes={row.get('peak_rss_bytes')!r}")
+    return bad
+
+
+def run_workload(w: Workload, names: list[str], systems: dict[str, System], runner: Runner,
+                 machine: dict[str, Any]) -> dict[str, Any]:
+    a = runner.a
+    print(f"\n== {w.name}: {w.describe()}", flush=True)
+    entries: dict[str, dict[str, Any]] = {}
+    for n in names:
+        s = systems[n]
+        reason = s.skip_reason(w) or s.prepare(w, runner.env, a.work)
+        entries[n] = {"system": n, "status": "skipped" if reason else "pending", "reason": reason, "search": [],
+                      "runs": []}
+        if reason:
+            print(f"  {n:22s} skipped: {reason}", flush=True)
+    for n, e in entries.items():
+        if e["status"] != "pending":
+            continue
+        res = runner.search(systems[n], w)
+        e["search"] = [{**asdict(st), "candidate": {**asdict(st.candidate), "label": st.candidate.label}}
+                       for st in res.steps]
+        e["best"] = res.best
+        if res.best is None:
+            e.update(status="no batch fits", reason=res.steps[0].status if res.steps else "no candidates")
+    live = [n for n, e in entries.items() if e["status"] == "pending"]
+    for rep in range(a.repeats):                 # A B C, then C B A: drift hits every system alike
+        for n in (live if rep % 2 == 0 else live[::-1]):
+            e = entries[n]
+            if e["status"] != "pending":
+                continue
+            try:
+                e["runs"].append(runner.case(systems[n], w, e["best"], w.gen_len, probe=False, repeat=rep))
+            except CaseFailed as err:
+                e.update(status="failed", reason=str(err).strip().splitlines()[-1][:300])
+    for n in live:
+        e = entries[n]
+        if e["runs"]:
+            e["summary"] = summarize(e["runs"])
+            e["roofline"] = roofline(machine, w, systems[n], e["summary"])
+            e["over_budget"] = e["summary"]["peak_rss_bytes"] > w.budget_bytes
+            e["status"] = "ran" if e["status"] == "pending" else e["status"]
+    for e in entries.values():
+        e["best"] = asdict(e["best"]) if e.get("best") else None
+    return {"workload": asdict(w), "systems": list(entries.values())}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.suite", description=__doc__.split("\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p.add_argument("--workload", nargs="+", metavar="W", help=f"default: all ({', '.join(WORKLOADS)})")
+    p.add_argument("--systems", nargs="+", metavar="S", help="names, family prefixes (ours-h2o, kvpress) or globs; "
+                   f"default: the workload's list. Known: {', '.join(all_systems())}")
+    p.add_argument("--smoke", "--quick", action="store_true",
+                   help=f"tiny shapes (64+8, batch <= 2, OPT-125M), 1 repeat; default workloads {SMOKE_WORKLOADS}")
+    p.add_argument("--repeats", type=int, help="final runs per system, interleaved (default 2; smoke 1)")
+    p.add_argument("--max-probes", type=int, help="search probes per system (default 4; smoke 1)")
+    p.add_argument("--budget-gib", type=float, help="override every workload's RAM budget")
+    p.add_argument("--threads", type=int, default=2, help="OMP/MKL/torch threads, the same for every system")
+    p.add_argument("--timeout", type=float, help="seconds per case (smoke: 600)")
+    p.add_argument("--machine-json", type=Path, help="reuse constants measured earlier instead of measuring")
+    p.add_argument("--out", type=Path, default=REPO_ROOT / "benchmarks" / "results" / "suite")
+    p.add_argument("--work", type=Path, help="scratch folder for offload files (default: <out>/work)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
+    a.repeats = a.repeats or (1 if a.smoke else 2)
+    a.max_probes = a.max_probes or (1 if a.smoke else 4)      # smoke: the search runs, one probe per system
+    a.timeout = a.timeout or (600 if a.smoke else None)
+    a.out.mkdir(parents=True, exist_ok=True)
+    a.work = a.work or a.out / "work"
+    a.work.mkdir(parents=True, exist_ok=True)
+    workloads = select_workloads(a.workload or (SMOKE_WORKLOADS if a.smoke else None), a.smoke)
+    if a.budget_gib:
+        from dataclasses import replace
+        workloads = [replace(w, budget_bytes=int(a.budget_gib * (1 << 30))) for w in workloads]
+    env = bench_env(a.threads)
+    systems = all_systems()
+    if a.machine_json:
+        machine = json.loads(a.machine_json.read_text())
+    else:
+        print("measuring the machine ...", flush=True)
+        mjson = a.out / "machine.json"
+        run_child(sys.executable, ["-m", "benchmarks.machine", "--json", str(mjson), "--threads", str(a.threads)]
+                  + (["--smoke"] if a.smoke else []), mjson, env, a.out / "machine.log", None)
+        machine = json.loads(mjson.read_text())
+    t0 = time.perf_counter()
+    results = [run_workload(w, select_systems(a.systems, w.systems, list(systems)), systems, Runner(a, env),
+                            machine) for w in workloads]
+    doc = {"command": shlex.join(["python", "-m", "benchmarks.suite", *(argv if argv is not None else sys.argv[1:])]),
+           "date": machine.get("date"), "smoke": a.smoke, "repeats": a.repeats, "threads": a.threads,
+           "suite_s": time.perf_counter() - t0, "machine": machine, "results": results}
+    (a.out / "results.json").write_text(json.dumps(doc, indent=2, default=str))
+    from benchmarks.suite_report import write_report
+    md = write_report(doc, a.out)
+    print("\n" + md)
+    print(f"wrote {a.out / 'results.json'}, {a.out / 'results.md'} and plots in {a.out}")
+    if a.smoke:                                   # CI: every enabled system ran and its JSON is well formed
+        problems = [f"{r['workload']['name']}/{e['system']}: {e['status']} {e.get('reason') or ''}"
+                    for r in results for e in r["systems"] if e["status"] not in ("ran", "skipped")]
+        problems += [f"{row['workload']}/{row['system']}: {p}" for r in results for e in r["systems"]
+                     for row in e["runs"] for p in validate_row(row)]
+        if problems:
+            print("smoke check FAILED:\n  " + "\n  ".join(problems), file=sys.stderr)
+            return 1
+        print("smoke check passed: every enabled system ran, every result row is well formed")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,147 @@
+"""The suite's report: a markdown file (results.md) and PNG plots, built from results.json alone, so a report can
+be rebuilt from an old run (`python -m benchmarks.suite_report benchmarks/results/suite`)."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+GIB, MIB = float(1 << 30), float(1 << 20)
+
+
+def _f(x: Any, nd: int = 1) -> str:
+    if x is None or x != x:
+        return "-"
+    return f"{x:.{nd}f}" if abs(x) < 1e5 else f"{x:.3g}"
+
+
+def machine_line(m: dict[str, Any]) -> str:
+    dec = m["gemm_decode_GFLOPs"]
+    gpu = m.get("gpu")
+    link = f"host->device {gpu['h2d_GBps']:.1f} GB/s, device->host {gpu['d2h_GBps']:.1f} GB/s" if gpu else "no GPU"
+    cold = m.get("disk_read_cold_fraction", -1)
+    return (f"Machine ({m['date']}, {m['cpu']}, {m['threads']} threads, torch {m['torch']}): fp32 GEMM "
+            f"{dec.get('1', 0):.1f} / {dec.get('8', 0):.1f} / {dec.get('64', 0):.1f} GFLOP/s at decode heights "
+            f"1 / 8 / 64 rows, {m['gemm_prefill_GFLOPs']:.1f} GFLOP/s at prefill ({m['gemm_prefill_rows']} rows); "
+            f"memory copy {m['memcpy_GBps']:.1f} GB/s (read + write), read {m['mem_read_GBps']:.1f} GB/s; disk "
+            f"write {m['disk_write_GBps']:.2f} GB/s (fsync), cold read {m['disk_read_GBps']:.2f} GB/s "
+            f"({100 * cold:.0f} % from the device), page-cache read {m.get('page_cache_read_GBps', 0):.2f} GB/s, "
+            f"{m.get('mem_available_bytes', 0) / GIB:.1f} GiB available; {link}.")
+
+
+def results_table(wl: dict[str, Any]) -> list[str]:
+    budget = wl["workload"]["budget_bytes"]
+    head = ("| system | batch | prefill tok/s | decode tok/s | total tok/s | total ceiling | peak RSS GiB | "
+            "KV MiB/seq | wall s | bound tok/s (prefill / decode / total) | % of bound (prefill / decode / total) "
+            "| decode limit | note |")
+    lines = [head, "|" + "---|" * 13]
+    for e in wl["systems"]:
+        if "summary" not in e:
+            lines.append(f"| {e['system']} | - | - | - | - | - | - | - | - | - | - | - | {e['status']}: "
+                         f"{e.get('reason') or ''} |")
+            continue
+        s, b = e["summary"], e["roofline"]
+        batch = f"{s['gbs']}x{s['num_batches']}" if s["num_batches"] > 1 else str(s["batch"])
+        note = "OVER BUDGET" if s["peak_rss_bytes"] > budget else ""
+        if e["status"] != "ran":
+            note += f" {e['status']}: {e.get('reason') or ''}"
+        kv = s["kv_bytes_per_seq"] / MIB if s.get("kv_bytes_per_seq") else None
+        src = b.get("decode_weights_from", "-")
+        limit = b["decode_limit"] + (f" (weights: {src})" if b["decode_limit"] == "io" and src != "-" else "")
+        rss = _f(s["peak_rss_bytes"] / GIB, 2) + (f" (GPU {s['peak_gpu_bytes'] / GIB:.2f})"
+                                                    if s.get("peak_gpu_bytes") else "")
+        lines.append(
+            f"| {e['system']} | {batch} | {_f(s['prefill_tok_s'])} | {_f(s['decode_tok_s'], 2)} | "
+            f"{_f(s['total_tok_s'], 2)} | {_f(b['total_ceiling_tok_s'], 2)} | {rss} | "
+            f"{_f(kv, 2)} | {_f(s['wall_s'], 0)} | {_f(b['prefill_tok_s'])} / {_f(b['decode_tok_s'], 2)} / "
+            f"{_f(b['total_tok_s'], 2)} | {_f(b['prefill_pct'], 0)} / {_f(b['decode_pct'], 0)} / "
+            f"{_f(b['total_pct'], 0)} | {limit} | {note.strip()} |")
+    return lines
+
+
+def search_table(wl: dict[str, Any]) -> list[str]:
+    lines = ["| system | candidate (gbs x K) | planner GiB | projected peak GiB | projected total tok/s | verdict |",
+             "|" + "---|" * 6]
+    for e in wl["systems"]:
+        for st in e["search"]:
+            c = st["candidate"]
+            pred = c.get("predicted_bytes")
+            lines.append(f"| {e['system']} | {c['label']} | {_f(pred / GIB if pred else None, 2)} | "
+                         f"{_f(st['projected_peak_bytes'] / GIB if st['projected_peak_bytes'] else None, 2)} | "
+                         f"{_f(st['projected_total_tok_s'], 2)} | {st['status']} |")
+    return lines
+
+
+def plot_workload(wl: dict[str, Any], out: Path) -> list[str]:
+    """Throughput bars per system (log scale: the rates span orders of magnitude) and decode step time against
+    the current sequence length for every system that reports per-step times (ours-full and ours-h2o always)."""
+    import matplotlib
+    matplotlib.use("Agg")                 # no display on benchmark machines
+    import matplotlib.pyplot as plt
+    name = wl["workload"]["name"]
+    ran = [e for e in wl["systems"] if "summary" in e]
+    files: list[str] = []
+    if not ran:
+        return files
+    fig, ax = plt.subplots(figsize=(8, 0.45 * len(ran) * 3 + 1.5))
+    ys = range(len(ran))
+    for i, (key, label) in enumerate((("prefill_tok_s", "prefill"), ("decode_tok_s", "decode"),
+                                      ("total_tok_s", "total"))):
+        ax.barh([y * 4 + i for y in ys], [e["summary"][key] for e in ran], label=label)
+    ax.set_yticks([y * 4 + 1 for y in ys], [e["system"] for e in ran])
+    ax.set_xscale("log")
+    ax.set_xlabel("tokens / s (measured, median over repeats)")
+    ax.set_title(f"{name}: throughput at each system's best batch")
+    ax.legend()
+    fig.tight_layout()
+    files.append(f"throughput_{name}.png")
+    fig.savefig(out / files[-1], dpi=110)
+    plt.close(fig)
+    stepped = [e for e in ran if e["summary"]["step_times_s"]]
+    if stepped:
+        fig, ax = plt.subplots(figsize=(8, 4.5))
+        p = wl["workload"]["prompt_len"]
+        for e in stepped:
+            st = e["summary"]["step_times_s"]
+            ax.plot([p + 1 + i for i in range(len(st))], [t * 1e3 for t in st],
+                    label=f"{e['system']} (batch {e['summary']['batch']})")
+        ax.set(xlabel="current sequence length (tokens)", ylabel="decode step time (ms)",
+               title=f"{name}: decode step time vs sequence length")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        files.append(f"steps_{name}.png")
+        fig.savefig(out / files[-1], dpi=110)
+        plt.close(fig)
+    return files
+
+
+def write_report(doc: dict[str, Any], out: Path) -> str:
+    kind = "SMOKE RUN (tiny shapes; not a benchmark result)" if doc["smoke"] else "full run"
+    lines = [f"# Throughput suite: {kind}, {doc['date']}", "", f"Command: `{doc['command']}`", "",
+             machine_line(doc["machine"]), "",
+             f"{doc['repeats']} final run(s) per system, interleaved; {doc['threads']} threads and "
+             "OMP_WAIT_POLICY=PASSIVE for every system; suite time "
+             f"{doc['suite_s'] / 60:.1f} min. Throughput: FlexGen's definitions, measured end to end (no "
+             "projection). Total ceiling = measured prefill rate x gen / prompt. Bound: per phase max(bytes that "
+             "must move / bandwidth, FLOPs / peak GEMM rate); % of bound = measured / bound.",
+             ""]
+    for wl in doc["results"]:
+        w = wl["workload"]
+        lines += [f"## {w['name']}", "",
+                  f"{w['model']} ({'dummy' if w['dummy'] else 'real'} weights, "
+                  f"{'decoder weights on a cold disk' if w['weights'] == 'disk' else 'weights in RAM'}), prompt "
+                  f"{w['prompt_len']} + gen {w['gen_len']}, budget {w['budget_bytes'] / GIB:.2f} GiB peak RSS "
+                  "per process.", "", *results_table(wl), "",
+                  f"Batch search (probes of {w['probe_gen_len']} new tokens, projected to {w['gen_len']}; not "
+                  "results):", "", *search_table(wl), ""]
+        for f in plot_workload(wl, out):
+            lines += [f"![{f}]({f})", ""]
+    md = "\n".join(lines) + "\n"
+    (out / "results.md").write_text(md)
+    return md
+
+
+if __name__ == "__main__":
+    folder = Path(sys.argv[1] if len(sys.argv) > 1 else "benchmarks/results/suite")
+    print(write_report(json.loads((folder / "results.json").read_text()), folder))

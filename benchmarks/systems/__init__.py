@@ -1,0 +1,37 @@
+"""The systems the suite compares, by name. Each adapter module holds one system (and, for the peers that need
+one, the child program that runs a case); `base.py` holds what they share."""
+from __future__ import annotations
+
+import fnmatch
+
+from benchmarks.systems.base import RESULT_KEYS, Candidate, System, rates
+
+__all__ = ["RESULT_KEYS", "Candidate", "System", "rates", "all_systems", "select_systems"]
+
+
+def all_systems() -> dict[str, System]:
+    """Every system, in table order: ours first, then the peers."""
+    from benchmarks.systems.accelerate import Accelerate
+    from benchmarks.systems.deepspeed import DeepSpeed
+    from benchmarks.systems.flexgen import FlexGen
+    from benchmarks.systems.hf_generate import HFGenerate
+    from benchmarks.systems.kvpress import KVPress
+    from benchmarks.systems.ours import Ours
+    out: list[System] = [Ours(None), Ours(10), Ours(20), Ours(40), HFGenerate(), Accelerate()]
+    out += [KVPress(p, b) for p in ("observed", "streaming") for b in (10, 20, 40)]
+    out += [DeepSpeed(), FlexGen()]
+    return {s.name: s for s in out}
+
+
+def select_systems(patterns: list[str] | None, default: list[str] | tuple[str, ...], known: list[str]) -> list[str]:
+    """Names from --systems: an exact name, a family prefix (`ours-h2o` -> ours-h2o-10/20/40, `kvpress`), or a
+    glob (`kvpress-*-20`); without --systems, the workload's default list. Order follows `known`."""
+    if not patterns:
+        return [n for n in known if n in default]
+    picked: set[str] = set()
+    for pat in patterns:
+        hits = [n for n in known if n == pat or n.startswith(pat + "-") or fnmatch.fnmatchcase(n, pat)]
+        if not hits:
+            raise SystemExit(f"error: no system matches {pat!r}; known: {', '.join(known)}")
+        picked.update(hits)
+    return [n for n in known if n in picked]

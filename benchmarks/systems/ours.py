@@ -1,0 +1,119 @@
+"""Our engine: `ours-full` (every token kept: FlexGen's algorithm on our schedule) and `ours-h2o-{10,20,40}` (H2O
+keeping that share of the prompt: half heavy hitters, half recent, `--hh-ratio` = share / 2).
+
+Each case is `python -m flexgen_h2o.run` in benchmark mode (FlexGen's runner on real corpus text) with
+`--metrics-json`. The batch search uses the engine's own planner (`flexgen_h2o.planner.estimate`, the numbers
+its preflight checks) instead of a second memory model: for each power-of-two block size it takes the largest
+GPU batch whose compute + host tiers, plus the process runtime, fit the budget. Only candidates the planner
+admits are probed, from the largest down, because more sequences per weight pass is what offloading lives on.
+"""
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+from typing import Any, Callable
+
+from benchmarks.systems.base import Candidate, System
+from benchmarks.workloads import Workload
+
+MAX_GBS = 32          # sequences per GPU batch: beyond this the prefill workspace outgrows any gain on a CPU
+MAX_K = 8             # GPU batches per block: many tiny batches re-read each staged layer (h2o_throughput notes)
+
+
+def predicted_bytes(w: Workload, hh_ratio: float | None, gbs: int, k: int) -> int:
+    """The planner's RAM estimate of one block (compute + host tiers) plus the process runtime."""
+    from flexgen_h2o.config import OffloadPolicy
+    from flexgen_h2o.kv import EvictionConfig
+    from flexgen_h2o.planner import estimate
+    ev = EvictionConfig(policy="full") if hh_ratio is None else EvictionConfig(policy="h2o", hh_ratio=hh_ratio)
+    pol = OffloadPolicy.from_percent(w.percent, gpu_batch_size=gbs, num_gpu_batches=k)
+    est = estimate(w.model_config(), pol, ev, prompt_len=w.prompt_len, gen_len=w.gen_len, compute_dtype_bytes=4)
+    return est.tier_total("compute") + est.tier_total("host") + w.runtime_bytes
+
+
+def plan_candidates(batches: list[int], fits: Callable[[int, int], int], budget: int) -> list[Candidate]:
+    """For each block size, the largest power-of-two GPU batch (<= MAX_GBS, K <= MAX_K) the planner admits.
+    A block size nothing admits is returned with the smallest shape's prediction (shown as over budget), and
+    the list stops there. `fits(gbs, k)` returns predicted bytes."""
+    out: list[Candidate] = []
+    for b in batches:
+        shapes = [(g, b // g) for g in (1 << i for i in range(12)) if g <= min(b, MAX_GBS) and b % g == 0
+                  and b // g <= MAX_K]
+        best = None
+        for g, k in sorted(shapes, reverse=True):            # largest GPU batch first
+            pred = fits(g, k)
+            if pred <= budget:
+                best = Candidate(b, g, k, pred)
+                break
+        if best is None:
+            g, k = max(shapes) if shapes else (min(b, MAX_GBS), max(1, b // MAX_GBS))
+            out.append(Candidate(b, g, k, fits(g, k)))
+            break
+        out.append(best)
+    return out
+
+
+class Ours(System):
+    kv_dtype_bytes = 2            # fp16 KV storage (plus an fp32 score and int32 position per slot)
+
+    def __init__(self, budget_pct: int | None) -> None:
+        self.budget_pct = budget_pct
+        self.hh_ratio = None if budget_pct is None else budget_pct / 200
+        self.name = "ours-full" if budget_pct is None else f"ours-h2o-{budget_pct}"
+        # the engine allocates every slot up front, so RSS does not grow while decoding
+        self.kv_grows = False
+        self.kv_fixed_tokens = budget_pct is not None
+
+    def search_order(self) -> str:
+        return "down"
+
+    def candidates(self, w: Workload, max_batch: int) -> list[Candidate]:
+        batches, b = [], 1
+        while b <= max_batch:
+            batches.append(b)
+            b *= 2
+        return plan_candidates(batches, lambda g, k: predicted_bytes(w, self.hh_ratio, g, k), w.budget_bytes)
+
+    _prepared: dict[str, str | None] = {}          # model -> failure reason, shared by the four variants
+
+    def prepare(self, w: Workload, env: dict[str, str], out: Path) -> str | None:
+        if w.dummy and w.model not in Ours._prepared:   # write the dummy store once, outside every timed run
+            from benchmarks.h2o_throughput import prepare_store
+            try:
+                prepare_store(w.model, env)
+                Ours._prepared[w.model] = None
+            except subprocess.CalledProcessError as e:
+                Ours._prepared[w.model] = f"writing the {w.model} dummy store failed (exit {e.returncode})"
+        return Ours._prepared.get(w.model)
+
+    def cold_files(self, w: Workload) -> list[Path]:
+        from flexgen_h2o.weights import default_store_path
+        return sorted(default_store_path(w.model + "-dummy").rglob("*.npy")) if w.dummy else []
+
+    def command(self, w: Workload, c: Candidate, gen_len: int, json_path: Path, work: Path) -> list[str]:
+        args = ["-m", "flexgen_h2o.run", "--model", w.model, "--prompt-len", str(w.prompt_len),
+                "--gen-len", str(gen_len), "--gpu-batch-size", str(c.gbs), "--num-gpu-batches", str(c.num_batches),
+                "--percent", *map(str, w.percent), "--offload-dir", str(work / "offload"),
+                "--metrics-json", str(json_path), "--no-progress"]
+        args += ["--full-cache"] if self.hh_ratio is None else ["--hh-ratio", f"{self.hh_ratio:g}"]
+        args += ["--dummy-weights"] if w.dummy else []
+        args += ["--no-warmup"] if w.cold_disk else []       # a warm-up would warm the page cache we dropped
+        return args
+
+    def kv_growth_bytes(self, w: Workload, batch: int, tokens: int) -> int:
+        """A short probe allocates a full cache for its own gen length only; the full run allocates `tokens`
+        more slots per sequence. H2O's capacity depends on the prompt alone."""
+        if self.hh_ratio is not None:
+            return 0
+        from flexgen_h2o.planner.memory import kv_slot_bytes
+        cfg = w.model_config()
+        return batch * tokens * cfg.n_layers * kv_slot_bytes(cfg, self.kv_dtype_bytes)
+
+    def child_metrics(self, raw: dict[str, Any], c: Candidate) -> dict[str, Any]:
+        block = raw["block_size"]
+        return {"prefill_s": raw["prefill_s"], "decode_s": raw["decode_s"], "peak_rss_bytes": raw["peak_rss_bytes"],
+                "peak_gpu_bytes": raw.get("device_peak_bytes") or None,
+                "kv_bytes_per_seq": raw["kv_cache_bytes"] / block, "kv_tokens_per_seq": raw["kv_slots_per_seq"],
+                "step_times_s": raw.get("step_times_s", []),
+                "offloaded_weight_bytes": raw.get("weights_by_tier", {}).get("disk", 0),
+                "peak_compute_bytes": raw.get("peak_compute_bytes"), "eviction": raw.get("eviction_request")}

@@ -1,0 +1,99 @@
+"""The suite's workloads (issue 8): shapes, the memory budget every system gets, and which systems run by default.
+
+- `s512+32` ... `s512+1024`: the papers' prompt 512 + gen 32/128/512/1024, scaled to a 2-core CPU: SmolLM2-135M
+  with its real weights and real prompts (Lee news text), weights and KV in RAM.
+- `s2048+512`: long context, the same model.
+- `disk512+128`, `disk512+512`, `disk512+1024`: an OPT-1.3B-shaped dummy model (2.6 GB of fp16 weights) whose
+  decoder weights live on disk, page cache dropped before every run, under a RAM budget below the weights' size.
+
+The budget is the process's peak RSS (VmHWM): one number, measured the same way for every system, whatever its
+internals (our engine's tiers, HF's allocator, Accelerate's memory maps). `--smoke` shrinks each workload
+(`smoke()`): prompt 64 + gen 8, batches 1-2, OPT-125M instead of OPT-1.3B, the 20 % budget level only.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+GIB = 1 << 30
+RAM_PERCENT = (100, 0, 100, 0, 100, 0)       # weights, KV and activations on the compute tier (RAM on a CPU)
+DISK_PERCENT = (0, 0, 100, 0, 100, 0)        # every weight homed on disk, KV and activations on the compute tier
+
+# systems a workload runs when --systems is not given; deepspeed and flexgen are listed everywhere so that a
+# machine without a GPU shows them as skipped, with the reason, instead of leaving them out
+OURS = ["ours-full", "ours-h2o-10", "ours-h2o-20", "ours-h2o-40"]
+KVPRESS = [f"kvpress-{p}-{b}" for p in ("observed", "streaming") for b in (10, 20, 40)]
+GPU_ONLY = ["deepspeed", "flexgen"]
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    model: str                   # a flexgen_h2o preset
+    prompt_len: int
+    gen_len: int
+    budget_bytes: int            # peak RSS every system must stay under
+    weights: str                 # "ram" or "disk" (decoder weights homed on disk, read cold)
+    dummy: bool                  # random weights in the real shapes (no OPT weights exist offline, ANCHORS §6.3)
+    systems: tuple[str, ...]     # the default system list
+    max_batch: int = 64          # the batch search stops here
+    runtime_bytes: int = GIB // 2  # interpreter + torch + tokenizer, added to planner estimates (ours)
+    probe_gen_len: int = 16      # generated tokens in a search probe (probes are short; final runs are not)
+    is_smoke: bool = False
+
+    @property
+    def percent(self) -> tuple[int, ...]:
+        return DISK_PERCENT if self.weights == "disk" else RAM_PERCENT
+
+    @property
+    def cold_disk(self) -> bool:
+        return self.weights == "disk"
+
+    def model_config(self) -> Any:
+        from flexgen_h2o.models import resolve_model
+        return resolve_model(self.model)
+
+    def describe(self) -> str:
+        kind = "dummy weights" if self.dummy else "real weights"
+        where = "decoder weights on a cold disk" if self.cold_disk else "weights in RAM"
+        return (f"{self.model} ({kind}, {where}), prompt {self.prompt_len} + gen {self.gen_len}, RAM budget "
+                f"{self.budget_bytes / GIB:.2f} GiB peak RSS per process")
+
+
+def _smollm2(prompt: int, gen: int, max_batch: int) -> Workload:
+    return Workload(f"s{prompt}+{gen}", "smollm2-135m", prompt, gen, 2 * GIB, "ram", False,
+                    tuple(OURS + ["hf"] + KVPRESS + GPU_ONLY), max_batch=max_batch)
+
+
+def _disk(gen: int, with_accelerate: bool) -> Workload:
+    systems = OURS + (["accelerate"] if with_accelerate else []) + GPU_ONLY
+    # 2 GiB of RSS against 2.45 GiB of fp16 weights: the weights cannot all stay in the budget
+    return Workload(f"disk512+{gen}", "opt-1.3b", 512, gen, 2 * GIB, "disk", True, tuple(systems), max_batch=32)
+
+
+WORKLOADS: dict[str, Workload] = {w.name: w for w in (
+    _smollm2(512, 32, 64), _smollm2(512, 128, 64), _smollm2(512, 512, 64), _smollm2(512, 1024, 64),
+    _smollm2(2048, 512, 32),
+    # Accelerate reads ~0.4 GB/s cold (ANCHORS §6.7): 512+512 would take hours per run, so it runs at 512+128
+    _disk(128, True), _disk(512, False), _disk(1024, False),
+)}
+
+
+def smoke(w: Workload) -> Workload:
+    """A couple of minutes for the whole suite: tiny shapes, batches 1-2, OPT-125M for the disk shape. The
+    budget stays as it is (the search still checks it)."""
+    model = "opt-125m" if w.model.startswith("opt") else w.model
+    # one budget level per family (20 %) keeps every adapter exercised at a third of the cost
+    systems = tuple(s for s in w.systems if not s.endswith(("-10", "-40")))
+    return replace(w, name=w.name + "-smoke", model=model, prompt_len=64, gen_len=8, max_batch=2,
+                   probe_gen_len=4, systems=systems, is_smoke=True)
+
+
+def select_workloads(names: list[str] | None, smoke_mode: bool) -> list[Workload]:
+    """Workloads by name (or all); unknown names raise with the list of known ones."""
+    names = names or list(WORKLOADS)
+    unknown = [n for n in names if n not in WORKLOADS]
+    if unknown:
+        raise SystemExit(f"error: unknown workload(s) {', '.join(unknown)}; known: {', '.join(WORKLOADS)}")
+    picked = [WORKLOADS[n] for n in names]
+    return [smoke(w) for w in picked] if smoke_mode else picked

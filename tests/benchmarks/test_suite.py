@@ -1,0 +1,183 @@
+"""The suite's pure parts: workloads, system selection, the batch search (driven by a fake probe), probe
+projection, the roofline arithmetic, the result schema, and the report. No model runs here."""
+from __future__ import annotations
+
+import json
+import math
+from types import SimpleNamespace
+
+import pytest
+
+from benchmarks import machine as mach
+from benchmarks.common import CaseFailed
+from benchmarks.suite import project_probe, run_workload, search_batch, summarize, validate_row
+from benchmarks.suite_report import write_report
+from benchmarks.systems import RESULT_KEYS, Candidate, all_systems, rates, select_systems
+from benchmarks.workloads import GIB, WORKLOADS, select_workloads, smoke
+
+MACHINE = {"date": "2026-11-21", "cpu": "test cpu", "threads": 2, "torch": "x",
+           "gemm_decode_GFLOPs": {"1": 10.0, "8": 20.0, "64": 60.0}, "gemm_prefill_GFLOPs": 100.0,
+           "gemm_prefill_rows": 2048, "memcpy_GBps": 20.0, "mem_read_GBps": 10.0, "disk_write_GBps": 1.0,
+           "disk_read_GBps": 2.0, "disk_read_cold_fraction": 1.0, "gpu": None}
+
+
+def test_workloads_cover_the_issue_shapes():
+    shapes = {(w.model, w.prompt_len, w.gen_len) for w in WORKLOADS.values()}
+    for g in (32, 128, 512, 1024):
+        assert ("smollm2-135m", 512, g) in shapes
+    assert ("smollm2-135m", 2048, 512) in shapes
+    disk = [w for w in WORKLOADS.values() if w.cold_disk]
+    assert disk and all(w.model == "opt-1.3b" and w.dummy and w.percent[:2] == (0, 0) for w in disk)
+    opt13_fp16 = disk[0].model_config().n_params() * 2
+    assert all(w.budget_bytes < opt13_fp16 for w in disk)          # weights beyond the RAM budget
+    assert all(w.budget_bytes > 0 and {"deepspeed", "flexgen"} <= set(w.systems) for w in WORKLOADS.values())
+    assert "accelerate" in WORKLOADS["disk512+128"].systems
+
+
+def test_smoke_shrinks_and_selection_rejects_unknown():
+    s = smoke(WORKLOADS["disk512+128"])
+    assert (s.model, s.prompt_len, s.gen_len, s.max_batch, s.is_smoke) == ("opt-125m", 64, 8, 2, True)
+    assert not any(n.endswith(("-10", "-40")) for n in s.systems) and "ours-h2o-20" in s.systems
+    assert [w.name for w in select_workloads(["s512+32"], True)] == ["s512+32-smoke"]
+    with pytest.raises(SystemExit, match="unknown workload"):
+        select_workloads(["nope"], False)
+
+
+def test_select_systems_prefix_glob_default():
+    known = list(all_systems())
+    assert select_systems(["ours-h2o"], (), known) == ["ours-h2o-10", "ours-h2o-20", "ours-h2o-40"]
+    assert select_systems(["kvpress-*-20", "hf"], (), known) == ["hf", "kvpress-observed-20",
+                                                                  "kvpress-streaming-20"]
+    assert select_systems(None, ("flexgen", "ours-full"), known) == ["ours-full", "flexgen"]
+    with pytest.raises(SystemExit, match="no system matches"):
+        select_systems(["vllm"], (), known)
+
+
+def _fake_probe(table):
+    calls = []
+
+    def probe(c):
+        calls.append(c.batch)
+        r = table[c.batch]
+        if r == "fail":
+            raise CaseFailed("exit 1: ...\nRuntimeError: boom")
+        return r
+    return probe, calls
+
+
+def test_search_up_stops_at_budget_and_takes_the_fastest():
+    cands = [Candidate(b, b) for b in (1, 2, 4, 8, 16)]
+    probe, calls = _fake_probe({1: (5.0, 1 * GIB), 2: (9.0, 1 * GIB), 4: (12.0, 2 * GIB), 8: (20.0, 5 * GIB)})
+    res = search_batch(cands, probe, 3 * GIB, order="up", max_probes=10)
+    assert res.best.batch == 4 and calls == [1, 2, 4, 8]
+    assert [s.status for s in res.steps] == ["ok", "ok", "best", "over budget (measured)"]
+
+
+def test_search_up_stops_when_slower_and_on_failure():
+    cands = [Candidate(b, b) for b in (1, 2, 4, 8)]
+    probe, calls = _fake_probe({1: (5.0, 1), 2: (9.0, 1), 4: (6.0, 1), 8: (99.0, 1)})
+    res = search_batch(cands, probe, GIB, order="up")
+    assert res.best.batch == 2 and calls == [1, 2, 4] and res.steps[-1].status == "slower"
+    probe, calls = _fake_probe({1: (5.0, 1), 2: "fail"})
+    res = search_batch(cands, probe, GIB, order="up")
+    assert res.best.batch == 1 and res.steps[-1].status.startswith("failed: RuntimeError: boom")
+
+
+def test_search_down_uses_the_planner_and_the_probe_cap():
+    cands = [Candidate(b, min(b, 4), max(1, b // 4), predicted_bytes=b * GIB // 4) for b in (1, 2, 4, 8, 16)]
+    probe, calls = _fake_probe({8: (30.0, 1), 4: (20.0, 1), 2: (25.0, 1)})
+    res = search_batch(cands, probe, 2 * GIB, order="down", max_probes=2)
+    assert calls == [8, 4] and res.best.batch == 8                 # 16 rejected by the planner, 4 slower
+    assert ("over budget (planner)", 16) in [(s.status, s.candidate.batch) for s in res.steps]
+    one = search_batch(cands[:1], probe, GIB, order="down")
+    assert one.best.batch == 1 and "not probed" in one.steps[0].status
+    assert search_batch([Candidate(1, 1, predicted_bytes=9 * GIB)], probe, GIB).best is None
+
+
+def test_project_probe_and_flexgen_rates():
+    row = {"batch": 4, "gen_len": 5, "prefill_s": 2.0, "decode_s": 1.0, "step_times_s": [0.4, 0.2, 0.2, 0.2],
+           "peak_rss_bytes": 100}
+    total, peak = project_probe(row, 11, growth_bytes=50)
+    assert total == pytest.approx(4 * 11 / (2.0 + 0.2 * 10)) and peak == 150
+    r = rates(4, 512, 32, 2.0, 31.0)
+    assert r == {"prefill_tok_s": 1024.0, "decode_tok_s": 4.0, "total_tok_s": pytest.approx(128 / 33)}
+
+
+def test_roofline_arithmetic():
+    cfg = WORKLOADS["s512+32"].model_config()
+    f_pre, f_step = mach.model_flops(cfg, 2, 512, 100)
+    h, d, L = cfg.hidden_size, cfg.n_heads * cfg.head_dim, cfg.n_layers
+    per_tok = L * (h * (2 * d + 2 * cfg.n_kv_heads * cfg.head_dim) + 3 * h * cfg.ffn_size)
+    assert f_step == 2 * (2 * per_tok + 2 * cfg.vocab_size * h + 4 * 100 * d * L)
+    assert f_pre == 2 * (2 * 512 * per_tok + 2 * 512 ** 2 * d * L + 2 * cfg.vocab_size * h)
+    assert mach.peak_flops(MACHINE) == 100e9
+    # io-bound decode: 1 GB offloaded at 2 GB/s + KV 2 x 10 MB + 0 resident at 10 GB/s
+    b = mach.bound(MACHINE, cfg, batch=2, prompt_len=512, gen_len=33, kv_read_bytes_per_seq=1e7,
+                   offloaded_weight_bytes=1e9, resident_weight_bytes=0.0, kv_tokens=100)
+    assert b["decode_limit"] == "io" and b["decode_step_s"] == pytest.approx(0.5 + 2e7 / 1e10)
+    assert b["prefill_s"] == pytest.approx(max(f_pre / 100e9, 0.5))
+    assert b["total_tok_s"] == pytest.approx(2 * 33 / (b["prefill_s"] + 32 * b["decode_step_s"]))
+    # weights that fit the free RAM come back from the page cache after the first pass
+    pc = mach.bound({**MACHINE, "page_cache_read_GBps": 5.0, "mem_available_bytes": 4e9}, cfg, batch=2,
+                    prompt_len=512, gen_len=33, kv_read_bytes_per_seq=1e7, offloaded_weight_bytes=1e9,
+                    resident_weight_bytes=0.0, kv_tokens=100)
+    assert pc["decode_step_s"] == pytest.approx(0.2 + 2e7 / 1e10) and pc["decode_weights_from"] == "page cache"
+    assert pc["prefill_s"] == b["prefill_s"] and b["decode_weights_from"] == "disk"
+    # compute-bound when nothing moves; a GPU machine drops the DRAM weight stream
+    c = mach.bound({**MACHINE, "gpu": {"h2d_GBps": 20, "d2h_GBps": 20}}, cfg, batch=2, prompt_len=512, gen_len=33,
+                   kv_read_bytes_per_seq=0, offloaded_weight_bytes=0, resident_weight_bytes=5e8, kv_tokens=100)
+    assert c["decode_limit"] == "compute" and c["decode_step_s"] == pytest.approx(f_step / 100e9)
+
+
+def _ours_raw(block=2):
+    return {"block_size": block, "prefill_s": 1.0, "decode_s": 2.0, "peak_rss_bytes": 900 << 20,
+            "kv_cache_bytes": 1000 * block, "kv_slots_per_seq": 50, "step_times_s": [0.3, 0.25, 0.25],
+            "weights_by_tier": {"compute": 1, "host": 0, "disk": 0}}
+
+
+def test_normalized_rows_have_the_schema_and_summarize():
+    s, w = all_systems()["ours-h2o-20"], smoke(WORKLOADS["s512+128"])
+    rows = [s.normalize(_ours_raw(), w, Candidate(2, 2), 8, wall_s=5.0 + i, threads=2, probe=False, repeat=i)
+            for i in range(3)]
+    assert set(RESULT_KEYS) <= set(rows[0]) and validate_row(rows[0]) == []
+    assert rows[0]["kv_bytes_per_seq"] == 1000 and rows[0]["total_tok_s"] == pytest.approx(2 * 8 / 3.0)
+    summ = summarize(rows)
+    assert summ["wall_s"] == 6.0 and summ["step_times_s"] == [0.3, 0.25, 0.25] and summ["repeats"] == 3
+    bad = dict(rows[0], decode_tok_s=float("nan"))
+    del bad["wall_s"]
+    assert "missing wall_s" in validate_row(bad) and any("decode_tok_s" in p for p in validate_row(bad))
+    json.dumps(rows)
+
+
+def test_gpu_only_peers_skip_with_the_reason(monkeypatch, tmp_path):
+    import benchmarks.systems.gpu_check as gc
+    monkeypatch.setattr(gc, "cuda_available", lambda: False)
+    systems = all_systems()
+    w = smoke(WORKLOADS["s512+128"])
+    a = SimpleNamespace(work=tmp_path, repeats=1, max_probes=1, out=tmp_path, threads=2, timeout=None)
+    res = run_workload(w, ["deepspeed", "flexgen"], systems, SimpleNamespace(a=a, env={}), MACHINE)
+    assert [(e["system"], e["status"], e["reason"]) for e in res["systems"]] == [
+        ("deepspeed", "skipped", "needs a CUDA GPU"), ("flexgen", "skipped", "needs a CUDA GPU")]
+    assert systems["kvpress-observed-20"].skip_reason(smoke(WORKLOADS["disk512+128"]))
+    assert systems["accelerate"].skip_reason(w) and systems["hf"].skip_reason(WORKLOADS["disk512+128"])
+
+
+def test_report_lists_skipped_rows_and_plots(tmp_path):
+    from benchmarks.suite import roofline
+    s, w = all_systems()["ours-full"], smoke(WORKLOADS["s512+128"])
+    rows = [s.normalize(_ours_raw(), w, Candidate(2, 2, predicted_bytes=GIB), 8, wall_s=5.0, threads=2,
+                        probe=False, repeat=0)]
+    summ = summarize(rows)
+    ran = {"system": "ours-full", "status": "ran", "reason": None, "runs": rows, "summary": summ,
+           "roofline": roofline(MACHINE, w, s, summ),
+           "search": [{"candidate": {"batch": 2, "gbs": 2, "num_batches": 1, "predicted_bytes": GIB, "label": "2"},
+                       "status": "best", "projected_peak_bytes": 900 << 20, "projected_total_tok_s": 5.0}]}
+    skipped = {"system": "flexgen", "status": "skipped", "reason": "needs a CUDA GPU", "search": [], "runs": []}
+    doc = {"command": "python -m benchmarks.suite --smoke", "date": "2026-11-21", "smoke": True, "repeats": 1,
+           "threads": 2, "suite_s": 60.0, "machine": MACHINE,
+           "results": [{"workload": {**w.__dict__}, "systems": [ran, skipped]}]}
+    md = write_report(doc, tmp_path)
+    assert "SMOKE RUN" in md and "| flexgen | - |" in md and "skipped: needs a CUDA GPU" in md
+    assert (tmp_path / "throughput_s512+128-smoke.png").stat().st_size > 0
+    assert (tmp_path / "steps_s512+128-smoke.png").is_file()
+    assert math.isfinite(ran["roofline"]["decode_pct"])
