@@ -82,7 +82,8 @@ def grouped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: floa
                       query_chunk: int = 256) -> tuple[Tensor, Tensor | None]:
     """Softmax attention of h query heads over g KV heads without repeating K/V.
 
-    q (b, h, t, d); k, v (b, g, s, d); mask (b, 1 or g, t, s) bool, True = may attend.
+    q (b, h, t, d); k, v (b, g, s, d); mask (b, 1 or g, t, s) bool, True = may attend; with s == t the keys
+    are the queries' own tokens and the mask is causal (a prompt), so keys after a query chunk are skipped.
     Returns out (b, h, t, d) and, if want_scores, the fp32 attention mass each key received (b, g, s), summed
     over valid queries and pooled over the query heads of its group (sum, or mean over the group).
     """
@@ -94,20 +95,23 @@ def grouped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: floa
         full_mask = mask if mask.shape[1] == 1 else mask.repeat_interleave(r, dim=1)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=full_mask, scale=scale, enable_gqa=(r > 1))
         return out, None
-    qg = q.reshape(b, g, r, t, d)
+    qg = (q * scale).reshape(b, g, r, t, d)
     outs, scores = [], torch.zeros(b, g, s, dtype=torch.float32, device=q.device) if want_scores else None
     chunk = t if t <= query_chunk else query_chunk
+    # a prompt attending to itself (s == t, causal): queries [start, stop) see only keys [0, stop)
+    causal_self = t == s and t > 1
     for start in range(0, t, chunk):
         stop = min(t, start + chunk)
-        tc = stop - start
-        logits = torch.matmul(qg[:, :, :, start:stop].reshape(b, g, r * tc, d), k.transpose(-1, -2))
-        logits = logits.view(b, g, r, tc, s).float() * scale                      # (b, g, r, tc, s)
-        logits = logits.masked_fill(~mask[:, :, None, start:stop], float("-inf"))
+        tc, sk = stop - start, (stop if causal_self else s)
+        logits = torch.matmul(qg[:, :, :, start:stop].reshape(b, g, r * tc, d), k[:, :, :sk].transpose(-1, -2))
+        logits = logits.view(b, g, r, tc, sk).float()                              # (b, g, r, tc, sk)
+        logits.masked_fill_(~mask[:, :, None, start:stop, :sk], float("-inf"))
         probs = torch.softmax(logits, dim=-1)
-        outs.append(torch.matmul(probs.to(v.dtype).view(b, g, r * tc, s), v).view(b, g, r, tc, d))
+        outs.append(torch.matmul(probs.to(v.dtype).view(b, g, r * tc, sk), v[:, :, :sk]).view(b, g, r, tc, d))
         if want_scores:
-            p = probs if query_valid is None else probs * query_valid[:, None, None, start:stop, None]
-            scores += p.sum(dim=(2, 3))
+            if query_valid is not None:
+                probs.mul_(query_valid[:, None, None, start:stop, None])
+            scores[:, :, :sk] += probs.sum(dim=(2, 3))
     out = torch.cat(outs, dim=3) if len(outs) > 1 else outs[0]
     if want_scores and score_reduce == "mean":
         scores /= r
