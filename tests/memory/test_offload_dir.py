@@ -48,8 +48,11 @@ SCRIPT = textwrap.dedent("""
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_removed_on_signal(tmp_path, sig):
+    # a shell's background job starts with SIGINT ignored, which the child would inherit (and, rightly, keep
+    # ignoring): give it the default disposition, as a foreground run has
     proc = subprocess.Popen([sys.executable, "-c", SCRIPT, str(tmp_path), offload_dir.__file__],
-                            stdout=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         line = proc.stdout.readline().strip()
         assert line, "child died before creating its folder"
