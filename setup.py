@@ -10,7 +10,7 @@ setup(
     install_requires=["torch", "numpy", "transformers>=5.0", "safetensors", "psutil", "tqdm"],
     extras_require={
         "test": ["pytest", "pytest-timeout"],
-        "eval": ["rouge-score"],
+        "eval": ["rouge-score", "matplotlib"],
         "bench": ["accelerate", "matplotlib"],
         "gguf": ["gguf", "accelerate"],
     },
