@@ -16,11 +16,12 @@ from torch import Tensor
 
 from flexgen_h2o.backend import get_backend
 from flexgen_h2o.config import ConfigError, GenerationConfig, GenerationResult, OffloadPolicy, split_by_fraction
-from flexgen_h2o.kv import EvictionConfig, get_policy
+from flexgen_h2o.kv import EvictionConfig, policy_for
 from flexgen_h2o.kv.cache import KVCache
 from flexgen_h2o.kv.mixed import SplitKVCache
 from flexgen_h2o.memory import ComputeTier, DiskTier, HostTier, OffloadDir, check_space
-from flexgen_h2o.models import ModelConfig, build_layers
+from flexgen_h2o.models import ModelConfig, build_layers, schedule_groups
+from flexgen_h2o.planner import estimate
 from flexgen_h2o.sampling import Sampler, StopTracker
 from flexgen_h2o.schedule.activations import ActivationHome
 from flexgen_h2o.schedule.executor import BatchState, BlockExecutor, RunParts
@@ -33,36 +34,25 @@ SAMPLE, END = -1, -2           # `forced` entries: sample this step; finish this
 ADDITIVE_METRICS = ("prefill_s", "decode_s", "prompt_tokens", "generated_tokens", "decode_steps")
 
 
-def schedule_groups(layers: list, sep_layer: bool) -> list[list[int]]:
-    """Schedule layers: every model layer alone, or attention and MLP of one block together."""
-    if sep_layer:
-        return [[i] for i in range(len(layers))]
-    groups: list[list[int]] = []
-    for i, layer in enumerate(layers):
-        if layer.kind == "mlp" and groups and layers[groups[-1][-1]].kind == "attn":
-            groups[-1].append(i)
-        else:
-            groups.append([i])
-    return groups
-
-
 class Engine:
     def __init__(self, model: ModelConfig, read_weight: Callable[[str], np.ndarray], *,
                  offload: OffloadPolicy | None = None, eviction: EvictionConfig | None = None,
                  device: str | None = None, offload_dir: str | None = None,
-                 decode: Callable[[list[int]], str] | None = None, locate: Callable | None = None):
+                 decode: Callable[[list[int]], str] | None = None, locate: Callable | None = None,
+                 check_context: bool = True):
         """read_weight: name -> fp16 array; locate: a store's name -> (file, offset, bytes), so disk-homed
-        weights are streamed with plain reads instead of through a memmap."""
+        weights are streamed with plain reads instead of through a memmap. eviction: the default KV rule
+        (generate can take another per call). check_context=False lets a run go past the model's context
+        window without position rolling (the accuracy harness measures exactly that collapse)."""
         self.model = model
         self.offload = (offload or OffloadPolicy()).validate()
-        self.eviction = eviction or EvictionConfig(policy="full")
-        if self.eviction.position_rolling and model.positions != "rope":
-            raise ConfigError("--position-rolling applies to RoPE models (Llama); OPT keys carry no rotation")
+        self.eviction = self._checked(eviction or EvictionConfig(policy="full"))
+        self.check_context = check_context
         self.backend = get_backend(device)
         self.device, self.compute_dtype = self.backend.compute_device, self.backend.compute_dtype
         self.kv_dtype = getattr(torch, self.offload.kv_dtype)
         self.layers = build_layers(model)
-        self.groups = schedule_groups(self.layers, self.offload.sep_layer)
+        self.groups = schedule_groups([layer.kind for layer in self.layers], self.offload.sep_layer)
         self.decode = decode
         uses_disk = any(self.offload.tier_fractions(what)[2] > 0 for what in ("cache", "act"))
         self.offload_dir = OffloadDir(offload_dir) if (offload_dir and uses_disk) else None
@@ -114,40 +104,37 @@ class Engine:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _make_cache(self, layer, batch: int, budget, policy, generator) -> SplitKVCache:
+    def _checked(self, eviction: EvictionConfig) -> EvictionConfig:
+        if eviction.position_rolling and self.model.positions != "rope":
+            raise ConfigError("--position-rolling applies to RoPE models (Llama); OPT keys carry no rotation")
+        return eviction
+
+    def _make_cache(self, layer, batch: int, budget, policy, generator, rolling: bool) -> SplitKVCache:
         parts = []
         split = split_by_fraction(batch, self.offload.tier_fractions("cache"))
         for lo, hi, kind in split:
             # attention reads the window on the compute device, or where the KV lives with cpu_cache_compute
             cache = KVCache(layer.kv_spec(), hi - lo, budget.capacity, policy, budget, dtype=self.kv_dtype,
                             alloc=lambda shape, dtype, kind=kind: self._alloc(kind, shape, dtype), tier_kind=kind,
-                            rolling=self.eviction.position_rolling, generator=generator)
+                            rolling=rolling, generator=generator)
             parts.append((lo, hi, cache))
         off_device = any(kind != "compute" for _, _, kind in split)
         host_attention = self.offload.cpu_cache_compute and off_device and self.device.type != "cpu"
         return SplitKVCache(parts, attention_device=torch.device("cpu") if host_attention else None)
 
-    def _disk_bytes(self, n_seqs: int, prompt_len: int, capacity: int) -> int:
-        """Offload-file bytes a block allocates: its disk-homed KV slots and resting hidden states."""
-        gbs = self.offload.gpu_batch_size
-        sizes = [min(gbs, n_seqs - lo) for lo in range(0, n_seqs, gbs)]
-
-        def on_disk(what: str, b: int) -> int:
-            return sum(hi - lo for lo, hi, kind in split_by_fraction(b, self.offload.tier_fractions(what))
-                       if kind == "disk")
-        m = self.model
-        slot = 2 * m.n_kv_heads * m.head_dim * self.kv_dtype.itemsize + 8 * m.n_kv_heads    # K, V, score, pos
-        n_attn = sum(layer.kind == "attn" for layer in self.layers)
-        kv = sum(on_disk("cache", b) for b in sizes) * n_attn * capacity * slot
-        act = sum(on_disk("act", b) for b in sizes) * (prompt_len + 1) * m.hidden_size * self.compute_dtype.itemsize
-        return kv + act
+    def _disk_bytes(self, n_seqs: int, prompt_len: int, n_new: int, ev: EvictionConfig) -> int:
+        """Offload-file bytes a block allocates (its disk-homed KV slots and resting hidden states), from the
+        planner's estimate, which follows the engine's own split and slot layout."""
+        est = estimate(self.model, self.offload, ev, prompt_len=prompt_len, gen_len=n_new, n_seqs=n_seqs,
+                       compute_dtype_bytes=self.compute_dtype.itemsize)
+        return est.bytes["disk"]["kv"] + est.bytes["disk"]["activations"]
 
     # --- generation ---
 
     def generate(self, prompts: Sequence[Sequence[int]], gen: GenerationConfig | None = None,
                  max_new_tokens: Sequence[int] | None = None,
                  forced: Sequence[Sequence[int]] | None = None,
-                 seeds: Sequence[int] | None = None) -> GenerationResult:
+                 seeds: Sequence[int] | None = None, eviction: EvictionConfig | None = None) -> GenerationResult:
         """Generate for token-id prompts; blocks of `block_size` run one after another.
 
         forced (teacher forcing, for evaluation and streaming): per prompt, the tokens fed back at steps 0, 1,
@@ -158,12 +145,13 @@ class Engine:
 
         seeds: per prompt, the key its sampling generator is seeded from (with gen.seed); default its index
         here. Callers that reorder prompts (bucketing, resume) pass a stable key, so a prompt samples the same
-        tokens wherever it runs."""
+        tokens wherever it runs. eviction: this call's KV rule (default: the engine's); weights stay placed."""
         if forced is not None and len(forced) != len(prompts):
             raise ConfigError(f"forced has {len(forced)} continuations for {len(prompts)} prompts")
         if seeds is not None and len(seeds) != len(prompts):
             raise ConfigError(f"seeds has {len(seeds)} entries for {len(prompts)} prompts")
         gen = (gen or GenerationConfig()).validate()
+        ev = self._checked(eviction) if eviction is not None else self.eviction
         block = self.offload.block_size
         result = GenerationResult(token_ids=[], texts=[], finish_reasons=[], prompt_lens=[])
         totals: Counter = Counter()
@@ -174,7 +162,7 @@ class Engine:
             tokens, texts, reasons, times = self._generate_block(
                 [prompts[i] for i in chunk], chunk, gen, per_seq_max,
                 [forced[i] for i in chunk] if forced is not None else None,
-                [seeds[i] for i in chunk] if seeds is not None else chunk)
+                [seeds[i] for i in chunk] if seeds is not None else chunk, ev)
             result.token_ids += tokens
             result.texts += texts
             result.finish_reasons += reasons
@@ -185,19 +173,18 @@ class Engine:
         return result
 
     def _generate_block(self, prompts: list[Sequence[int]], seq_index: list[int], gen: GenerationConfig,
-                        per_seq_max: list[int] | None, forced: list[Sequence[int]] | None = None,
-                        seeds: Sequence[int] | None = None):
+                        per_seq_max: list[int] | None, forced: list[Sequence[int]] | None,
+                        seeds: Sequence[int], ev: EvictionConfig):
         if any(len(p) == 0 for p in prompts):
             raise ConfigError("empty prompt: every prompt needs at least one token")
         prompt_len = max(len(p) for p in prompts)
         n_new = max(per_seq_max) if per_seq_max else gen.max_new_tokens
-        if prompt_len + n_new > self.model.max_seq_len and not self.eviction.position_rolling:
+        if self.check_context and prompt_len + n_new > self.model.max_seq_len and not ev.position_rolling:
             raise ConfigError(f"prompt ({prompt_len}) + new tokens ({n_new}) exceed the context window "
                               f"({self.model.max_seq_len}) of {self.model.name}; shorten them or use "
                               "--position-rolling (Llama)")
-        budget = self.eviction.resolve(prompt_len, n_new)
-        # a budget that holds the whole run is a full cache: same slots, same fused attention, same bits
-        policy = get_policy(self.eviction.policy if budget.evicts else "full")
+        budget = ev.resolve(prompt_len, n_new)
+        policy = policy_for(ev, budget)
         self.release()
         pad_id = self.model.pad_id if self.model.pad_id is not None else 0
         ids = torch.full((len(prompts), prompt_len), pad_id, dtype=torch.long)
@@ -210,19 +197,19 @@ class Engine:
         workspace = self.model.workspace_bytes(min(gbs, len(prompts)), prompt_len, self.compute_dtype.itemsize)
         self._handles.append(self.tiers["compute"].reserve(workspace, "workspace (estimated)"))
         if "disk" in self.tiers:                # before the first file: enough room for this block?
-            check_space(self.offload_dir.root, self._disk_bytes(len(prompts), prompt_len, budget.capacity))
+            check_space(self.offload_dir.root, self._disk_bytes(len(prompts), prompt_len, n_new, ev))
         batches = []
         for lo in range(0, len(prompts), gbs):
             hi = min(len(prompts), lo + gbs)
             b = BatchState(seq_index=list(range(lo, hi)), prompt_ids=ids[lo:hi], token_valid=valid[lo:hi],
                            real_len=valid[lo:hi].sum(1))
-            generator = self.eviction.generator()
-            b.caches = {l: self._make_cache(layer, hi - lo, budget, policy, generator)
+            generator = ev.generator()
+            b.caches = {l: self._make_cache(layer, hi - lo, budget, policy, generator, ev.position_rolling)
                         for l, layer in enumerate(self.layers) if layer.kind == "attn"}
             b.activations = ActivationHome(split_by_fraction(hi - lo, self.offload.tier_fractions("act")),
                                            self._alloc, self.device)
             batches.append(b)
-        sampler = Sampler(gen, seeds if seeds is not None else seq_index)
+        sampler = Sampler(gen, seeds)
         stops = StopTracker(len(prompts), gen, self.model.eos_id, self.decode, per_seq_max)
 
         def on_logits(token: int, batch: int, logits: Tensor) -> None:
@@ -242,7 +229,7 @@ class Engine:
 
         parts = RunParts(backend=self.backend, layers=self.layers, groups=self.groups, weights=self.weights, device=self.device,
                          compute_dtype=self.compute_dtype, needs_scores=policy.needs_scores,
-                         rolling=self.eviction.position_rolling, score_reduce=self.eviction.score_reduce,
+                         rolling=ev.position_rolling, score_reduce=ev.score_reduce,
                          budget=budget.budget, on_logits=on_logits,
                          should_stop=lambda token: stops.all_done or token + 1 >= n_new)
         t0 = time.perf_counter()

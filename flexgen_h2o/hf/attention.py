@@ -103,7 +103,7 @@ def h2o_attention(module: torch.nn.Module, query: Tensor, key: Tensor, value: Te
     if mask4d is not None:
         raise ValueError("H2OCache needs the 2D attention_mask (1 = token, 0 = padding), not a 4D mask")
     owner = layer.owner
-    if layer.phase == "prefill":
+    if layer.store is None:                     # the prompt: its slots are made when attention has scored it
         valid = torch.ones(b, t, dtype=torch.bool, device=query.device) if pad is None else pad[:, -t:]
         out, mass = prompt_attention(query, key, value, valid, scale, query_valid=valid,
                                      want_scores=layer.needs_scores, score_reduce=owner.eviction.score_reduce,

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from flexgen_h2o.kv import Budget, EvictionConfig, get_policy
+from flexgen_h2o.kv import Budget, EvictionConfig, get_policy, policy_for
 from flexgen_h2o.kv.cache import KVCache
 from flexgen_h2o.models.layer import KVSpec, KVView, LayerOutput
 from flexgen_h2o.models.ops import write_slot
@@ -56,7 +56,6 @@ class H2OLayer(CacheLayerMixin):
         self.store: KVCache | None = None
         self.seen = 0                # tokens processed, pads included: transformers' sequence length
         self.next_pos: Tensor | None = None     # (b,) true position of each sequence's next token
-        self.phase = "prefill"
         self._pending: tuple[Tensor, Tensor] | None = None
         self._write_slot: Tensor | None = None
         self._window = 0             # slots returned by the last decode update
@@ -71,7 +70,7 @@ class H2OLayer(CacheLayerMixin):
         t = key_states.shape[2]
         if self.store is None:
             self.lazy_initialization(key_states, value_states)
-            self.phase, self._pending = "prefill", (key_states, value_states)
+            self._pending = (key_states, value_states)
             self.seen += t
             return key_states, value_states
         if t != 1:
@@ -89,7 +88,7 @@ class H2OLayer(CacheLayerMixin):
         # the position marks the slot valid, so the new token attends to itself like any kept token
         store.pos.scatter_(2, slot.unsqueeze(-1), self.next_pos.view(-1, 1, 1).expand(*slot.shape, 1).to(torch.int32))
         s = max(store.n_used, int(slot.max()) + 1)          # never-used slots past s are not even read
-        self.phase, self._pending, self._write_slot, self._window = "decode", (key_states, value_states), slot, s
+        self._pending, self._write_slot, self._window = (key_states, value_states), slot, s
         self.seen += 1
         return store.k[:, :, :s], store.v[:, :, :s]
 
@@ -104,7 +103,7 @@ class H2OLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         self.store, self.keys, self.values, self.next_pos = None, None, None, None
-        self.seen, self.phase, self._pending, self.is_initialized = 0, "prefill", None, False
+        self.seen, self._pending, self.is_initialized = 0, None, False
 
     def crop(self, tokens_to_remove: int) -> None:
         raise NotImplementedError("H2OCache cannot roll back tokens: evicted ones are gone (assisted and "
@@ -156,8 +155,6 @@ class H2OLayer(CacheLayerMixin):
         self.store = KVCache(KVSpec(g, d), b, owner.budget.capacity, owner.policy, owner.budget, dtype=k.dtype,
                              alloc=lambda shape, dtype: torch.empty(shape, dtype=dtype, device=device),
                              generator=owner.generator(device))
-        if scores is None:           # score-free policies: zeros on the right device (the store's default is CPU)
-            scores = torch.zeros(b, g, p, dtype=torch.float32, device=device)
         self.store.commit_prefill(k, v, scores, token_pos)
         self.next_pos = token_valid.long().sum(-1)
         self.keys, self.values = self.store.k, self.store.v
@@ -223,8 +220,7 @@ class H2OCache(Cache):
         budget = self.eviction.resolve(prompt_len, self.max_new_tokens or 1)
         if self.max_new_tokens is None:
             budget = dataclasses.replace(budget, max_tokens=None)       # run length unknown: budget + 1 slots
-        # a budget that holds the whole run is a full cache, as in the engine
-        self.policy = get_policy(self.eviction.policy if budget.evicts else "full")
+        self.policy = policy_for(self.eviction, budget)
         self.budget = budget
         return budget
 

@@ -84,7 +84,7 @@ class KVCache:
         index, kept = pack_kept(keep, n_keep)           # kept rows first, in prompt order: (b, g, n) each
         self.k[:, :, :n_keep] = gather_slots(k_new, index).to(self.k.dtype)
         self.v[:, :, :n_keep] = gather_slots(v_new, index).to(self.v.dtype)
-        sc = gather_slots(scores, index) if scores is not None else torch.zeros(b, g, n_keep)
+        sc = gather_slots(scores, index) if scores is not None else torch.zeros(b, g, n_keep, device=kept.device)
         self.score[:, :, :n_keep] = torch.where(kept, sc.float(), torch.zeros_like(sc, dtype=torch.float32))
         self.pos[:, :, :n_keep] = torch.where(kept, gather_slots(positions, index), -1).to(torch.int32)
         self.n_used = n_keep
@@ -131,13 +131,13 @@ class KVCache:
         if out.scores is not None:
             score += out.scores.to(self.score.device)       # free slots got 0 mass, the new slot starts at 0
         victim = self.policy.choose_victim(score, pos.long(), self.budget, generator=self.generator)
-        has_victim = victim >= 0
-        if bool(has_victim.any()):
-            v_idx = victim.clamp(min=0).unsqueeze(-1)
-            old_pos = pos.gather(2, v_idx)
-            pos.scatter_(2, v_idx, torch.where(has_victim.unsqueeze(-1), torch.full_like(old_pos, -1), old_pos))
-            old_score = score.gather(2, v_idx)
-            score.scatter_(2, v_idx, torch.where(has_victim.unsqueeze(-1), torch.zeros_like(old_score), old_score))
+        # columns without a victim (-1) rewrite slot 0 with its own values: no host sync to find out
+        has_victim = (victim >= 0).unsqueeze(-1)
+        v_idx = victim.clamp(min=0).unsqueeze(-1)
+        old_pos = pos.gather(2, v_idx)
+        pos.scatter_(2, v_idx, torch.where(has_victim, torch.full_like(old_pos, -1), old_pos))
+        old_score = score.gather(2, v_idx)
+        score.scatter_(2, v_idx, torch.where(has_victim, torch.zeros_like(old_score), old_score))
         self.n_used = s
         # one K/V row per (b, g), plus the score and position columns
         self.bytes_written[self.tier_kind] += self._slot_bytes(1) + self._slot_bytes(s, with_kv=False)

@@ -44,5 +44,7 @@ def get_policy(name: str) -> EvictionPolicy:
         raise ValueError(f"unknown eviction policy {name!r}; choose one of {', '.join(POLICY_NAMES)}") from None
 
 
-def policy_for(config: EvictionConfig) -> EvictionPolicy:
-    return get_policy(config.policy)
+def policy_for(config: EvictionConfig, budget: Budget) -> EvictionPolicy:
+    """The policy a run uses: the configured one, or `full` when the budget holds the whole run (same slots, the
+    fused attention, bit-identical output)."""
+    return get_policy(config.policy if budget.evicts else "full")

@@ -37,8 +37,7 @@ def newest_mask(positions: Tensor, valid: Tensor, k: int) -> Tensor:
 def argmin_score(scores: Tensor, positions: Tensor, candidates: Tensor) -> Tensor:
     """(b, g) slot of the lowest score among `candidates`; ties go to the smallest position. Columns without a
     candidate get NO_VICTIM."""
-    inf = torch.tensor(float("inf"), dtype=scores.dtype, device=scores.device)
-    key = torch.where(candidates, scores, inf)
+    key = scores.masked_fill(~candidates, float("inf"))
     low = key.min(dim=-1, keepdim=True).values                                     # (b, g, 1)
     tied = candidates & (key == low)
     return _pick_by_position(positions, tied, smallest=True)

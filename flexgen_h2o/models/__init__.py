@@ -5,7 +5,7 @@ from flexgen_h2o.models.config import PRESETS, ModelConfig, ModelNameError, from
 from flexgen_h2o.models.layer import KVSpec, KVView, Layer, LayerOutput, StepContext, WeightSpec
 from flexgen_h2o.models.llama import build_llama_layers
 from flexgen_h2o.models.opt import build_opt_layers
-from flexgen_h2o.models.transformer import all_specs
+from flexgen_h2o.models.transformer import all_specs, schedule_groups
 
 
 def build_layers(cfg: ModelConfig) -> list:
@@ -14,4 +14,5 @@ def build_layers(cfg: ModelConfig) -> list:
 
 
 __all__ = ["PRESETS", "ModelConfig", "ModelNameError", "from_hf_config", "resolve_model", "KVSpec", "KVView",
-           "Layer", "LayerOutput", "StepContext", "WeightSpec", "build_layers", "all_specs"]
+           "Layer", "LayerOutput", "StepContext", "WeightSpec", "build_layers", "all_specs",
+           "schedule_groups"]

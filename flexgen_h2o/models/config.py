@@ -46,11 +46,6 @@ class ModelConfig:
     hf_id: str | None = None           # where the hub download path would fetch it
 
     @property
-    def n_rep(self) -> int:
-        """Query heads that share one KV head (GQA group size)."""
-        return self.n_heads // self.n_kv_heads
-
-    @property
     def embed_dim(self) -> int:
         return self.word_embed_dim or self.hidden_size
 

@@ -42,7 +42,6 @@ class KVSpec:
 
 @dataclass
 class StepContext:
-    phase: str                   # "prefill" or "decode"
     positions: Tensor            # (b, t) long: position of each new token for RoPE/learned embeddings; pads -1
     token_valid: Tensor          # (b, t) bool: False for left-padding
     compute_dtype: torch.dtype   # fp32 on CPU, fp16 on CUDA (chosen by the backend)
@@ -50,7 +49,6 @@ class StepContext:
     keys_pre_rope: bool = False  # position rolling: store keys before RoPE, rotate by rank at attention time
     score_reduce: str = "sum"    # pooling of grouped query heads into one KV head's score: "sum" or "mean"
     query_chunk: int = 256       # prefill queries per chunk when scores are wanted (never a full s x s matrix)
-    all_logits: bool = False     # head returns logits for every position (perplexity) instead of the last one
 
 
 @dataclass

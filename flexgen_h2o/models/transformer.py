@@ -137,15 +137,14 @@ class HeadLayer(_Base):
     kind = "head"
 
     def forward(self, x: Tensor, w: Mapping[str, Tensor], kv: KVView | None, ctx: StepContext) -> LayerOutput:
-        if not ctx.all_logits:
-            x = x[:, -1:]                        # left padding puts every sequence's last token at the end
+        x = x[:, -1:]                            # left padding puts every sequence's last token at the end
         if self.cfg.final_norm:
             x = self._norm(x, w, "norm" if self.cfg.family == "llama" else "final_layer_norm")
         if "project_out.weight" in w:
             x = F.linear(x, w["project_out.weight"])
         weight = w["lm_head.weight"]
         logits = F.linear(x, weight.to(x.dtype) if weight.dtype != x.dtype else weight).float()
-        return LayerOutput(hidden=logits if ctx.all_logits else logits[:, 0])
+        return LayerOutput(hidden=logits[:, 0])
 
 
 def all_specs(layers: list) -> list[WeightSpec]:
@@ -155,3 +154,14 @@ def all_specs(layers: list) -> list[WeightSpec]:
         for spec in layer.weight_specs():
             seen.setdefault(spec.name, spec)
     return list(seen.values())
+
+
+def schedule_groups(kinds: list[str], sep_layer: bool) -> list[list[int]]:
+    """Schedule layers from the layer kinds: every model layer alone, or an attention layer with its MLP."""
+    groups: list[list[int]] = []
+    for i, kind in enumerate(kinds):
+        if not sep_layer and kind == "mlp" and groups and kinds[groups[-1][-1]] == "attn":
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups

@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 
 from flexgen_h2o.config import OffloadPolicy, split_by_fraction
 from flexgen_h2o.kv import Budget, EvictionConfig
-from flexgen_h2o.models import ModelConfig, build_layers
-from flexgen_h2o.weights.placement import choose_home
+from flexgen_h2o.models import KVSpec, ModelConfig, build_layers, schedule_groups
+from flexgen_h2o.weights.placement import choose_home, is_lookup_table
 
 TIERS = ("compute", "host", "disk")
 PARTS = ("weights", "kv", "activations", "workspace")
@@ -56,20 +56,9 @@ def batch_sizes(n_seqs: int, gpu_batch_size: int) -> list[int]:
     return [min(gpu_batch_size, n_seqs - lo) for lo in range(0, n_seqs, gpu_batch_size)]
 
 
-def schedule_groups(kinds: list[str], sep_layer: bool) -> list[list[int]]:
-    """Schedule layers as the engine forms them: each layer alone, or an attention layer with its MLP."""
-    groups: list[list[int]] = []
-    for i, kind in enumerate(kinds):
-        if not sep_layer and kind == "mlp" and groups and kinds[groups[-1][-1]] == "attn":
-            groups[-1].append(i)
-        else:
-            groups.append([i])
-    return groups
-
-
 def kv_slot_bytes(model: ModelConfig, kv_dtype_bytes: int) -> int:
-    """One slot of one sequence in one attention layer: K + V for every KV head, plus score (fp32) and pos (int32)."""
-    return model.n_kv_heads * (2 * model.head_dim * kv_dtype_bytes + 4 + 4)
+    """One slot of one sequence in one attention layer (KVSpec.row_bytes: K + V, fp32 score, int32 position)."""
+    return KVSpec(model.n_kv_heads, model.head_dim).row_bytes(kv_dtype_bytes)
 
 
 def estimate(model: ModelConfig, offload: OffloadPolicy, eviction: EvictionConfig, *, prompt_len: int,
@@ -135,10 +124,8 @@ def _weights(est: Estimate, layers: list, offload: OffloadPolicy, c: int) -> Non
                     est.add("host", "weights", spec.numel * 2)
                 else:
                     est.store_bytes += spec.numel * 2
-            if home != "compute":
-                # embedding tables are staged in fp16 (a lookup reads a few rows), the rest in compute dtype
-                table = layer.kind == "embed" and spec.key.startswith("embed_")
-                staged += spec.numel * (2 if table else c)
+            if home != "compute" and not is_lookup_table(layer, spec):
+                staged += spec.numel * c                # offloaded embedding tables are read by row, not staged
         staged_per_layer.append(staged)
     groups = schedule_groups([layer.kind for layer in layers], offload.sep_layer)
     per_group = sorted((sum(staged_per_layer[i] for i in g) for g in groups), reverse=True)

@@ -170,12 +170,12 @@ class BlockExecutor:
         p = self.p
         if token == 0:
             positions = (b.token_valid.long().cumsum(1) - 1).masked_fill(~b.token_valid, -1)
-            return StepContext("prefill", positions.to(p.device), b.token_valid.to(p.device), p.compute_dtype,
+            return StepContext(positions.to(p.device), b.token_valid.to(p.device), p.compute_dtype,
                                want_scores=p.needs_scores, keys_pre_rope=p.rolling, score_reduce=p.score_reduce)
         true_pos = b.real_len + token - 1
         pos = self._new_rank(b, token) if p.rolling else true_pos
         valid = torch.ones(len(true_pos), 1, dtype=torch.bool)
-        return StepContext("decode", pos.view(-1, 1).to(p.device), valid.to(p.device), p.compute_dtype,
+        return StepContext(pos.view(-1, 1).to(p.device), valid.to(p.device), p.compute_dtype,
                            want_scores=p.needs_scores, keys_pre_rope=p.rolling, score_reduce=p.score_reduce)
 
     def _compute(self, token: int, group: int, batch: int) -> None:

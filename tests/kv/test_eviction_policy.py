@@ -5,6 +5,7 @@ Shapes: scores and positions are (b, g, s); position -1 marks an empty / pad / e
 from __future__ import annotations
 
 import random
+import zlib
 
 import pytest
 import torch
@@ -139,7 +140,7 @@ def _random_columns(rng: random.Random, b: int, g: int, s: int, ties: bool):
 
 @pytest.mark.parametrize("policy", ["h2o", "h2o-port", "local", "sink"])
 def test_victims_match_brute_force(policy):
-    rng = random.Random(hash(policy) % 1000)
+    rng = random.Random(zlib.crc32(policy.encode()))      # str hash() changes per process
     for trial in range(60):
         sink, heavy, recent = rng.randint(0, 2), rng.randint(0, 3), rng.randint(0, 3)
         if policy == "h2o-port":
