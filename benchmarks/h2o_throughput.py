@@ -32,11 +32,12 @@ from pathlib import Path  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks.common import CaseFailed, bench_env, drop_page_cache, interleaved, median, run_json  # noqa: E402
+from flexgen_h2o.config import OffloadPolicy  # noqa: E402
 from flexgen_h2o.kv import EvictionConfig  # noqa: E402
-from flexgen_h2o.models import ModelConfig, build_layers, resolve_model  # noqa: E402
+from flexgen_h2o.models import ModelConfig, resolve_model  # noqa: E402
+from flexgen_h2o.planner import estimate  # noqa: E402
 
 GIB, MIB = 1 << 30, 1 << 20
-QUERY_CHUNK = 256           # grouped_attention materialises fp32 probabilities this many queries at a time
 TARGETS = {"slope_ratio_max": 0.1, "a_decode_speedup_min": 3.0, "b_total_speedup_min": 3.0}
 
 
@@ -70,76 +71,71 @@ class Plan:
         return self.gbs * self.num_batches
 
 
-# --- memory model ---
+# --- memory model: the engine's own planner ---
+
+def eviction_for(case: str, hh_ratio: float) -> EvictionConfig:
+    return EvictionConfig(policy="full") if case == "full" else EvictionConfig(policy="h2o", hh_ratio=hh_ratio)
+
 
 def kv_slots(case: str, prompt_len: int, gen_len: int, hh_ratio: float) -> int:
     """Slots the engine allocates per sequence, from the engine's own Budget arithmetic."""
-    ev = EvictionConfig(policy="full") if case == "full" else EvictionConfig(policy="h2o", hh_ratio=hh_ratio)
-    return ev.resolve(prompt_len, gen_len).capacity
+    return eviction_for(case, hh_ratio).resolve(prompt_len, gen_len).capacity
 
 
-def estimate_bytes(cfg: ModelConfig, s: Setting, slots: int, gbs: int, batch: int, act_bytes: int,
-                   overhead: int) -> dict[str, int]:
-    """Bytes the budget must hold for `batch` sequences computed `gbs` at a time.
-
-    fixed: regime (a) weights resident in the compute dtype + the runtime (interpreter, torch, tokenizer);
-           regime (b) two staged schedule layers (overlap double-buffers the next layer's weights).
-    kv: slots x kv_bytes_per_token (fp16 KV) per sequence. held: the hidden state every batch keeps between
-    layers. work: one GPU batch's transient tensors in prefill (the largest phase)."""
-    p, h, layers = s.prompt_len, cfg.hidden_size, build_layers(cfg)
-    sizes = [sum(w.numel for w in layer.weight_specs()) for layer in layers]
-    if s.regime == "a":
-        seen: dict[str, int] = {w.name: w.numel for layer in layers for w in layer.weight_specs()}
-        fixed = sum(seen.values()) * act_bytes + overhead           # tied embeddings are counted once
-    else:
-        fixed = 2 * max(sizes) * act_bytes
-    q_kv = cfg.n_heads * cfg.head_dim + 2 * cfg.n_kv_heads * cfg.head_dim
-    mlp = (3 if cfg.family == "llama" else 2) * cfg.ffn_size
-    per_layer_kv = cfg.kv_bytes_per_token() // cfg.n_layers
-    work_seq = (p * (4 * h + q_kv + mlp) * act_bytes                      # residual, norm, q/k/v, MLP hidden
-                + 3 * cfg.n_heads * min(p, QUERY_CHUNK) * p * 4           # logits, probs, mask (fp32)
-                + 2 * cfg.vocab_size * act_bytes                          # last-token logits
-                + 2 * slots * per_layer_kv * act_bytes // 2)              # one layer's KV cast to compute dtype
-    kv = batch * slots * cfg.kv_bytes_per_token()
-    held = batch * p * h * act_bytes
-    work = gbs * work_seq
-    return {"fixed": fixed, "kv": kv, "held": held, "work": work, "total": fixed + kv + held + work}
+def offload_for(s: Setting, batch: int, a: argparse.Namespace) -> OffloadPolicy:
+    k = min(a.num_gpu_batches, batch)
+    return OffloadPolicy.from_percent(s.percent, gpu_batch_size=-(-batch // k), num_gpu_batches=k,
+                                      prefill_batch_size=a.prefill_batch_size)
 
 
-def search_batch(cfg: ModelConfig, s: Setting, case: str, a: argparse.Namespace, act_bytes: int) -> Plan:
-    """Largest gbs x K within the budget: for each power-of-two gbs, the most batches that fit; ties go to the
-    larger gbs (fewer, fuller batches)."""
-    slots = kv_slots(case, s.prompt_len, s.gen_len, a.hh_ratio)
-    overhead = int(a.overhead_gib * GIB)
-    best, rows, gbs = None, [], 1
-    while gbs <= a.max_gpu_batch_size:
-        k_max = min(a.max_num_gpu_batches, (a.max_batch or 1 << 30) // gbs)
-        k = 0
-        while k < k_max and estimate_bytes(cfg, s, slots, gbs, gbs * (k + 1), act_bytes,
-                                           overhead)["total"] <= s.budget_bytes:
-            k += 1
-        est = estimate_bytes(cfg, s, slots, gbs, gbs * max(k, 1), act_bytes, overhead)
-        rows.append({"gbs": gbs, "num_gpu_batches": k, "batch": gbs * k, "est": est})
-        if k and (best is None or gbs * k >= best["batch"]):
-            best = rows[-1]
-        gbs *= 2
+def estimate_bytes(s: Setting, case: str, batch: int, a: argparse.Namespace, act_bytes: int) -> dict[str, int]:
+    """What the budget must hold for `batch` sequences, from flexgen_h2o.planner.estimate (the preflight's
+    numbers: weights, KV, resting activations, staged weights and KV windows, one prefill chunk's transients).
+    Regime (a) counts every tier (on a CPU they are all RAM) plus the runtime overhead (interpreter, torch,
+    tokenizer); regime (b) counts the compute tier, which the staged weights share with KV and activations."""
+    est = estimate(resolve_model(s.model), offload_for(s, batch, a), eviction_for(case, a.hh_ratio),
+                   prompt_len=s.prompt_len, gen_len=s.gen_len, n_seqs=batch, compute_dtype_bytes=act_bytes)
+    tiers = ("compute", "host") if s.regime == "a" else ("compute",)
+    parts = {part: sum(est.bytes[t][part] for t in tiers) for part in ("weights", "kv", "activations", "workspace")}
+    parts["overhead"] = int(a.overhead_gib * GIB) if s.regime == "a" else 0
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+def search_batch(s: Setting, case: str, a: argparse.Namespace, act_bytes: int) -> Plan:
+    """The largest batch whose estimate fits the budget (the estimate grows with the batch, so the first
+    batch that does not fit ends the search). One GPU batch by default: on a CPU the compute tier is the same
+    RAM, so splitting a block into K GPU batches saves no transfer and re-reads the staged layer K times."""
+    rows, best, batch = [], None, 1
+    while batch <= a.max_batch:
+        est = estimate_bytes(s, case, batch, a, act_bytes)
+        fits = est["total"] <= s.budget_bytes
+        if fits or not rows or batch in (1, 2, 4, 8, 16, 32, 64, 128):
+            rows.append({"batch": batch, "fits": fits, "est": est})
+        if not fits:
+            break
+        best = rows[-1]
+        batch += 1 if batch < 16 else 2 if batch < 64 else 4
     if best is None:
         raise SystemExit(f"{s.name} {case}: not even one sequence fits {s.budget_bytes / GIB:.3f} GiB "
                          f"(needs {rows[0]['est']['total'] / GIB:.3f} GiB); raise the budget")
-    return Plan(s, case, slots, best["gbs"], best["num_gpu_batches"], best["est"]["total"], rows)
+    off = offload_for(s, best["batch"], a)
+    slots = kv_slots(case, s.prompt_len, s.gen_len, a.hh_ratio)
+    return Plan(s, case, slots, off.gpu_batch_size, off.num_gpu_batches, best["est"]["total"],
+                [r for r in rows if r["batch"] in (1, 2, 4, 8, 16, 32, 64, 128) or r is best or not r["fits"]])
 
 
 def print_search(cfg: ModelConfig, plan: Plan) -> None:
     s = plan.setting
     per_seq = plan.slots * cfg.kv_bytes_per_token()
-    print(f"  {plan.case:4s}: {plan.slots} slots/seq = {per_seq / MIB:.2f} MiB KV/seq; "
-          f"fixed {plan.search[0]['est']['fixed'] / GIB:.3f} GiB of {s.budget_bytes / GIB:.3f} GiB")
+    print(f"  {plan.case:4s}: {plan.slots} slots/seq = {per_seq / MIB:.2f} MiB KV/seq; budget "
+          f"{s.budget_bytes / GIB:.3f} GiB")
     for r in plan.search:
         e = r["est"]
-        mark = "  <= chosen" if (r["gbs"], r["num_gpu_batches"]) == (plan.gbs, plan.num_batches) else ""
-        print(f"      gbs {r['gbs']:3d} -> K {r['num_gpu_batches']:3d} (batch {r['batch']:4d}): kv "
-              f"{e['kv'] / GIB:.3f} + held {e['held'] / GIB:.3f} + work {e['work'] / GIB:.3f} = "
-              f"{e['total'] / GIB:.3f} GiB{mark}")
+        mark = "  <= chosen" if r["batch"] == plan.batch else "" if r["fits"] else "  (over)"
+        print(f"      batch {r['batch']:4d}: weights {e['weights'] / GIB:.3f} + kv {e['kv'] / GIB:.3f} + act "
+              f"{e['activations'] / GIB:.3f} + work {e['workspace'] / GIB:.3f} + overhead {e['overhead'] / GIB:.3f}"
+              f" = {e['total'] / GIB:.3f} GiB{mark}")
 
 
 # --- running ---
@@ -170,6 +166,7 @@ def run_args(plan: Plan, a: argparse.Namespace, json_path: Path) -> list[str]:
     args = ["-m", "flexgen_h2o.run", "--model", s.model, "--prompt-len", str(s.prompt_len),
             "--gen-len", str(s.gen_len), "--gpu-batch-size", str(plan.gbs),
             "--num-gpu-batches", str(plan.num_batches), "--percent", *[f"{x:g}" for x in s.percent],
+            *(["--prefill-batch-size", str(a.prefill_batch_size)] if a.prefill_batch_size else []),
             "--offload-dir", a.offload_dir, "--metrics-json", str(json_path),
             "--no-warmup", "--no-progress"]            # a warm-up would warm the page cache regime (b) drops
     args += ["--full-cache"] if plan.case == "full" else ["--hh-ratio", str(a.hh_ratio)]
@@ -262,12 +259,11 @@ def settings_from_args(a: argparse.Namespace, act_bytes: int) -> list[Setting]:
         for p, g in ([(128, 64)] if a.quick else [(512, g) for g in a.b_gen_lens]):
             res.append(Setting("b", a.disk_model, p, g, int(a.compute_budget_gib * GIB), True, (0, 0, 100, 0, 100, 0)))
     if a.quick:
-        # quick budgets: just over one full-cache sequence, so the search binds and the cases differ
+        # quick budgets: room for about two full-cache sequences, so the search binds and the cases differ
         for s in res:
-            cfg = resolve_model(s.model)
-            slots = kv_slots("full", s.prompt_len, s.gen_len, a.hh_ratio)
-            one = estimate_bytes(cfg, s, slots, 1, 1, act_bytes, int(a.overhead_gib * GIB))
-            s.budget_bytes = one["total"] + (one["kv"] + one["held"]) // 2
+            s.budget_bytes = 10 * GIB
+            one, two = (estimate_bytes(s, "full", n, a, act_bytes)["total"] for n in (1, 2))
+            s.budget_bytes = two + (two - one) // 2
     return res
 
 
@@ -285,12 +281,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hh-ratio", type=float, default=0.1, help="H2O heavy = recent = int(r * prompt): 0.1 = 20 %%")
     p.add_argument("--long-model", default="smollm2-135m")
     p.add_argument("--disk-model", default=None, help="default opt-1.3b (opt-125m with --quick), dummy weights")
-    p.add_argument("--max-gpu-batch-size", type=int, default=32)
-    p.add_argument("--max-num-gpu-batches", type=int, default=8,
-                   help="cap on K: every GPU batch re-reads the staged layer from memory, so on a CPU many tiny "
-                        "batches (gbs 1 x 47) run slower than fewer larger ones (gbs 4 x 8)")
+    p.add_argument("--num-gpu-batches", type=int, default=1,
+                   help="K GPU batches per block (default 1: on a CPU every GPU batch re-reads the staged layer, so "
+                        "one large batch is the fast shape; on a GPU, K > 1 overlaps KV loads with compute)")
+    p.add_argument("--prefill-batch-size", type=int, default=None,
+                   help="sequences per prefill forward, the same for both cases (default: the engine's choice)")
     p.add_argument("--b-gen-lens", type=int, nargs="+", default=[512, 1024], help="(b): 512 + each of these")
-    p.add_argument("--max-batch", type=int, default=None, help="cap on gbs x K (default none; 4 with --quick)")
+    p.add_argument("--max-batch", type=int, default=None, help="cap on the batch (default 256; 4 with --quick)")
     p.add_argument("--skip-steps", type=int, default=2, help="first decode steps left out of the slope fit")
     p.add_argument("--threads", type=int, default=2, help="OMP/MKL/torch threads, the same for every case")
     p.add_argument("--device", help="passed to flexgen_h2o.run (default: its own choice)")
@@ -304,7 +301,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
     a.disk_model = a.disk_model or ("opt-125m" if a.quick else "opt-1.3b")
-    a.max_batch = a.max_batch or (4 if a.quick else None)
+    a.max_batch = a.max_batch or (4 if a.quick else 256)
     a.repeats = a.repeats or (1 if a.quick else 2)
     import torch
     on_cuda = (a.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
@@ -318,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[{s.name}] budget {s.budget_bytes / GIB:.3f} GiB ({'RAM' if s.regime == 'a' else 'compute tier'})"
               f", act dtype {act_bytes} B, KV {cfg.kv_bytes_per_token()} B/token")
         for case in ("full", "h2o"):
-            plans.append(search_batch(cfg, s, case, a, act_bytes))
+            plans.append(search_batch(s, case, a, act_bytes))
             print_search(cfg, plans[-1])
     if a.plan_only:
         return 0

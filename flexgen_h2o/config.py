@@ -22,6 +22,9 @@ def split_by_fraction(n: int, fractions: tuple[float, float, float]) -> list[tup
     return [(lo, hi, kind) for lo, hi, kind in bounds if hi > lo]
 
 
+PREFILL_TOKENS = 4096     # default prompt tokens per prefill forward: GEMMs this tall already run at full rate
+
+
 class ConfigError(ValueError):
     """Bad user configuration; the message says what was wrong and what to do."""
 
@@ -41,6 +44,8 @@ class OffloadPolicy:
     cpu_cache_compute: bool = False    # decode attention runs where the KV lives (host), not on the device
     sep_layer: bool = True             # attention and MLP are separate schedule layers
     kv_dtype: str = "float16"          # KV storage dtype; "float32" gives bit-faithful fp32 runs for tests
+    prefill_batch_size: int | None = None     # sequences per prefill forward (None: PREFILL_TOKENS' worth)
+    uncached_disk_weights: bool = False  # drop disk weights from the page cache after each read (model > RAM)
     compute_budget_bytes: int | None = None   # capacity of the compute tier (on CPU: a budgeted pool)
 
     @classmethod
@@ -78,9 +83,18 @@ class OffloadPolicy:
         if self.gpu_batch_size < 1 or self.num_gpu_batches < 1:
             raise ConfigError(f"--gpu-batch-size ({self.gpu_batch_size}) and --num-gpu-batches "
                               f"({self.num_gpu_batches}) must be >= 1")
+        if self.prefill_batch_size is not None and self.prefill_batch_size < 1:
+            raise ConfigError(f"--prefill-batch-size must be >= 1, got {self.prefill_batch_size}")
         if self.kv_dtype not in ("float16", "float32"):
             raise ConfigError(f"kv_dtype {self.kv_dtype!r} must be float16 or float32")
         return self
+
+    def prefill_rows(self, batch: int, prompt_len: int) -> int:
+        """Sequences of one GPU batch that go through a layer together at prefill. The prompt's transients
+        (MLP intermediates, attention chunks) grow with sequences x prompt length, while decode wants one large
+        GPU batch; chunking the prefill decouples the two, so the batch is bounded by the KV, not the prompt."""
+        rows = self.prefill_batch_size or max(1, PREFILL_TOKENS // max(1, prompt_len))
+        return max(1, min(batch, rows))
 
     def replace(self, **changes) -> "OffloadPolicy":
         return dataclasses.replace(self, **changes)

@@ -70,6 +70,8 @@ def _run(args: argparse.Namespace) -> int:
     mode = _mode(args)
     offload = OffloadPolicy.from_percent(args.percent, gpu_batch_size=args.gpu_batch_size,
                                          num_gpu_batches=args.num_gpu_batches, overlap=args.overlap,
+                                         prefill_batch_size=args.prefill_batch_size,
+                                         uncached_disk_weights=args.uncached_disk_weights,
                                          pin_weight=args.pin_weight, cpu_cache_compute=args.cpu_cache_compute,
                                          sep_layer=args.sep_layer).validate()
     gen_len = args.gen_len or (32 if mode == "benchmark" else 128)

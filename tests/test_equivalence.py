@@ -117,6 +117,32 @@ def test_placement_gives_identical_greedy_run(case, tmp_path):
     assert os.listdir(tmp_path) == []                      # no leftover files under the offload root
 
 
+@pytest.mark.parametrize("kind, pct, rows", [("opt", MIXED, 1), ("llama-gqa", MIXED2, 2), ("opt-post", DISK, 3)])
+def test_chunked_prefill_gives_transformers_tokens(kind, pct, rows, tmp_path):
+    """A 7-sequence GPU batch prefilled `rows` sequences at a time, on mixed and disk placements."""
+    offload = OffloadPolicy.from_percent(pct, gpu_batch_size=len(PROMPTS), prefill_batch_size=rows,
+                                         kv_dtype="float32")
+    engine = make_engine(_model(kind), offload=offload, offload_dir=tmp_path)
+    try:
+        out = engine.generate(PROMPTS, greedy(N_NEW))
+        for s, (hf_tokens, hf_logits) in enumerate(_hf(kind)):
+            assert out.token_ids[s] == hf_tokens
+            assert max_logit_diff(engine.step_logits[s], hf_logits) <= 1e-4
+    finally:
+        engine.close()
+
+
+def test_prefill_rows_default_and_validation():
+    policy = OffloadPolicy(gpu_batch_size=64)
+    assert policy.prefill_rows(64, 2048) == 2            # 4096 prompt tokens per forward by default
+    assert policy.prefill_rows(64, 100) == 40
+    assert policy.prefill_rows(3, 16) == 3               # never more than the batch
+    assert policy.prefill_rows(64, 9000) == 1
+    assert OffloadPolicy(prefill_batch_size=5).prefill_rows(64, 2048) == 5
+    with pytest.raises(ConfigError, match="prefill-batch-size"):
+        OffloadPolicy(prefill_batch_size=0).validate()
+
+
 def test_engine_reused_then_closed_leaves_nothing(tmp_path):
     kind = "llama-gqa"
     with make_engine(_model(kind), offload=_policy(DISK, 2, 2, True, False, True, True),

@@ -53,16 +53,19 @@ def engine_kept(engine) -> list[list[list[list[int]]]]:
     return [per_layer[layer] for layer in sorted(per_layer)]
 
 
-def check_against_reference(kind: str, ev: EvictionConfig) -> list:
+def check_against_reference(kind: str, ev: EvictionConfig, **engine_kw) -> list:
     """Engine and reference on the same padded prompts: tokens, logits and kept positions agree.
     Returns the reference's trace of kept positions (prefill first, then after each step)."""
     model = tiny_hf(kind)
     prompts = random_prompts(LENGTHS)
-    engine, out = run_engine(model, prompts, ev)
-    trace: list = []
-    ref_tokens, ref_logits = run_reference(model, prompts, ev, trace=trace)
-    assert_same_as_reference(engine, out, ref_tokens, ref_logits)
-    assert engine_kept(engine) == trace[-1]
+    engine, out = run_engine(model, prompts, ev, **engine_kw)
+    try:
+        trace: list = []
+        ref_tokens, ref_logits = run_reference(model, prompts, ev, trace=trace)
+        assert_same_as_reference(engine, out, ref_tokens, ref_logits)
+        assert engine_kept(engine) == trace[-1]
+    finally:
+        engine.close()
     return trace
 
 
@@ -224,6 +227,35 @@ def test_placements_match_compute(compute_run, tmp_path, where, overlap, ngb):
         kinds = {c.tier_kind for c in all_caches(engine)}
         assert kinds == ({"compute", "host", "disk"} if (where, ngb) == ("mixed", 1) else
                          {"compute", "host"} if where == "mixed" else {where})
+        assert out.token_ids == want_tokens
+        for i in range(len(prompts)):
+            assert max_logit_diff(engine.step_logits[i], want_logits[i]) <= 1e-5
+    finally:
+        engine.close()
+
+
+# --- 8. prefill in sequence chunks (a large GPU batch whose prompt transients stay one chunk's) ---
+
+@pytest.mark.parametrize("rows", [1, 2])
+@pytest.mark.parametrize("ev", [H2O_SINK, EvictionConfig(policy="h2o", hh_size=4, recent_size=3, sink_size=1,
+                                                         position_rolling=True)], ids=["h2o-sink1", "rolling"])
+@pytest.mark.parametrize("kind", ["opt", "llama-gqa"])
+def test_chunked_prefill_matches_reference(kind, ev, rows):
+    if ev.position_rolling and kind == "opt":
+        pytest.skip("rolling is for RoPE models")
+    offload = OffloadPolicy(kv_dtype="float32", gpu_batch_size=len(LENGTHS), prefill_batch_size=rows)
+    check_against_reference(kind, ev, offload=offload)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 4])
+def test_chunked_prefill_across_tiers_matches_compute(compute_run, tmp_path, rows):
+    """Chunks that straddle the compute/host/disk parts of a mixed cache commit to the right rows."""
+    model, prompts, want_tokens, want_logits = compute_run
+    offload = OffloadPolicy(kv_dtype="float32", gpu_batch_size=len(prompts), prefill_batch_size=rows,
+                            **PLACEMENTS["mixed"])
+    engine, out = run_engine(model, prompts, H2O_SINK, offload=offload, offload_dir=tmp_path)
+    try:
+        assert {c.tier_kind for c in all_caches(engine)} == {"compute", "host", "disk"}
         assert out.token_ids == want_tokens
         for i in range(len(prompts)):
             assert max_logit_diff(engine.step_logits[i], want_logits[i]) <= 1e-5

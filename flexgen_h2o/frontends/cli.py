@@ -74,6 +74,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="placement percents (0..100); disk takes the rest of each pair")
     s.add_argument("--gpu-batch-size", type=positive, default=4, help="sequences per GPU batch")
     s.add_argument("--num-gpu-batches", type=positive, default=1, help="GPU batches per block")
+    s.add_argument("--prefill-batch-size", type=positive,
+                   help="sequences per layer forward at prefill (default: 4096 prompt tokens' worth); bounds the "
+                        "prompt's transients so a large GPU batch fits")
+    s.add_argument("--uncached-disk-weights", action="store_true",
+                   help="drop each disk-homed weight from the OS page cache after reading it, so every pass reads "
+                        "the device, as when the model is larger than RAM (measures disk-bound streaming)")
     s.add_argument("--overlap", type=str2bool, default=True, help="prefetch and write back while computing")
     s.add_argument("--pin-weight", type=str2bool, default=True, help="pin host-resident weights (CUDA)")
     s.add_argument("--cpu-cache-compute", action="store_true", help="decode attention where the KV lives (host)")

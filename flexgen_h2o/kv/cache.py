@@ -22,6 +22,7 @@ from torch import Tensor
 
 from flexgen_h2o.kv.select import pack_kept
 from flexgen_h2o.models.layer import KVSpec, KVView, LayerOutput
+from flexgen_h2o.models.ops import write_slot
 
 Allocator = Callable[[tuple[int, ...], torch.dtype], Tensor]
 BIG_POSITION = 1 << 40
@@ -64,17 +65,20 @@ class KVCache:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.k, self.v, self.score, self.pos))
 
-    def _slot_bytes(self, n_slots: int, with_kv: bool = True) -> int:
+    def _slot_bytes(self, n_slots: int, with_kv: bool = True, rows: int | None = None) -> int:
         b, g, _, d = self.k.shape
         kv = 2 * d * self.k.element_size() if with_kv else 0
-        return b * g * n_slots * (kv + 4 + 4)
+        return (b if rows is None else rows) * g * n_slots * (kv + 4 + 4)
 
     # --- prefill ---
 
-    def commit_prefill(self, k_new: Tensor, v_new: Tensor, scores: Tensor | None, token_pos: Tensor) -> None:
-        """Keep the policy's choice of the prompt's rows. k_new, v_new (b, g, p, d); scores (b, g, p) fp32
-        column sums (None when the policy needs none); token_pos (b, p) with -1 for pads."""
+    def commit_prefill(self, k_new: Tensor, v_new: Tensor, scores: Tensor | None, token_pos: Tensor,
+                       first_row: int = 0) -> None:
+        """Keep the policy's choice of the prompt's rows for sequences [first_row, first_row + len(k_new)), so
+        a prefill can commit chunk by chunk. k_new, v_new (b, g, p, d); scores (b, g, p) fp32 column sums
+        (None when the policy needs none); token_pos (b, p) with -1 for pads."""
         b, g, p, _ = k_new.shape
+        rows = slice(first_row, first_row + b)
         positions = token_pos[:, None, :].expand(b, g, p).long()
         keep = self.policy.select_prefill(scores, positions, self.budget, self.generator)  # (b, g, p)
         n_keep = int(keep.sum(-1).max().item()) if keep.numel() else 0
@@ -82,13 +86,13 @@ class KVCache:
             raise RuntimeError(f"eviction policy kept {n_keep} prompt rows but the cache has "
                                f"{self.capacity - 1} before the current-token slot")
         index, kept = pack_kept(keep, n_keep)           # kept rows first, in prompt order: (b, g, n) each
-        self.k[:, :, :n_keep] = gather_slots(k_new, index).to(self.k.dtype)
-        self.v[:, :, :n_keep] = gather_slots(v_new, index).to(self.v.dtype)
+        self.k[rows, :, :n_keep] = gather_slots(k_new, index).to(self.k.dtype)
+        self.v[rows, :, :n_keep] = gather_slots(v_new, index).to(self.v.dtype)
         sc = gather_slots(scores, index) if scores is not None else torch.zeros(b, g, n_keep, device=kept.device)
-        self.score[:, :, :n_keep] = torch.where(kept, sc.float(), torch.zeros_like(sc, dtype=torch.float32))
-        self.pos[:, :, :n_keep] = torch.where(kept, gather_slots(positions, index), -1).to(torch.int32)
-        self.n_used = n_keep
-        self.bytes_written[self.tier_kind] += self._slot_bytes(n_keep)
+        self.score[rows, :, :n_keep] = torch.where(kept, sc.float(), torch.zeros_like(sc, dtype=torch.float32))
+        self.pos[rows, :, :n_keep] = torch.where(kept, gather_slots(positions, index), -1).to(torch.int32)
+        self.n_used = max(self.n_used, n_keep)
+        self.bytes_written[self.tier_kind] += self._slot_bytes(n_keep, rows=b)
 
     # --- decode ---
 
@@ -122,11 +126,10 @@ class KVCache:
         budget. new_pos (b,) original positions of the new tokens."""
         slot = view.write_slot.to(self.k.device)                                        # (b, g)
         s = view.k.shape[2]
-        row_index = slot[:, :, None, None].expand(-1, -1, 1, self.k.shape[-1])
-        self.k.scatter_(2, row_index, out.k_new.to(self.k.device, self.k.dtype))
-        self.v.scatter_(2, row_index, out.v_new.to(self.v.device, self.v.dtype))
+        write_slot(self.k, slot, out.k_new.to(self.k.device))
+        write_slot(self.v, slot, out.v_new.to(self.v.device))
+        write_slot(self.pos, slot, new_pos.to(self.pos.device).view(-1, 1, 1).expand(*slot.shape, 1))
         pos = self.pos[:, :, :s]
-        pos.scatter_(2, slot.unsqueeze(-1), new_pos.view(-1, 1, 1).expand(*slot.shape, 1).to(torch.int32))
         score = self.score[:, :, :s]
         if out.scores is not None:
             score += out.scores.to(self.score.device)       # free slots got 0 mass, the new slot starts at 0

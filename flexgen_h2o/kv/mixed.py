@@ -35,10 +35,17 @@ class SplitKVCache:
     def nbytes(self) -> int:
         return sum(c.nbytes for c in self.caches)
 
-    def commit_prefill(self, k_new: Tensor, v_new: Tensor, scores: Tensor | None, token_pos: Tensor) -> None:
+    def commit_prefill(self, k_new: Tensor, v_new: Tensor, scores: Tensor | None, token_pos: Tensor,
+                       first_row: int = 0) -> None:
+        """The prompt rows of sequences [first_row, first_row + len(k_new)), which may span several parts."""
+        end = first_row + k_new.shape[0]
         for lo, hi, cache in self.parts:
-            cache.commit_prefill(k_new[lo:hi], v_new[lo:hi], None if scores is None else scores[lo:hi],
-                                 token_pos[lo:hi])
+            a, z = max(lo, first_row), min(hi, end)
+            if a >= z:
+                continue
+            src = slice(a - first_row, z - first_row)
+            cache.commit_prefill(k_new[src], v_new[src], None if scores is None else scores[src],
+                                 token_pos[src], first_row=a - lo)
 
     def stage(self, device: torch.device, dtype: torch.dtype, new_rank: Tensor | None = None) -> KVView:
         if self.attention_device is not None:

@@ -6,6 +6,7 @@ h query heads, g KV heads, d head dim, m model width, V vocab.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Mapping, Protocol
 
@@ -49,6 +50,10 @@ class StepContext:
     keys_pre_rope: bool = False  # position rolling: store keys before RoPE, rotate by rank at attention time
     score_reduce: str = "sum"    # pooling of grouped query heads into one KV head's score: "sum" or "mean"
     query_chunk: int = 256       # prefill queries per chunk when scores are wanted (never a full s x s matrix)
+
+    def rows(self, lo: int, hi: int) -> "StepContext":
+        """The context of sequences [lo, hi) only (a prefill chunk)."""
+        return dataclasses.replace(self, positions=self.positions[lo:hi], token_valid=self.token_valid[lo:hi])
 
 
 @dataclass

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from typing import Mapping
 
-import torch.nn.functional as F
 from torch import Tensor
 
 from flexgen_h2o.models import ops
@@ -46,7 +45,7 @@ class EmbedLayer(_Base):
     def forward(self, x: Tensor, w: Mapping[str, Tensor], kv: KVView | None, ctx: StepContext) -> LayerOutput:
         h = ops.embedding(x, w["embed_tokens.weight"]).to(ctx.compute_dtype)
         if "project_in.weight" in w:
-            h = F.linear(h, w["project_in.weight"])
+            h = ops.linear(h, w["project_in.weight"])
         if self.cfg.positions == "learned":
             # pads sit at position -1 -> table row 1, as HF's cumsum(mask) * mask - 1 + 2
             pos = ops.embedding(ctx.positions.clamp(min=-1) + 2, w["embed_positions.weight"]).to(ctx.compute_dtype)
@@ -69,7 +68,7 @@ class AttentionLayer(_Base):
         return KVSpec(self.cfg.n_kv_heads, self.cfg.head_dim)
 
     def _proj(self, h: Tensor, w: Mapping[str, Tensor], which: str) -> Tensor:
-        return F.linear(h, w[f"self_attn.{which}.weight"], w.get(f"self_attn.{which}.bias"))
+        return ops.linear(h, w[f"self_attn.{which}.weight"], w.get(f"self_attn.{which}.bias"))
 
     def forward(self, x: Tensor, w: Mapping[str, Tensor], kv: KVView | None, ctx: StepContext) -> LayerOutput:
         cfg = self.cfg
@@ -107,7 +106,7 @@ class AttentionLayer(_Base):
                                             score_reduce=ctx.score_reduce, query_chunk=ctx.query_chunk)
         if out.device != x.device:               # only the attention output crosses back; k/v rows go home
             out = out.to(home_device, home_dtype)
-        out = F.linear(ops.merge_heads(out), w[f"self_attn.{self.out_proj}.weight"],
+        out = ops.linear(ops.merge_heads(out), w[f"self_attn.{self.out_proj}.weight"],
                        w.get(f"self_attn.{self.out_proj}.bias"))
         x = x + out
         if not cfg.pre_norm:
@@ -141,9 +140,8 @@ class HeadLayer(_Base):
         if self.cfg.final_norm:
             x = self._norm(x, w, "norm" if self.cfg.family == "llama" else "final_layer_norm")
         if "project_out.weight" in w:
-            x = F.linear(x, w["project_out.weight"])
-        weight = w["lm_head.weight"]
-        logits = F.linear(x, weight.to(x.dtype) if weight.dtype != x.dtype else weight).float()
+            x = ops.linear(x, w["project_out.weight"])
+        logits = ops.linear(x, w["lm_head.weight"]).float()    # a resident tied table stays fp16: upcast by rows
         return LayerOutput(hidden=logits[:, 0])
 
 

@@ -101,7 +101,8 @@ def estimate(model: ModelConfig, offload: OffloadPolicy, eviction: EvictionConfi
     # staged KV window (k and v in compute dtype, plus masks/positions) of the current and the next batch
     est.add("compute", "workspace", windows * gbs * model.n_kv_heads * budget.capacity
             * (2 * model.head_dim * c + 16))
-    est.add("compute", "workspace", _layer_transient(model, gbs, prompt_len, c, eviction.needs_scores))
+    rows = offload.prefill_rows(gbs, prompt_len)
+    est.add("compute", "workspace", model.workspace_bytes(rows, prompt_len, c, eviction.needs_scores, QUERY_CHUNK))
     return est
 
 
@@ -125,23 +126,13 @@ def _weights(est: Estimate, layers: list, offload: OffloadPolicy, c: int) -> Non
                 else:
                     est.store_bytes += spec.numel * 2
             if home != "compute" and not is_lookup_table(layer, spec):
-                staged += spec.numel * c                # offloaded embedding tables are read by row, not staged
+                # placement._stage_one: matrices stay fp16 (a host one on a CPU is used in place); vectors
+                # take the compute dtype; offloaded embedding tables are read by row, never staged
+                on_cpu = c == 4                         # the backends compute in fp32 only on a CPU
+                matrix = len(spec.shape) > 1
+                staged += 0 if (matrix and home == "host" and on_cpu) else spec.numel * (2 if matrix else c)
         staged_per_layer.append(staged)
     groups = schedule_groups([layer.kind for layer in layers], offload.sep_layer)
     per_group = sorted((sum(staged_per_layer[i] for i in g) for g in groups), reverse=True)
     # with overlap the next schedule layer is prefetched while the current one computes
     est.add("compute", "workspace", sum(per_group[:2 if offload.overlap else 1]))
-
-
-def _layer_transient(model: ModelConfig, b: int, t: int, c: int, wants_scores: bool) -> int:
-    """The largest intermediate of one GPU batch at prefill (decode steps are t = 1, far smaller)."""
-    h, g, d, m, f = model.n_heads, model.n_kv_heads, model.head_dim, model.hidden_size, model.ffn_size
-    hidden = 2 * b * t * m * c                                   # layer input and output
-    qkv = b * t * (2 * h + 2 * g) * d * c                        # q, k, v, attention output
-    if wants_scores:      # chunked queries: logits, masked logits, probs in fp32, and the (b, g, s) scores
-        probs = 3 * b * h * min(t, QUERY_CHUNK) * t * 4 + b * g * t * 4
-    else:                 # the fused kernel's math path materialises the (b, h, t, t) weights (CPU)
-        probs = 2 * b * h * t * t * 4
-    mlp = b * t * f * c * (3 if model.activation == "silu" else 2)
-    head = 2 * b * model.vocab_size * 4                          # last-position logits and the softmax
-    return hidden + max(qkv + probs, mlp, head)

@@ -52,15 +52,17 @@ class RunParts:
     rolling: bool
     score_reduce: str
     budget: int                          # kept tokens per (sequence, KV head) before the current one
+    prefill_rows: int                    # sequences per layer forward at prefill (OffloadPolicy.prefill_rows)
     on_logits: Callable[[int, int, Tensor], None]   # (token, batch, logits (b, V)) -> stores next ids
     should_stop: Callable[[int], bool]   # after token i: every sequence finished?
+    async_lanes: frozenset = frozenset({"weights", "kv"})   # lanes that get a worker thread when overlapping
 
 
 class BlockExecutor:
     def __init__(self, parts: RunParts, batches: list[BatchState], n_tokens: int, overlap: bool):
         self.p, self.batches, self.n_tokens = parts, batches, n_tokens
         self.overlap = overlap
-        self.transfer = Transfer(parts.backend) if overlap else None
+        self.transfer = Transfer(parts.backend) if overlap and parts.async_lanes else None
         self.in_flight: list[Future] = []
         n_groups, n_batches = len(parts.groups), len(batches)
         self.weight_buf = [ValueHolder(f"weights of schedule layer {j}") for j in range(n_groups)]
@@ -103,8 +105,8 @@ class BlockExecutor:
                     self.p.weights.release(staged)
 
     def _submit(self, lane: str, fn, *args) -> Any:
-        if self.transfer is None:
-            return fn(*args)
+        if self.transfer is None or lane not in self.p.async_lanes:
+            return fn(*args)          # inline: in step order, so a cache still never stages before its commit
         fut = self.transfer.submit(lane, fn, *args)
         self.in_flight.append(fut)
         return fut
@@ -181,32 +183,53 @@ class BlockExecutor:
     def _compute(self, token: int, group: int, batch: int) -> None:
         b = self.batches[batch]
         weights = ready(self.weight_buf[group].peek())
-        views = ready(self.kv_buf[group][batch].pop()) if token > 0 and self._attn_layers(group) else {}
         x = self.hidden_buf[batch].pop()
         if b.ctx is None or b.ctx[0] != token:
             b.ctx = (token, self._context(b, token))
         ctx = b.ctx[1]
-        updates = {}
-        for l in self.p.groups[group]:
-            layer = self.p.layers[l]
-            out = layer.forward(x, weights[l], views.get(l), ctx)
-            if layer.kind == "attn":
-                updates[l] = (views.get(l), out, ctx.positions if token == 0 else b.real_len + token - 1)
+        if token == 0:
+            x = self._prefill(b, group, weights, x, ctx)
+        else:
+            views = ready(self.kv_buf[group][batch].pop()) if self._attn_layers(group) else {}
+            updates = {}
+            for l in self.p.groups[group]:
+                layer = self.p.layers[l]
+                out = layer.forward(x, weights[l], views.get(l), ctx)
+                if layer.kind == "attn":
+                    updates[l] = (views[l], out, b.real_len + token - 1)
                 x = out.hidden
-            elif layer.kind == "head":
-                self.p.on_logits(token, batch, out.hidden)
-                x = None
-            else:
-                x = out.hidden
-        if updates:
-            self.store_buf[group][batch].store(updates)
-        if x is not None:
+            if updates:
+                self.store_buf[group][batch].store(updates)
+        if self.p.layers[self.p.groups[group][-1]].kind == "head":
+            self.p.on_logits(token, batch, x)
+        else:
             b.activations.store(x)
+
+    def _prefill(self, b: BatchState, group: int, weights: dict, x: Tensor, ctx) -> Tensor:
+        """The prompt through one schedule layer, `prefill_rows` sequences at a time; each chunk's prompt KV is
+        committed before the next chunk runs, so the transients are one chunk's, whatever the GPU batch.
+        Residual layers write their output back into x's rows; the embed and head layers fill a new tensor."""
+        n = x.shape[0]
+        result = None
+        for lo in range(0, n, self.p.prefill_rows):
+            hi = min(n, lo + self.p.prefill_rows)
+            sub = ctx.rows(lo, hi)
+            h = x[lo:hi]
+            for l in self.p.groups[group]:
+                layer = self.p.layers[l]
+                out = layer.forward(h, weights[l], None, sub)
+                if layer.kind == "attn":
+                    b.caches[l].commit_prefill(out.k_new, out.v_new, out.scores, sub.positions, first_row=lo)
+                h = out.hidden
+            if hi - lo == n:
+                return h                             # one chunk: nothing to assemble
+            if result is None:
+                same = h.shape[1:] == x.shape[1:] and h.dtype == x.dtype
+                result = x if same else h.new_empty((n, *h.shape[1:]))
+            result[lo:hi] = h
+        return result
 
     def _commit_kv(self, group: int, batch: int, token: int, updates: dict) -> None:
         b = self.batches[batch]
         for l, (view, out, pos) in updates.items():
-            if view is None:
-                b.caches[l].commit_prefill(out.k_new, out.v_new, out.scores, pos)
-            else:
-                b.caches[l].commit_decode(view, out, pos)
+            b.caches[l].commit_decode(view, out, pos)

@@ -50,13 +50,14 @@ class WeightPlacement:
     def __init__(self, layers: list, read: Callable[[str], np.ndarray], fractions: tuple[float, float, float], *,
                  device: torch.device, compute_dtype: torch.dtype, pin: Callable[[Tensor], Tensor] = lambda t: t,
                  pin_weight: bool = True, locate: Callable[[str], tuple[Path, int, int]] | None = None,
-                 pool: StagingPool | None = None, tiers: Mapping | None = None):
+                 pool: StagingPool | None = None, tiers: Mapping | None = None, uncached_disk: bool = False):
         """read: name -> fp16 array; locate (a store's): name -> (file, offset, bytes) for disk-homed reads;
         pool: where staged copies land (None: fresh tensors, unaccounted); tiers: the engine's "compute" and
-        "host" tiers, charged for the resident weights (None: plain tensors, unaccounted)."""
+        "host" tiers, charged for the resident weights (None: plain tensors, unaccounted); uncached_disk: every
+        disk read bypasses the page cache afterwards (staging.read_file_range), so each pass reads the device."""
         self.layers = layers
         self.device, self.compute_dtype = device, compute_dtype
-        self.pool, self._pin = pool, pin
+        self.pool, self._pin, self.uncached_disk = pool, pin, uncached_disk
         self._count_lock = threading.Lock()
         self._handles: list = []                  # tier allocations of resident weights, freed by close()
         self.home_of: dict[str, str] = {}
@@ -116,7 +117,7 @@ class WeightPlacement:
         return sum(s.numel * 2 for s in layer.weight_specs() if not is_lookup_table(layer, s))
 
     def stage(self, index: int) -> Mapping[str, Tensor | RowLookup]:
-        """The layer's weights on the compute device, in compute dtype. Offloaded embedding tables come as a
+        """The layer's weights on the compute device (see _stage_one for dtypes). Offloaded embedding tables come as a
         RowLookup (resident ones stay fp16 tensors: a lookup needs no conversion of the whole table). Give
         the result back with release() once its last batch has computed."""
         layer = self.layers[index]
@@ -157,22 +158,32 @@ class WeightPlacement:
         return self.pool.take(shape, dtype)
 
     def _stage_one(self, spec: WeightSpec) -> Tensor:
+        """A weight on the compute device. Matrices keep the store's fp16 (ops.linear upcasts them by blocks of
+        rows on a CPU; on CUDA fp16 is the compute dtype), so a CPU stage moves 2 bytes per weight, not 2 + 4,
+        and a host-homed matrix on a CPU is used where it lies. Vectors (norms, biases) take the compute dtype."""
         home = self.home_of[spec.name]
         if home == "compute":
             return self._compute[spec.name]
         shape = tuple(spec.shape)
         on_host = self.device.type == "cpu"
+        dtype = torch.float16 if len(shape) > 1 else self.compute_dtype
         if home == "host":
             src, scratch = self._host[spec.name], None
+            if on_host and dtype == src.dtype:
+                self._count(self.bytes_read, home, src.nbytes)
+                return src
         elif isinstance(self._disk[spec.name], tuple):
             path, offset, _, _ = self._disk[spec.name]
-            # on CPU the fp16 bytes land in a pooled scratch buffer; on CUDA in a fresh host tensor
+            # on CPU the fp16 bytes land in a pooled buffer; on CUDA in a fresh host tensor
             scratch = self._take(shape, torch.float16) if on_host else torch.empty(shape, dtype=torch.float16)
-            src = read_file_range(path, offset, scratch)
+            src = read_file_range(path, offset, scratch, uncached=self.uncached_disk)
+            if on_host and dtype == src.dtype:
+                self._count(self.bytes_read, home, src.nbytes)
+                return src                    # the pooled buffer itself is the staged weight
         else:
             src, scratch = torch.from_numpy(np.ascontiguousarray(self._disk[spec.name])), None
         self._count(self.bytes_read, home, src.nbytes)
-        out = self._take(shape, self.compute_dtype)
+        out = self._take(shape, dtype)
         out.copy_(src, non_blocking=True)
         if scratch is not None and on_host and self.pool is not None:
             self.pool.give(scratch)

@@ -65,8 +65,10 @@ class StagingPool:
         return len(self._lent)
 
 
-def read_file_range(path: Path, offset: int, out: Tensor) -> Tensor:
-    """Fill `out` (contiguous) from bytes [offset, offset + out.nbytes) of a file; the read releases the GIL."""
+def read_file_range(path: Path, offset: int, out: Tensor, uncached: bool = False) -> Tensor:
+    """Fill `out` (contiguous) from bytes [offset, offset + out.nbytes) of a file; the read releases the GIL.
+    uncached: drop the range from the OS page cache afterwards (POSIX_FADV_DONTNEED), so the next read of it
+    comes from the device again, as for a model larger than RAM."""
     view = memoryview(out.numpy()).cast("B")
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -76,6 +78,8 @@ def read_file_range(path: Path, offset: int, out: Tensor) -> Tensor:
             if n <= 0:
                 raise OSError(f"{path}: short read at byte {offset + done} (file truncated?)")
             done += n
+        if uncached:
+            os.posix_fadvise(fd, offset, out.nbytes, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
     return out

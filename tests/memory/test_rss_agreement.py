@@ -5,7 +5,9 @@ figure is the peak RSS of the generation phase (VmHWM, restarted just before it)
 that the engine does not own (RSS before generation minus the engine's bytes then: the interpreter, torch's
 libraries). The engine figure is the sum of its tiers' peaks: resident weights, staging buffers, KV cache,
 activations and the estimated workspace of one layer forward. A warm-up run first, so that kernel code pages
-and the allocator's first-use growth are in the baseline, as in the CLI's benchmark mode.
+and the allocator's first-use growth are in the baseline, as in the CLI's benchmark mode; then malloc_trim, so
+the heap the warm-up freed is not in the baseline either (glibc keeps it, and the measured run would reuse it
+without raising the peak: that hid about 50 MB of transients, and an over-count of ours with them).
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ import pytest
 from flexgen_h2o.metrics import reset_peak_rss
 
 CHILD = textwrap.dedent("""
-    import json, sys
+    import ctypes, json, sys
     import torch
     from flexgen_h2o.config import GenerationConfig, OffloadPolicy
     from flexgen_h2o.engine import Engine
@@ -35,6 +37,7 @@ CHILD = textwrap.dedent("""
     prompts = [[5 + (7 * i + j) % 5000 for j in range(128)] for i in range(16)]
     engine.generate(prompts, GenerationConfig(max_new_tokens=2, stop_at_eos=False))     # warm-up
     engine.release()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)     # hand the warm-up's freed heap back, so the baseline holds none
     owned_before = sum(t.current_bytes for t in memory)
     rss_before = rss_bytes()
     for t in memory:
