@@ -12,7 +12,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Iterable, Sequence, TypeVar
+from typing import Callable, Iterable, Sequence, TypeVar
 
 from flexgen_h2o.memory import drop_file_cache
 
@@ -71,6 +71,27 @@ def drop_page_cache(files: Iterable[str | os.PathLike]) -> tuple[int, int]:
     mapped by a live process stay resident, so call it between runs. Returns (files, bytes) advised."""
     sizes = [drop_file_cache(path) for path in files]
     return len(sizes), sum(sizes)
+
+
+def batch_steps(max_batch: int) -> list[int]:
+    """Batch sizes a search tries, ascending: every size to 16, then every 2nd to 64, then every 4th."""
+    out, b = [], 1
+    while b <= max_batch:
+        out.append(b)
+        b += 1 if b < 16 else 2 if b < 64 else 4
+    return out
+
+
+def largest_batch(predict: Callable[[int], int], budget: int, max_batch: int) -> tuple[int, list[tuple[int, int]]]:
+    """The largest batch whose predicted bytes fit `budget` (predictions grow with the batch, so the first
+    batch over budget ends the scan). Returns (that batch or 0, [(batch, predicted bytes)] as scanned)."""
+    best, seen = 0, []
+    for b in batch_steps(max_batch):
+        seen.append((b, predict(b)))
+        if seen[-1][1] > budget:
+            break
+        best = b
+    return best, seen
 
 
 def median(xs: Sequence[float]) -> float:

@@ -5,7 +5,9 @@ that is RAM), one --ram-budget-gib for weights + runtime + KV + activations.
 Regime (b) weights streamed from disk: an OPT-1.3B-shaped dummy model with every weight on disk (percent 0 0 ...),
 512+512 and 512+1024, the page cache of the weight store dropped before every run (fsync + posix_fadvise
 DONTNEED over each .npy of the store: no root needed; `fincore` checks what stayed resident), and a compute-tier
-budget (--compute-budget-gib) that the staged weights, KV and activations must fit.
+budget (--compute-budget-gib) that the staged weights, KV and activations must fit. The runs pass
+--uncached-disk-weights, so every decode step reads the 2.6 GB from the disk, as it must when the model is larger
+than RAM (this machine's page cache would otherwise serve every pass after the first); --page-cache turns it off.
 
 The batch search estimates bytes from the model config (estimate_bytes below), so it is a model, not a
 measurement; the report prints the measured KV bytes, compute-tier peak and peak RSS next to it.
@@ -31,7 +33,8 @@ from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-from benchmarks.common import CaseFailed, bench_env, drop_page_cache, interleaved, median, run_json  # noqa: E402
+from benchmarks.common import (CaseFailed, bench_env, drop_page_cache, interleaved, largest_batch, median,  # noqa: E402
+                               run_json)
 from flexgen_h2o.config import OffloadPolicy  # noqa: E402
 from flexgen_h2o.kv import EvictionConfig  # noqa: E402
 from flexgen_h2o.models import ModelConfig, resolve_model  # noqa: E402
@@ -103,26 +106,24 @@ def estimate_bytes(s: Setting, case: str, batch: int, a: argparse.Namespace, act
 
 
 def search_batch(s: Setting, case: str, a: argparse.Namespace, act_bytes: int) -> Plan:
-    """The largest batch whose estimate fits the budget (the estimate grows with the batch, so the first
-    batch that does not fit ends the search). One GPU batch by default: on a CPU the compute tier is the same
-    RAM, so splitting a block into K GPU batches saves no transfer and re-reads the staged layer K times."""
-    rows, best, batch = [], None, 1
-    while batch <= a.max_batch:
-        est = estimate_bytes(s, case, batch, a, act_bytes)
-        fits = est["total"] <= s.budget_bytes
-        if fits or not rows or batch in (1, 2, 4, 8, 16, 32, 64, 128):
-            rows.append({"batch": batch, "fits": fits, "est": est})
-        if not fits:
-            break
-        best = rows[-1]
-        batch += 1 if batch < 16 else 2 if batch < 64 else 4
-    if best is None:
+    """The largest batch whose estimate fits the budget. One GPU batch by default: on a CPU the compute tier
+    is the same RAM, so splitting a block into K GPU batches saves no transfer and re-reads the staged layer K
+    times (prefill runs in chunks, so the batch is bounded by the KV, not by the prompt's transients)."""
+    est = {}
+
+    def predict(batch: int) -> int:
+        est[batch] = estimate_bytes(s, case, batch, a, act_bytes)
+        return est[batch]["total"]
+
+    best, seen = largest_batch(predict, s.budget_bytes, a.max_batch)
+    if not best:
         raise SystemExit(f"{s.name} {case}: not even one sequence fits {s.budget_bytes / GIB:.3f} GiB "
-                         f"(needs {rows[0]['est']['total'] / GIB:.3f} GiB); raise the budget")
-    off = offload_for(s, best["batch"], a)
-    slots = kv_slots(case, s.prompt_len, s.gen_len, a.hh_ratio)
-    return Plan(s, case, slots, off.gpu_batch_size, off.num_gpu_batches, best["est"]["total"],
-                [r for r in rows if r["batch"] in (1, 2, 4, 8, 16, 32, 64, 128) or r is best or not r["fits"]])
+                         f"(needs {seen[0][1] / GIB:.3f} GiB); raise the budget")
+    off = offload_for(s, best, a)
+    shown = [b for b, _ in seen if b in (1, 2, 4, 8, 16, 32, 64, 128) or b == best or est[b]["total"] > s.budget_bytes]
+    return Plan(s, case, kv_slots(case, s.prompt_len, s.gen_len, a.hh_ratio), off.gpu_batch_size,
+                off.num_gpu_batches, est[best]["total"],
+                [{"batch": b, "fits": est[b]["total"] <= s.budget_bytes, "est": est[b]} for b in shown])
 
 
 def print_search(cfg: ModelConfig, plan: Plan) -> None:
@@ -171,6 +172,7 @@ def run_args(plan: Plan, a: argparse.Namespace, json_path: Path) -> list[str]:
             "--no-warmup", "--no-progress"]            # a warm-up would warm the page cache regime (b) drops
     args += ["--full-cache"] if plan.case == "full" else ["--hh-ratio", str(a.hh_ratio)]
     args += ["--dummy-weights"] if s.dummy else []
+    args += ["--uncached-disk-weights"] if s.regime == "b" and not a.page_cache else []
     args += ["--device", a.device] if a.device else []
     return args
 
@@ -286,6 +288,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "one large batch is the fast shape; on a GPU, K > 1 overlaps KV loads with compute)")
     p.add_argument("--prefill-batch-size", type=int, default=None,
                    help="sequences per prefill forward, the same for both cases (default: the engine's choice)")
+    p.add_argument("--page-cache", action="store_true",
+                   help="(b): let the OS cache the weight files after the first pass (default: every pass reads "
+                        "the disk, --uncached-disk-weights, as for a model larger than RAM)")
     p.add_argument("--b-gen-lens", type=int, nargs="+", default=[512, 1024], help="(b): 512 + each of these")
     p.add_argument("--max-batch", type=int, default=None, help="cap on the batch (default 256; 4 with --quick)")
     p.add_argument("--skip-steps", type=int, default=2, help="first decode steps left out of the slope fit")

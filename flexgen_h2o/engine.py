@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 import warnings
 from collections import Counter
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import numpy as np
@@ -16,8 +17,8 @@ from torch import Tensor
 
 from flexgen_h2o.backend import get_backend
 from flexgen_h2o.config import ConfigError, GenerationConfig, GenerationResult, OffloadPolicy, split_by_fraction
-from flexgen_h2o.kv import EvictionConfig, policy_for
-from flexgen_h2o.kv.cache import KVCache
+from flexgen_h2o.kv import EvictionConfig, get_policy, policy_for
+from flexgen_h2o.kv.cache import KVCache, gather_slots
 from flexgen_h2o.kv.mixed import SplitKVCache
 from flexgen_h2o.memory import ComputeTier, DiskTier, HostTier, OffloadDir, check_space
 from flexgen_h2o.models import ModelConfig, build_layers, schedule_groups
@@ -32,6 +33,33 @@ from flexgen_h2o.weights.staging import StagingPool
 SAMPLE, END = -1, -2           # `forced` entries: sample this step; finish this sequence here
 # summed over blocks; every other metric describes one block (the last)
 ADDITIVE_METRICS = ("prefill_s", "decode_s", "prompt_tokens", "generated_tokens", "decode_steps")
+
+
+@dataclass
+class Prefilled:
+    """One block's prompt pass, kept so that many eviction rules can decode from it (Engine.prefill): every
+    prompt token's K/V and fp32 prefill score per (GPU batch, attention layer), and the step-0 logits. The
+    accuracy harness runs a grid of policies x budgets over the same prompts; without this, every grid point
+    would pay for the same prefill again."""
+    prompts: list[list[int]]
+    rolling: bool                                        # keys were stored before RoPE (position rolling)
+    layers: list[dict[int, tuple[Tensor, ...]]]          # per GPU batch: layer -> (k, v, score, pos) on the host
+    logits: list[Tensor]                                 # per GPU batch: (b, V) logits of step 0
+
+
+def _prompt_layout(snapshot: tuple[Tensor, ...], lengths: Tensor, width: int) -> tuple[Tensor, ...]:
+    """A keep-everything cache's slots (real tokens packed first, in order) back in the left-padded prompt layout
+    a prompt pass hands to commit_prefill: (k, v, score) (b, g, width, ...) and token positions (b, width), -1
+    for pads. Same shapes and order as a normal run's, so even the random rule draws the same numbers."""
+    k, v, score, pos = snapshot
+    shift = (width - lengths).view(-1, 1)                                          # pads before each sequence
+    src = torch.arange(width).view(1, -1) - shift                                  # (b, width) source slot
+    real = src >= 0
+    index = src.clamp(min=0)
+    take = lambda x: gather_slots(x, index[:, None, :].expand(x.shape[0], x.shape[1], width))  # noqa: E731
+    k, v, score = (torch.where(real.view(*real.shape[:1], 1, width, *([1] * (x.dim() - 3))), take(x),
+                               torch.zeros((), dtype=x.dtype)) for x in (k, v, score))
+    return k, v, score, torch.where(real, pos[:, 0].long().gather(1, index), -1)
 
 
 class Engine:
@@ -142,10 +170,39 @@ class Engine:
 
     # --- generation ---
 
+    def prefill(self, prompts: Sequence[Sequence[int]], rolling: bool = False) -> list[Prefilled]:
+        """Run the prompts' pass once per block and keep what any eviction rule needs to decode from it
+        (generate(prompts, ..., prefilled=...)). The cache keeps every prompt token with its prefill score, so
+        the prompt pass is the one an H2O run makes (scored attention: a score-free rule's own run would use
+        the fused kernel, equal to fp32 rounding). rolling: keys stored before RoPE, for rolling rules."""
+        out = []
+        block = self.offload.block_size
+        for start in range(0, len(prompts), block):
+            chunk = [list(p) for p in prompts[start:start + block]]
+            longest = max(len(p) for p in chunk)
+            keep_all = self._checked(EvictionConfig(policy="h2o", hh_size=longest, recent_size=longest,
+                                                    position_rolling=rolling))
+            step0: dict[int, Tensor] = {}
+            hook, self.on_step_logits = self.on_step_logits, None       # step 0 is reported by each decode
+            try:
+                self._generate_block(chunk, list(range(len(chunk))), GenerationConfig(max_new_tokens=1,
+                                     stop_at_eos=False), None, None, range(len(chunk)), keep_all, capture=step0)
+            finally:
+                self.on_step_logits = hook
+            gbs = self.offload.gpu_batch_size
+            lengths = [torch.tensor([len(p) for p in chunk[lo:lo + gbs]]) for lo in range(0, len(chunk), gbs)]
+            layers = [{l: _prompt_layout(split.snapshot(), n, longest) for l, split in caches.items()}
+                      for caches, n in zip(self.last_caches, lengths)]
+            out.append(Prefilled(chunk, rolling, layers, [step0[k] for k in range(len(layers))]))
+            self.last_caches = []
+            self.release()
+        return out
+
     def generate(self, prompts: Sequence[Sequence[int]], gen: GenerationConfig | None = None,
                  max_new_tokens: Sequence[int] | None = None,
                  forced: Sequence[Sequence[int]] | None = None,
-                 seeds: Sequence[int] | None = None, eviction: EvictionConfig | None = None) -> GenerationResult:
+                 seeds: Sequence[int] | None = None, eviction: EvictionConfig | None = None,
+                 prefilled: Sequence[Prefilled] | None = None) -> GenerationResult:
         """Generate for token-id prompts; blocks of `block_size` run one after another.
 
         forced (teacher forcing, for evaluation and streaming): per prompt, the tokens fed back at steps 0, 1,
@@ -156,7 +213,9 @@ class Engine:
 
         seeds: per prompt, the key its sampling generator is seeded from (with gen.seed); default its index
         here. Callers that reorder prompts (bucketing, resume) pass a stable key, so a prompt samples the same
-        tokens wherever it runs. eviction: this call's KV rule (default: the engine's); weights stay placed."""
+        tokens wherever it runs. eviction: this call's KV rule (default: the engine's); weights stay placed.
+        prefilled: Engine.prefill(prompts)'s result: no prompt pass runs; each block's cache is cut to this
+        call's rule from the kept prefill (the same selection a normal run makes) and decoding starts at step 1."""
         if forced is not None and len(forced) != len(prompts):
             raise ConfigError(f"forced has {len(forced)} continuations for {len(prompts)} prompts")
         if seeds is not None and len(seeds) != len(prompts):
@@ -164,6 +223,12 @@ class Engine:
         gen = (gen or GenerationConfig()).validate()
         ev = self._checked(eviction) if eviction is not None else self.eviction
         block = self.offload.block_size
+        n_blocks = -(-len(prompts) // block)
+        if prefilled is not None and (len(prefilled) != n_blocks or any(
+                pre.prompts != [list(p) for p in prompts[k * block:(k + 1) * block]]
+                for k, pre in enumerate(prefilled))):
+            raise ConfigError("prefilled was made for other prompts (or another block size): call "
+                              "Engine.prefill(prompts) on these prompts first")
         result = GenerationResult(token_ids=[], texts=[], finish_reasons=[], prompt_lens=[])
         totals: Counter = Counter()
         per_block: dict = {}
@@ -173,7 +238,8 @@ class Engine:
             tokens, texts, reasons, times = self._generate_block(
                 [prompts[i] for i in chunk], chunk, gen, per_seq_max,
                 [forced[i] for i in chunk] if forced is not None else None,
-                [seeds[i] for i in chunk] if seeds is not None else chunk, ev)
+                [seeds[i] for i in chunk] if seeds is not None else chunk, ev,
+                prefilled[start // block] if prefilled is not None else None)
             result.token_ids += tokens
             result.texts += texts
             result.finish_reasons += reasons
@@ -185,7 +251,12 @@ class Engine:
 
     def _generate_block(self, prompts: list[Sequence[int]], seq_index: list[int], gen: GenerationConfig,
                         per_seq_max: list[int] | None, forced: list[Sequence[int]] | None,
-                        seeds: Sequence[int], ev: EvictionConfig):
+                        seeds: Sequence[int], ev: EvictionConfig, prefilled: Prefilled | None = None,
+                        capture: dict | None = None):
+        """capture: filled with each GPU batch's step-0 logits (Engine.prefill)."""
+        if prefilled is not None and prefilled.rolling != ev.position_rolling:
+            raise ConfigError("prefilled keys were stored for position rolling " + ("on" if prefilled.rolling else
+                              "off") + "; prefill again with rolling=" + str(ev.position_rolling))
         if any(len(p) == 0 for p in prompts):
             raise ConfigError("empty prompt: every prompt needs at least one token")
         prompt_len = max(len(p) for p in prompts)
@@ -195,7 +266,8 @@ class Engine:
                               f"({self.model.max_seq_len}) of {self.model.name}; shorten them or use "
                               "--position-rolling (Llama)")
         budget = ev.resolve(prompt_len, n_new)
-        policy = policy_for(ev, budget)
+        # a prefill kept for later rules keeps every token and still needs the scores, which `full` skips
+        policy = get_policy(ev.policy) if capture is not None else policy_for(ev, budget)
         self.release()
         pad_id = self.model.pad_id if self.model.pad_id is not None else 0
         ids = torch.full((len(prompts), prompt_len), pad_id, dtype=torch.long)
@@ -219,6 +291,9 @@ class Engine:
             generator = ev.generator()
             b.caches = {l: self._make_cache(layer, hi - lo, budget, policy, generator, ev.position_rolling)
                         for l, layer in enumerate(self.layers) if layer.kind == "attn"}
+            if prefilled is not None:          # this rule's choice of the kept prompt rows, as a prefill makes it
+                for l, (k, v, score, pos) in prefilled.layers[len(batches)].items():
+                    b.caches[l].commit_prefill(k, v, score if policy.needs_scores else None, pos)
             b.activations = ActivationHome(split_by_fraction(hi - lo, self.offload.tier_fractions("act")),
                                            self._alloc, self.device)
             batches.append(b)
@@ -235,6 +310,8 @@ class Engine:
                         stops.end(s)
                     elif entry >= 0:
                         b.next_ids[row] = int(entry)
+            if capture is not None and token == 0:
+                capture[batch] = logits.detach().clone()
             if self.on_step_logits is not None:
                 self.on_step_logits(token, [seq_index[i] for i in b.seq_index], logits)
             if batch == len(batches) - 1:
@@ -247,7 +324,14 @@ class Engine:
                          on_logits=on_logits,
                          should_stop=lambda token: stops.all_done or token + 1 >= n_new)
         t0 = time.perf_counter()
-        times = BlockExecutor(parts, batches, n_new, self.offload.overlap).run()
+        if prefilled is None:
+            times = BlockExecutor(parts, batches, n_new, self.offload.overlap).run()
+        else:
+            for k, logits in enumerate(prefilled.logits):
+                on_logits(0, k, logits)
+            times = [time.perf_counter()]
+            if not parts.should_stop(0):
+                times += BlockExecutor(parts, batches, n_new, self.offload.overlap, first_token=1).run()
         t_end = time.perf_counter()
         self.last_caches = [b.caches for b in batches]
         tokens, texts, reasons = stops.finish()

@@ -3,9 +3,9 @@ keeping that share of the prompt: half heavy hitters, half recent, `--hh-ratio` 
 
 Each case is `python -m flexgen_h2o.run` in benchmark mode (FlexGen's runner on real corpus text) with
 `--metrics-json`. The batch search uses the engine's own planner (`flexgen_h2o.planner.estimate`, the numbers
-its preflight checks) instead of a second memory model: for each power-of-two block size it takes the largest
-GPU batch whose compute + host tiers, plus the process runtime, fit the budget. Only candidates the planner
-admits are probed, from the largest down, because more sequences per weight pass is what offloading lives on.
+its preflight checks) instead of a second memory model: the largest batch whose compute + host tiers, plus the
+process runtime, fit the budget, in one GPU batch. Only candidates the planner admits are probed, from the
+largest down, because more sequences per weight pass is what offloading lives on.
 """
 from __future__ import annotations
 
@@ -13,44 +13,32 @@ import subprocess
 from pathlib import Path
 from typing import Any, Callable
 
+from benchmarks.common import largest_batch
 from benchmarks.systems.base import Candidate, System
 from benchmarks.workloads import Workload
 
-MAX_GBS = 32          # sequences per GPU batch: beyond this the prefill workspace outgrows any gain on a CPU
-MAX_K = 8             # GPU batches per block: many tiny batches re-read each staged layer (h2o_throughput notes)
-
-
-def predicted_bytes(w: Workload, hh_ratio: float | None, gbs: int, k: int) -> int:
-    """The planner's RAM estimate of one block (compute + host tiers) plus the process runtime."""
+def predicted_bytes(w: Workload, hh_ratio: float | None, batch: int) -> int:
+    """The planner's RAM estimate of one block of `batch` sequences in one GPU batch (compute + host tiers)
+    plus the process runtime."""
     from flexgen_h2o.config import OffloadPolicy
     from flexgen_h2o.kv import EvictionConfig
     from flexgen_h2o.planner import estimate
     ev = EvictionConfig(policy="full") if hh_ratio is None else EvictionConfig(policy="h2o", hh_ratio=hh_ratio)
-    pol = OffloadPolicy.from_percent(w.percent, gpu_batch_size=gbs, num_gpu_batches=k)
+    pol = OffloadPolicy.from_percent(w.percent, gpu_batch_size=batch, num_gpu_batches=1)
     est = estimate(w.model_config(), pol, ev, prompt_len=w.prompt_len, gen_len=w.gen_len, compute_dtype_bytes=4)
     return est.tier_total("compute") + est.tier_total("host") + w.runtime_bytes
 
 
-def plan_candidates(batches: list[int], fits: Callable[[int, int], int], budget: int) -> list[Candidate]:
-    """For each block size, the largest power-of-two GPU batch (<= MAX_GBS, K <= MAX_K) the planner admits.
-    A block size nothing admits is returned with the smallest shape's prediction (shown as over budget), and
-    the list stops there. `fits(gbs, k)` returns predicted bytes."""
-    out: list[Candidate] = []
-    for b in batches:
-        shapes = [(g, b // g) for g in (1 << i for i in range(12)) if g <= min(b, MAX_GBS) and b % g == 0
-                  and b // g <= MAX_K]
-        best = None
-        for g, k in sorted(shapes, reverse=True):            # largest GPU batch first
-            pred = fits(g, k)
-            if pred <= budget:
-                best = Candidate(b, g, k, pred)
-                break
-        if best is None:
-            g, k = max(shapes) if shapes else (min(b, MAX_GBS), max(1, b // MAX_GBS))
-            out.append(Candidate(b, g, k, fits(g, k)))
-            break
-        out.append(best)
-    return out
+def plan_candidates(predict: Callable[[int], int], budget: int, max_batch: int) -> list[Candidate]:
+    """The largest batch the planner admits and the powers of two below it, ascending, each one GPU batch (on
+    a CPU splitting a block saves no transfer; the engine prefills in chunks, so the batch is bounded by the
+    KV); then the first batch over budget, shown as such."""
+    best, seen = largest_batch(predict, budget, max_batch)
+    pred = dict(seen)
+    keep = sorted({b for b in pred if b & (b - 1) == 0 and b < best} | ({best} if best else set()))
+    out = [Candidate(b, b, 1, pred[b]) for b in keep]
+    over = [b for b, p in seen if p > budget]
+    return out + [Candidate(over[0], over[0], 1, pred[over[0]])] if over else out
 
 
 class Ours(System):
@@ -68,11 +56,7 @@ class Ours(System):
         return "down"
 
     def candidates(self, w: Workload, max_batch: int) -> list[Candidate]:
-        batches, b = [], 1
-        while b <= max_batch:
-            batches.append(b)
-            b *= 2
-        return plan_candidates(batches, lambda g, k: predicted_bytes(w, self.hh_ratio, g, k), w.budget_bytes)
+        return plan_candidates(lambda b: predicted_bytes(w, self.hh_ratio, b), w.budget_bytes, max_batch)
 
     _prepared: dict[str, str | None] = {}          # model -> failure reason, shared by the four variants
 

@@ -11,17 +11,18 @@ from collections import defaultdict
 
 from flexgen_h2o.eval.data import NeedleItem
 from flexgen_h2o.eval.grid import GridPoint
-from flexgen_h2o.eval.results import ResultStore
+from flexgen_h2o.eval.results import BlockCheckpoint, ResultStore
 from flexgen_h2o.eval.runner import Runner
 
 
 def run_needle(runner: Runner, store: ResultStore, items: list[NeedleItem], points: list[GridPoint]) -> None:
-    prompts = [it.prompt for it in items]
-    answers = [it.answer for it in items]
-    for point in points:
-        if store.has(point.key):
-            continue
-        scored, info = runner.score(point, prompts, answers, desc=f"needle {point.key}")
+    todo = [p for p in points if not store.has(p.key)]
+    if not todo:
+        return
+    results = runner.score_grid(todo, [it.prompt for it in items], [it.answer for it in items],
+                                BlockCheckpoint(store), desc="needle")
+    for point in todo:
+        scored, info = results[point.key]
         by_depth: dict[int, list[bool]] = defaultdict(list)
         nll_by_depth: dict[int, list[float]] = defaultdict(list)
         for it, s in zip(items, scored):

@@ -9,7 +9,7 @@ import math
 from typing import Sequence
 
 from flexgen_h2o.eval.grid import GridPoint
-from flexgen_h2o.eval.results import ResultStore
+from flexgen_h2o.eval.results import BlockCheckpoint, ResultStore
 from flexgen_h2o.eval.runner import Runner, Scored
 
 
@@ -30,15 +30,17 @@ def summarize_scores(scored: list[Scored]) -> dict:
 
 def run_perplexity(runner: Runner, store: ResultStore, items: dict[str, list[tuple[list[int], list[int]]]],
                    points: list[GridPoint]) -> None:
-    """items: corpus name -> (context, continuation) pairs. One record per (corpus, point), checkpointed."""
+    """items: corpus name -> (context, continuation) pairs. One record per (corpus, point); the grid shares
+    each block's prefill and checkpoints every (point, block)."""
     for corpus, pairs in items.items():
-        prompts = [p for p, _ in pairs]
-        conts = [c for _, c in pairs]
-        for point in points:
-            key = f"{corpus}/{point.key}"
-            if store.has(key):
-                continue
-            scored, info = runner.score(point, prompts, conts, desc=f"ppl {corpus} {point.key}")
-            store.put(key, {"corpus": corpus, "policy": point.policy,
-                            "budget": point.budget.label if point.budget else "full", "rolling": point.rolling,
-                            **summarize_scores(scored), **info.as_dict()})
+        todo = [p for p in points if not store.has(f"{corpus}/{p.key}")]
+        if not todo:
+            continue
+        results = runner.score_grid(todo, [p for p, _ in pairs], [c for _, c in pairs],
+                                    BlockCheckpoint(store, f"{corpus}/"), desc=f"ppl {corpus}")
+        for point in todo:
+            scored, info = results[point.key]
+            store.put(f"{corpus}/{point.key}", {"corpus": corpus, "policy": point.policy,
+                                                "budget": point.budget.label if point.budget else "full",
+                                                "rolling": point.rolling, **summarize_scores(scored),
+                                                **info.as_dict()})

@@ -1,6 +1,7 @@
-"""Per-task checkpoint: <out>/<task>.json, rewritten atomically after every grid point.
+"""Per-task checkpoint: <out>/<task>.json, rewritten atomically after every grid point and every block of one.
 
-A killed run restarts where it stopped: points already in the file are skipped. The file also records the
+A killed run restarts where it stopped: points already in the file are skipped, and so are the blocks of
+unfinished points that were done (`partials`, kept until the point's record is written). The file also records the
 task's settings (item counts, lengths, model, ...); resuming with different settings would mix two experiments
 in one table, so it is refused unless --fresh starts the task over.
 """
@@ -21,6 +22,7 @@ class ResultStore:
         self.path = Path(out_dir) / f"{task}.json"
         self.task, self.meta = task, json.loads(json.dumps(meta))      # normalised as JSON would store it
         self.records: dict[str, dict] = {}
+        self.partials: dict[str, dict[str, dict]] = {}       # point key -> block index -> that block's result
         if self.path.is_file() and not fresh:
             try:
                 saved = json.loads(self.path.read_text())
@@ -33,6 +35,7 @@ class ResultStore:
                 raise ConfigError(f"{self.path} was made with other settings ({', '.join(diff)} differ); pass "
                                   f"--fresh to overwrite it or choose another --out")
             self.records = saved.get("records", {})
+            self.partials = saved.get("partials", {})
 
     def has(self, key: str) -> bool:
         return key in self.records
@@ -42,6 +45,7 @@ class ResultStore:
 
     def put(self, key: str, record: dict) -> None:
         self.records[key] = record
+        self.partials.pop(key, None)
         self.save()
         if self.verbose:
             print(f"{self.task} {key}: done in {record.get('seconds', 0):.0f} s", flush=True)
@@ -49,8 +53,24 @@ class ResultStore:
     def save(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps({"task": self.task, "meta": self.meta, "records": self.records}, indent=1))
+        tmp.write_text(json.dumps({"task": self.task, "meta": self.meta, "records": self.records,
+                                   "partials": self.partials}, indent=1))
         os.replace(tmp, self.path)              # atomic: a kill mid-write leaves the previous checkpoint
+
+
+class BlockCheckpoint:
+    """A ResultStore seen as the runner's Checkpoint: each finished (point, block) lands in its partials.
+    prefix: the keys' namespace inside the task (e.g. the perplexity corpus)."""
+
+    def __init__(self, store: ResultStore, prefix: str = ""):
+        self.store, self.prefix = store, prefix
+
+    def get(self, key: str, block: int) -> dict | None:
+        return self.store.partials.get(self.prefix + key, {}).get(str(block))
+
+    def put(self, key: str, block: int, value: dict) -> None:
+        self.store.partials.setdefault(self.prefix + key, {})[str(block)] = value
+        self.store.save()
 
 
 def load_results(out_dir: str | Path, task: str) -> dict | None:

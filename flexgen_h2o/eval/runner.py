@@ -1,15 +1,18 @@
-"""Runs one grid point over a list of items on the engine itself, block by block.
+"""Runs a grid of points (policy x budget) over a list of items on the engine itself.
 
-Two modes: `score` teacher-forces a continuation (eviction active at every step) and returns each forced
-token's negative log-likelihood and whether it was the argmax; `generate` decodes greedily. One Engine serves a
-whole task: its weights are placed once and only its EvictionConfig changes between grid points.
+Two modes: `score_grid` teacher-forces a continuation (eviction active at every step) and returns each forced
+token's negative log-likelihood and whether it was the argmax; `generate_grid` decodes greedily. One Engine
+serves a whole task: its weights are placed once. Blocks of items run one after another, and every point of
+the grid decodes a block from one shared prompt pass (Engine.prefill): on a CPU the prompts are most of the
+cost, and the points would otherwise pay for the same prefill dozens of times. Each finished (point, block) can
+be checkpointed, so a killed run resumes inside a task.
 """
 from __future__ import annotations
 
 import dataclasses
 import time
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Protocol, Sequence
 
 import torch
 
@@ -30,15 +33,31 @@ class Scored:
 
 @dataclass
 class RunInfo:
-    """What a grid point really ran with: slots per block (None = full) and whether each block evicted."""
+    """What a grid point really ran with: slots per block (None = full), whether each block evicted, its own
+    decode seconds, and the seconds of the prompt passes it shared with the other points of its grid."""
     slots: list[int | None] = field(default_factory=list)
     evicted: list[bool] = field(default_factory=list)
     seconds: float = 0.0
+    shared_prefill_seconds: float = 0.0
+
+    def add(self, block: dict) -> None:
+        self.slots.append(block["slots"])
+        self.evicted.append(block["evicted"])
+        self.seconds += block["seconds"]
+        self.shared_prefill_seconds += block.get("prefill_seconds", 0.0)
 
     def as_dict(self) -> dict:
         real = [s for s in self.slots if s is not None]
         return {"slots_min": min(real) if real else None, "slots_max": max(real) if real else None,
-                "blocks": len(self.slots), "blocks_evicting": sum(self.evicted), "seconds": round(self.seconds, 2)}
+                "blocks": len(self.slots), "blocks_evicting": sum(self.evicted), "seconds": round(self.seconds, 2),
+                "shared_prefill_seconds": round(self.shared_prefill_seconds, 2)}
+
+
+class Checkpoint(Protocol):
+    """Where a grid keeps each finished (point, block), so a killed run resumes inside a task (ResultStore)."""
+    def get(self, key: str, block: int) -> dict | None: ...
+
+    def put(self, key: str, block: int, value: dict) -> None: ...
 
 
 class Runner:
@@ -71,87 +90,119 @@ class Runner:
     def _blocks(self, n: int) -> list[range]:
         return [range(lo, min(n, lo + self.batch_size)) for lo in range(0, n, self.batch_size)]
 
-    def _set_point(self, point: GridPoint, prompt_len: int, n_new: int, info: RunInfo) -> None:
-        ev = point.eviction(prompt_len + n_new, self.seed)
-        if ev.position_rolling and self.engine.model.positions != "rope":
-            raise ConfigError("position rolling applies to RoPE models (Llama) only")
-        # the engine reads its eviction config at every generate(); swapping it keeps the placed weights
-        self.engine.eviction = ev
-        info.slots.append(point.slots(prompt_len + n_new))
-        info.evicted.append(ev.resolve(prompt_len, n_new).evicts)
-
     def _bar(self, total: int, desc: str):
         from tqdm import tqdm
         # disable=None: bars only on a terminal, so a nohup log keeps just the per-point lines
         return tqdm(total=total, desc=desc, unit="step", leave=False, disable=None if self.progress else True,
                     mininterval=2.0)
 
-    def score(self, point: GridPoint, prompts: Sequence[Sequence[int]], continuations: Sequence[Sequence[int]],
-              desc: str = "") -> tuple[list[Scored], RunInfo]:
-        """Teacher-force each continuation after its prompt; step t's logits are scored against cont[t]."""
+    def _grid(self, points: Sequence[GridPoint], prompts: Sequence[Sequence[int]], n_new: Callable[[range], int],
+              run_block: Callable, checkpoint: Checkpoint | None, desc: str) -> dict[str, tuple[list, RunInfo]]:
+        """Blocks outer, points inner: each block's prompts are prefilled once (Engine.prefill, once more for
+        rolling points) and every point decodes from that. Returns key -> (per-block results, RunInfo)."""
+        blocks = self._blocks(len(prompts))
+        out = {p.key: ([None] * len(blocks), RunInfo()) for p in points}
+        bar = self._bar(len(points) * sum(n_new(blk) for blk in blocks), desc)
+        for bi, blk in enumerate(blocks):
+            block_prompts = [list(prompts[i]) for i in blk]
+            prompt_len, steps = max(map(len, block_prompts)), n_new(blk)
+            shared: dict[bool, list] = {}
+            for point in points:
+                saved = checkpoint.get(point.key, bi) if checkpoint is not None else None
+                if saved is None:
+                    ev = point.eviction(prompt_len + steps, self.seed)
+                    prefill_s = 0.0
+                    if point.rolling not in shared:
+                        t0 = time.perf_counter()
+                        shared[point.rolling] = self.engine.prefill(block_prompts, rolling=point.rolling)
+                        prefill_s = time.perf_counter() - t0
+                    t0 = time.perf_counter()
+                    result = run_block(blk, block_prompts, ev, shared[point.rolling], bar)
+                    saved = {"result": result, "slots": point.slots(prompt_len + steps),
+                             "evicted": ev.resolve(prompt_len, steps).evicts, "prefill_seconds": prefill_s,
+                             "seconds": time.perf_counter() - t0}
+                    if checkpoint is not None:
+                        checkpoint.put(point.key, bi, saved)
+                else:
+                    bar.update(steps)
+                out[point.key][0][bi] = saved["result"]
+                out[point.key][1].add(saved)
+        bar.close()
+        return out
+
+    def score_grid(self, points: Sequence[GridPoint], prompts: Sequence[Sequence[int]],
+                   continuations: Sequence[Sequence[int]], checkpoint: Checkpoint | None = None,
+                   desc: str = "") -> dict[str, tuple[list[Scored], RunInfo]]:
+        """Teacher-force each continuation after its prompt at every point; step t's logits are scored against
+        cont[t]. Returns point key -> (per item Scored, RunInfo)."""
         if len(prompts) != len(continuations):
             raise ConfigError(f"{len(prompts)} prompts but {len(continuations)} continuations")
         if any(len(c) == 0 for c in continuations):
             raise ConfigError("every continuation needs at least one token to score")
-        out = [Scored() for _ in prompts]
-        info = RunInfo()
-        blocks = self._blocks(len(prompts))
-        bar = self._bar(sum(max(len(continuations[i]) for i in blk) for blk in blocks), desc or point.key)
-        t0 = time.perf_counter()
-        for blk in blocks:
-            conts = [list(continuations[i]) for i in blk]
-            n_new = max(len(c) for c in conts)
-            self._set_point(point, max(len(prompts[i]) for i in blk), n_new, info)
 
-            def hook(step: int, seqs: list[int], logits: torch.Tensor, conts=conts, base=blk.start) -> None:
+        def run_block(blk: range, block_prompts: list, ev, prefilled, bar) -> list[dict]:
+            conts = [list(continuations[i]) for i in blk]
+            rows = [{"nll": [], "hit": []} for _ in blk]
+
+            def hook(step: int, seqs: list[int], logits: torch.Tensor) -> None:
                 logp = torch.log_softmax(logits.detach().float().cpu(), dim=-1)
                 best = logp.argmax(dim=-1)
                 for row, s in enumerate(seqs):
-                    cont = conts[s]
-                    if step < len(cont):
-                        target = cont[step]
-                        out[base + s].nll.append(-float(logp[row, target]))
-                        out[base + s].hit.append(int(best[row]) == target)
+                    if step < len(conts[s]):
+                        target = conts[s][step]
+                        rows[s]["nll"].append(-float(logp[row, target]))
+                        rows[s]["hit"].append(int(best[row]) == target)
                 if seqs and seqs[0] == 0:
                     bar.update(1)
 
             self.engine.on_step_logits = hook
             try:
-                self.engine.generate([list(prompts[i]) for i in blk],
-                                     GenerationConfig(max_new_tokens=n_new, stop_at_eos=False),
-                                     max_new_tokens=[len(c) for c in conts], forced=conts)
+                self.engine.generate(block_prompts, GenerationConfig(max_new_tokens=max(map(len, conts)),
+                                                                     stop_at_eos=False),
+                                     max_new_tokens=[len(c) for c in conts], forced=conts, eviction=ev,
+                                     prefilled=prefilled)
             finally:
                 self.engine.on_step_logits = None
-        bar.close()
-        info.seconds = time.perf_counter() - t0
-        for i, (s, c) in enumerate(zip(out, continuations)):
-            if len(s.nll) != len(c):      # the engine must give one logits row per forced token
-                raise RuntimeError(f"item {i}: scored {len(s.nll)} of {len(c)} forced tokens")
-        return out, info
+            return rows
+
+        grid = self._grid(points, prompts, lambda blk: max(len(continuations[i]) for i in blk), run_block,
+                          checkpoint, desc or "score")
+        out = {}
+        for key, (per_block, info) in grid.items():
+            scored = [Scored(r["nll"], r["hit"]) for rows in per_block for r in rows]
+            for i, (s, c) in enumerate(zip(scored, continuations)):
+                if len(s.nll) != len(c):      # the engine must give one logits row per forced token
+                    raise RuntimeError(f"item {i}: scored {len(s.nll)} of {len(c)} forced tokens")
+            out[key] = (scored, info)
+        return out
+
+    def generate_grid(self, points: Sequence[GridPoint], prompts: Sequence[Sequence[int]], gen: GenerationConfig,
+                      checkpoint: Checkpoint | None = None,
+                      desc: str = "") -> dict[str, tuple[list[list[int]], list[str], RunInfo]]:
+        """Greedy (or gen's sampling) generation at every point: key -> (token ids, texts (stop strings
+        applied), RunInfo)."""
+        def run_block(blk: range, block_prompts: list, ev, prefilled, bar) -> dict:
+            def hook(step: int, seqs: list[int], logits: torch.Tensor) -> None:
+                if seqs and seqs[0] == 0:
+                    bar.update(1)
+
+            self.engine.on_step_logits = hook
+            try:
+                r = self.engine.generate(block_prompts, gen, eviction=ev, prefilled=prefilled)
+            finally:
+                self.engine.on_step_logits = None
+            return {"tokens": r.token_ids, "texts": r.texts}
+
+        grid = self._grid(points, prompts, lambda blk: gen.max_new_tokens, run_block, checkpoint, desc or "generate")
+        return {key: ([t for r in per_block for t in r["tokens"]], [t for r in per_block for t in r["texts"]], info)
+                for key, (per_block, info) in grid.items()}
+
+    def score(self, point: GridPoint, prompts: Sequence[Sequence[int]], continuations: Sequence[Sequence[int]],
+              desc: str = "") -> tuple[list[Scored], RunInfo]:
+        """One point of score_grid."""
+        return self.score_grid([point], prompts, continuations, desc=desc or point.key)[point.key]
 
     def generate(self, point: GridPoint, prompts: Sequence[Sequence[int]], gen: GenerationConfig,
                  desc: str = "") -> tuple[list[list[int]], list[str], RunInfo]:
-        """Greedy (or gen's sampling) generation; returns token ids, texts (stop strings applied), RunInfo."""
-        tokens: list[list[int]] = []
-        texts: list[str] = []
-        info = RunInfo()
-        blocks = self._blocks(len(prompts))
-        bar = self._bar(len(blocks) * gen.max_new_tokens, desc or point.key)
-        t0 = time.perf_counter()
-
-        def hook(step: int, seqs: list[int], logits: torch.Tensor) -> None:
-            if seqs and seqs[0] == 0:
-                bar.update(1)
-
-        self.engine.on_step_logits = hook
-        try:
-            for blk in blocks:
-                self._set_point(point, max(len(prompts[i]) for i in blk), gen.max_new_tokens, info)
-                r = self.engine.generate([list(prompts[i]) for i in blk], gen)
-                tokens += r.token_ids
-                texts += r.texts
-        finally:
-            self.engine.on_step_logits = None
-        bar.close()
-        info.seconds = time.perf_counter() - t0
-        return tokens, texts, info
+        """One point of generate_grid."""
+        return self.generate_grid([point], prompts, gen, desc=desc or point.key)[point.key]

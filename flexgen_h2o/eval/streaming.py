@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from flexgen_h2o.eval.grid import BudgetSpec, GridPoint
 from flexgen_h2o.eval.perplexity import perplexity
-from flexgen_h2o.eval.results import ResultStore
+from flexgen_h2o.eval.results import BlockCheckpoint, ResultStore
 from flexgen_h2o.eval.runner import Runner
 
 
@@ -44,10 +44,12 @@ def run_streaming(runner: Runner, store: ResultStore, streams: list[list[int]], 
                   points: list[GridPoint], n_windows: int) -> None:
     prompts = [s[:prefill] for s in streams]
     conts = [s[prefill:] for s in streams]
-    for point in points:
-        if store.has(point.key):
-            continue
-        scored, info = runner.score(point, prompts, conts, desc=f"stream {point.key}")
+    todo = [p for p in points if not store.has(p.key)]
+    if not todo:
+        return
+    results = runner.score_grid(todo, prompts, conts, BlockCheckpoint(store), desc="stream")
+    for point in todo:
+        scored, info = results[point.key]
         # mean NLL per stream position (over the streams), the curve the plot shows
         curve = [sum(s.nll[t] for s in scored) / len(scored) for t in range(len(conts[0]))]
         store.put(point.key, {"policy": point.policy, "budget": point.budget.label if point.budget else "full",

@@ -8,7 +8,7 @@ from __future__ import annotations
 from flexgen_h2o.config import ConfigError, GenerationConfig
 from flexgen_h2o.eval.data import SummaryItem
 from flexgen_h2o.eval.grid import GridPoint
-from flexgen_h2o.eval.results import ResultStore
+from flexgen_h2o.eval.results import BlockCheckpoint, ResultStore
 from flexgen_h2o.eval.runner import Runner
 
 ROUGE_TYPES = ("rouge1", "rouge2", "rougeL")
@@ -49,10 +49,12 @@ def run_summarization(runner: Runner, store: ResultStore, items: list[SummaryIte
     prompts = [items[i].prompt for i in order]
     refs = [items[i].reference for i in order]
     gen = GenerationConfig(max_new_tokens=gen_len, stop=("\n",), stop_at_eos=True)
-    for point in points:
-        if store.has(point.key):
-            continue
-        _, texts, info = runner.generate(point, prompts, gen, desc=f"sum {point.key}")
+    todo = [p for p in points if not store.has(p.key)]
+    if not todo:
+        return
+    results = runner.generate_grid(todo, prompts, gen, BlockCheckpoint(store), desc="sum")
+    for point in todo:                     # full first (make_grid's order): the others' fidelity needs it
+        _, texts, info = results[point.key]
         summaries = [first_line(t) for t in texts]
         record = {"policy": point.policy, "budget": point.budget.label if point.budget else "full",
                   "vs_reference": mean_rouge(scorer, refs, summaries), "vs_full": None,

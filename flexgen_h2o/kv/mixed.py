@@ -47,6 +47,13 @@ class SplitKVCache:
             cache.commit_prefill(k_new[src], v_new[src], None if scores is None else scores[src],
                                  token_pos[src], first_row=a - lo)
 
+    def snapshot(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """Every slot of every part as host tensors (k, v, score, pos), pos -1 for an empty slot: what
+        commit_prefill needs to rebuild this prompt's cache under another eviction rule."""
+        s = min(c.capacity for c in self.caches)
+        return tuple(torch.cat([getattr(c, name)[:, :, :s].to("cpu", copy=True) for c in self.caches])
+                     for name in ("k", "v", "score", "pos"))
+
     def stage(self, device: torch.device, dtype: torch.dtype, new_rank: Tensor | None = None) -> KVView:
         if self.attention_device is not None:
             device, dtype = self.attention_device, torch.float32

@@ -59,8 +59,10 @@ class RunParts:
 
 
 class BlockExecutor:
-    def __init__(self, parts: RunParts, batches: list[BatchState], n_tokens: int, overlap: bool):
-        self.p, self.batches, self.n_tokens = parts, batches, n_tokens
+    def __init__(self, parts: RunParts, batches: list[BatchState], n_tokens: int, overlap: bool,
+                 first_token: int = 0):
+        """first_token 1: the prompt pass already ran (Engine.generate(prefilled=...)); decode from step 1."""
+        self.p, self.batches, self.n_tokens, self.first = parts, batches, n_tokens, first_token
         self.overlap = overlap
         self.transfer = Transfer(parts.backend) if overlap and parts.async_lanes else None
         self.in_flight: list[Future] = []
@@ -77,10 +79,12 @@ class BlockExecutor:
     def run(self) -> list[float]:
         """Execute every step; returns the wall time at the end of each token step."""
         p = self.p
-        steps = block_schedule(self.n_tokens, len(p.groups), len(self.batches), overlap=self.overlap)
+        steps = block_schedule(self.n_tokens - self.first, len(p.groups), len(self.batches), overlap=self.overlap)
         last_batch, last_group = len(self.batches) - 1, len(p.groups) - 1
         try:
             for step in steps:
+                if self.first:
+                    step = Step(step.op, step.token + self.first, step.layer, step.batch)
                 self._dispatch(step)
                 if step.op is Op.COMPUTE and step.layer == last_group and step.batch == last_batch:
                     self.token_times.append(time.perf_counter())

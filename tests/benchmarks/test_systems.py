@@ -9,20 +9,17 @@ from types import SimpleNamespace
 from benchmarks.systems import Candidate, all_systems
 from benchmarks.systems import kvpress as kvp
 from benchmarks.systems.flexgen import parse_log
-from benchmarks.systems.ours import MAX_GBS, plan_candidates
+from benchmarks.systems.ours import plan_candidates
 from benchmarks.workloads import GIB, WORKLOADS, smoke
 
 
-def test_plan_candidates_takes_the_largest_gpu_batch_that_fits():
-    def fits(gbs, k):          # bytes grow with the block and, faster, with the GPU batch
-        return (gbs * k) * 10 + gbs * 30
-    cands = plan_candidates([1, 2, 4, 8, 16, 32, 64], fits, budget=500)
-    by = {c.batch: (c.gbs, c.num_batches) for c in cands}
-    assert by[1] == (1, 1) and by[8] == (8, 1) and by[16] == (8, 2)
-    assert by[32] == (4, 8)        # gbs 32/16/8 exceed the budget; 4 x 8 fits
-    # 64 needs gbs >= 8 (K <= 8), which does not fit: the first inadmissible block ends the list
-    assert cands[-1].predicted_bytes > 500 and cands[-1].batch == 64 and len(cands) == 7
-    assert all(c.gbs <= MAX_GBS for c in cands)
+def test_plan_candidates_take_the_largest_batch_that_fits():
+    cands = plan_candidates(lambda b: 100 + 10 * b, budget=500, max_batch=64)   # 40 fits, 42 does not
+    assert [c.batch for c in cands] == [1, 2, 4, 8, 16, 32, 40, 42]
+    assert all(c.gbs == c.batch and c.num_batches == 1 for c in cands)
+    assert cands[-2].predicted_bytes <= 500 < cands[-1].predicted_bytes
+    assert [c.batch for c in plan_candidates(lambda b: 10 * b, budget=10_000, max_batch=8)] == [1, 2, 4, 8]
+    assert [c.batch for c in plan_candidates(lambda b: 900, budget=500, max_batch=8)] == [1]   # over: shown
 
 
 def test_ours_uses_the_real_planner():

@@ -130,3 +130,39 @@ def test_bad_items():
             runner.score(GridPoint("full"), [[3, 4]], [[]])
         with pytest.raises(ConfigError, match="1 prompts but 2"):
             runner.score(GridPoint("full"), [[3, 4]], [[5], [6]])
+
+
+class DictCheckpoint:
+    def __init__(self):
+        self.saved: dict[tuple[str, int], dict] = {}
+
+    def get(self, key, block):
+        return self.saved.get((key, block))
+
+    def put(self, key, block, value):
+        self.saved[(key, block)] = value
+
+
+def test_grid_shares_one_prefill_per_block_and_resumes(llama, items, monkeypatch):
+    prompts, conts = items
+    points = [GridPoint("full"), GridPoint("h2o", parse_budget("30%")), GridPoint("sink", parse_budget("12")),
+              GridPoint("h2o", parse_budget("30%"), rolling=True)]
+    with runner_for(llama, batch_size=3) as runner:
+        calls = []
+        real = runner.engine.prefill
+        monkeypatch.setattr(runner.engine, "prefill", lambda p, rolling=False: calls.append(rolling) or real(p, rolling))
+        ckpt = DictCheckpoint()
+        grid = runner.score_grid(points, prompts, conts, ckpt)
+        assert calls == [False, True, False, True]          # 2 blocks x (plain, rolling), not 2 x 4 points
+        alone = {p.key: runner.score(p, prompts, conts)[0] for p in points}
+        for p in points:
+            assert [s.nll for s in grid[p.key][0]] == [s.nll for s in alone[p.key]], p.key
+            assert grid[p.key][1].as_dict()["blocks"] == 2
+        # a run killed after block 0: only block 1 is computed again, and the results are the same
+        calls.clear()
+        partial = DictCheckpoint()
+        partial.saved = {k: v for k, v in ckpt.saved.items() if k[1] == 0}
+        resumed = runner.score_grid(points, prompts, conts, partial)
+        assert calls == [False, True]
+        assert {k: [s.nll for s in v[0]] for k, v in resumed.items()} == \
+            {k: [s.nll for s in v[0]] for k, v in grid.items()}

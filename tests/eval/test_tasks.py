@@ -10,7 +10,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from flexgen_h2o.config import ConfigError
 from flexgen_h2o.eval import data
 from flexgen_h2o.eval.cli import main
-from flexgen_h2o.eval.results import ResultStore
+from flexgen_h2o.eval.results import BlockCheckpoint, ResultStore
 from flexgen_h2o.eval.streaming import edge_ratio, window_ppl
 from flexgen_h2o.eval.summarize import first_line, mean_rouge, rouge_scorer
 from flexgen_h2o.loader import fallback_tokenizer
@@ -64,6 +64,17 @@ def test_store_resumes_and_refuses_other_settings(tmp_path):
     with pytest.raises(ConfigError, match="items differ"):
         ResultStore(tmp_path, "perplexity", {"items": 3})
     assert not ResultStore(tmp_path, "perplexity", {"items": 3}, fresh=True).records
+
+
+def test_block_checkpoints_survive_a_restart_until_the_point_is_done(tmp_path):
+    store = ResultStore(tmp_path, "needle", {"items": 2})
+    BlockCheckpoint(store, "wiki/").put("h2o@20%", 0, {"result": [1.5]})
+    again = ResultStore(tmp_path, "needle", {"items": 2})            # a new process after a kill
+    assert BlockCheckpoint(again, "wiki/").get("h2o@20%", 0) == {"result": [1.5]}
+    assert BlockCheckpoint(again, "wiki/").get("h2o@20%", 1) is None
+    assert BlockCheckpoint(again).get("h2o@20%", 0) is None         # prefixes keep corpora apart
+    again.put("wiki/h2o@20%", {"ppl": 2.0})                         # the finished record replaces the blocks
+    assert ResultStore(tmp_path, "needle", {"items": 2}).partials == {}
 
 
 def test_rouge_and_stream_helpers():
