@@ -32,6 +32,7 @@ from typing import Any, Callable  # noqa: E402
 
 from benchmarks.common import REPO_ROOT, CaseFailed, bench_env, drop_page_cache, median  # noqa: E402
 from benchmarks.systems import RESULT_KEYS, Candidate, System, all_systems, select_systems  # noqa: E402
+from benchmarks.systems.gpu_check import NEEDS_GPU, cuda_available  # noqa: E402
 from benchmarks.workloads import WORKLOADS, Workload, select_workloads  # noqa: E402
 
 SMOKE_WORKLOADS = ["s512+128", "disk512+128"]
@@ -54,13 +55,15 @@ class SearchResult:
     steps: list[Step] = field(default_factory=list)
 
 
-def project_probe(row: dict[str, Any], gen_len: int, growth_bytes: int) -> tuple[float, int]:
-    """(total tok/s, peak RSS) a probe of row['gen_len'] tokens projects for gen_len: the median decode step
-    (first step left out: it pays one-off costs) repeated, plus the bytes the cache would still grow."""
+def project_probe(row: dict[str, Any], gen_len: int, growth_bytes: int, peak_bytes: int | None = None
+                  ) -> tuple[float, int]:
+    """(total tok/s, peak bytes) a probe of row['gen_len'] tokens projects for gen_len: the median decode step
+    (first step left out: it pays one-off costs) repeated, plus the bytes the cache would still grow. peak_bytes:
+    the probe's peak the budget is about (default its RSS; a GPU workload's is its GPU memory)."""
     steps = row["step_times_s"][1:] or row["step_times_s"]
     step = median(steps) if steps else row["decode_s"] / max(row["gen_len"] - 1, 1)
     total = row["batch"] * gen_len / (row["prefill_s"] + step * (gen_len - 1))
-    return total, row["peak_rss_bytes"] + growth_bytes
+    return total, (row["peak_rss_bytes"] if peak_bytes is None else peak_bytes) + growth_bytes
 
 
 def search_batch(cands: list[Candidate], probe: Callable[[Candidate], tuple[float, int]], budget: int, *,
@@ -154,7 +157,8 @@ class Runner:
     def search(self, s: System, w: Workload) -> SearchResult:
         def probe(c: Candidate) -> tuple[float, int]:
             row = self.case(s, w, c, w.probe_gen_len, probe=True, repeat=0)
-            return project_probe(row, w.gen_len, s.kv_growth_bytes(w, c.batch, w.gen_len - w.probe_gen_len))
+            return project_probe(row, w.gen_len, s.kv_growth_bytes(w, c.batch, w.gen_len - w.probe_gen_len),
+                                 w.peak_bytes(row))
         cands = s.candidates(w, w.max_batch)
         return search_batch(cands, probe, w.budget_bytes, order=s.search_order(), max_probes=self.a.max_probes)
 
@@ -219,7 +223,8 @@ def run_workload(w: Workload, names: list[str], systems: dict[str, System], runn
     entries: dict[str, dict[str, Any]] = {}
     for n in names:
         s = systems[n]
-        reason = s.skip_reason(w) or s.prepare(w, runner.env, a.work)
+        reason = (NEEDS_GPU if w.needs_gpu and not cuda_available() else None) or s.skip_reason(w) \
+            or s.prepare(w, runner.env, a.work)
         entries[n] = {"system": n, "status": "skipped" if reason else "pending", "reason": reason, "search": [],
                       "runs": []}
         if reason:
@@ -248,7 +253,7 @@ def run_workload(w: Workload, names: list[str], systems: dict[str, System], runn
         if e["runs"]:
             e["summary"] = summarize(e["runs"])
             e["roofline"] = roofline(machine, w, systems[n], e["summary"])
-            e["over_budget"] = e["summary"]["peak_rss_bytes"] > w.budget_bytes
+            e["over_budget"] = w.peak_bytes(e["summary"]) > w.budget_bytes
             e["status"] = "ran" if e["status"] == "pending" else e["status"]
     for e in entries.values():
         e["best"] = asdict(e["best"]) if e.get("best") else None

@@ -43,7 +43,8 @@ def results_table(wl: dict[str, Any]) -> list[str]:
             continue
         s, b = e["summary"], e["roofline"]
         batch = f"{s['gbs']}x{s['num_batches']}" if s["num_batches"] > 1 else str(s["batch"])
-        note = "OVER BUDGET" if s["peak_rss_bytes"] > budget else ""
+        on_gpu = wl["workload"].get("budget_kind") == "gpu"
+        note = "OVER BUDGET" if (s.get("peak_gpu_bytes") or 0 if on_gpu else s["peak_rss_bytes"]) > budget else ""
         if e["status"] != "ran":
             note += f" {e['status']}: {e.get('reason') or ''}"
         kv = s["kv_bytes_per_seq"] / MIB if s.get("kv_bytes_per_seq") else None
@@ -128,11 +129,12 @@ def write_report(doc: dict[str, Any], out: Path) -> str:
              ""]
     for wl in doc["results"]:
         w = wl["workload"]
+        where = {"disk": "decoder weights on a cold disk", "host": "weights streamed from host RAM to the GPU"}
+        peak = "GPU memory" if w.get("budget_kind") == "gpu" else "RSS"
         lines += [f"## {w['name']}", "",
                   f"{w['model']} ({'dummy' if w['dummy'] else 'real'} weights, "
-                  f"{'decoder weights on a cold disk' if w['weights'] == 'disk' else 'weights in RAM'}), prompt "
-                  f"{w['prompt_len']} + gen {w['gen_len']}, budget {w['budget_bytes'] / GIB:.2f} GiB peak RSS "
-                  "per process.", "", *results_table(wl), "",
+                  f"{where.get(w['weights'], 'weights in RAM')}), prompt {w['prompt_len']} + gen {w['gen_len']}, "
+                  f"budget {w['budget_bytes'] / GIB:.2f} GiB peak {peak} per process.", "", *results_table(wl), "",
                   f"Batch search (probes of {w['probe_gen_len']} new tokens, projected to {w['gen_len']}; not "
                   "results):", "", *search_table(wl), ""]
         for f in plot_workload(wl, out):

@@ -255,8 +255,9 @@ class Engine:
                         capture: dict | None = None):
         """capture: filled with each GPU batch's step-0 logits (Engine.prefill)."""
         if prefilled is not None and prefilled.rolling != ev.position_rolling:
-            raise ConfigError("prefilled keys were stored for position rolling " + ("on" if prefilled.rolling else
-                              "off") + "; prefill again with rolling=" + str(ev.position_rolling))
+            state = "on" if prefilled.rolling else "off"
+            raise ConfigError(f"this prefill stored its keys for position rolling {state}; call "
+                              f"Engine.prefill(prompts, rolling={ev.position_rolling}) for this rule")
         if any(len(p) == 0 for p in prompts):
             raise ConfigError("empty prompt: every prompt needs at least one token")
         prompt_len = max(len(p) for p in prompts)

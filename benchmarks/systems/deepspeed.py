@@ -51,10 +51,11 @@ def build_model(model: str, dtype: Any) -> tuple[Any, Any]:
     if cfg.family == "llama":
         from benchmarks.hf_cache import load_smollm2
         return load_smollm2("cpu", dtype)[0], cfg
-    from transformers import OPTForCausalLM
+    from transformers import AutoModelForCausalLM
 
     from benchmarks.accelerate_peer import hf_config
-    return OPTForCausalLM(hf_config(cfg)).to(dtype).eval(), cfg
+    # from_config (not the constructor) is where transformers enters deepspeed.zero.Init under ZeRO-3
+    return AutoModelForCausalLM.from_config(hf_config(cfg), dtype=dtype).eval(), cfg
 
 
 def run_child(a: argparse.Namespace) -> dict[str, Any]:
@@ -71,7 +72,8 @@ def run_child(a: argparse.Namespace) -> dict[str, Any]:
     from flexgen_h2o.loader import fallback_tokenizer
     from flexgen_h2o.metrics import peak_rss_bytes
 
-    model, cfg = build_model(a.model, torch.float16)
+    from flexgen_h2o.models import resolve_model
+    cfg = resolve_model(a.model)
     h = cfg.hidden_size
     zero: dict[str, Any] = {"stage": 3, "stage3_prefetch_bucket_size": 2 * h * h,
                             "stage3_param_persistence_threshold": h, "stage3_max_live_parameters": 2 * h * h}
@@ -83,7 +85,10 @@ def run_child(a: argparse.Namespace) -> dict[str, Any]:
         zero["offload_param"] = {"device": "cpu", "pin_memory": True}
     ds_config = {"fp16": {"enabled": True}, "zero_optimization": zero, "steps_per_print": 2000,
                  "train_batch_size": a.batch, "wall_clock_breakdown": False}
+    # before the model exists, so that ZeRO-3 partitions (and offloads) each parameter as it is created: built
+    # first, an OPT-30B would sit whole in host memory (60 GB fp16) before DeepSpeed ever saw it
     keep = HfDeepSpeedConfig(ds_config)                     # noqa: F841  (must stay alive for ZeRO-3)
+    model, _ = build_model(a.model, torch.float16)
     engine = deepspeed.initialize(model=model, config_params=ds_config)[0]
     engine.module.eval()
     tok = fallback_tokenizer()

@@ -19,12 +19,15 @@ from benchmarks.workloads import Workload
 
 def predicted_bytes(w: Workload, hh_ratio: float | None, batch: int) -> int:
     """The planner's RAM estimate of one block of `batch` sequences in one GPU batch (compute + host tiers)
-    plus the process runtime."""
+    plus the process runtime; for a GPU workload, its compute tier (the device's memory)."""
     from flexgen_h2o.config import OffloadPolicy
     from flexgen_h2o.kv import EvictionConfig
     from flexgen_h2o.planner import estimate
     ev = EvictionConfig(policy="full") if hh_ratio is None else EvictionConfig(policy="h2o", hh_ratio=hh_ratio)
     pol = OffloadPolicy.from_percent(w.percent, gpu_batch_size=batch, num_gpu_batches=1)
+    if w.needs_gpu:             # the budget is the device: what the compute tier (fp16 on CUDA) must hold
+        est = estimate(w.model_config(), pol, ev, prompt_len=w.prompt_len, gen_len=w.gen_len, compute_dtype_bytes=2)
+        return est.tier_total("compute")
     est = estimate(w.model_config(), pol, ev, prompt_len=w.prompt_len, gen_len=w.gen_len, compute_dtype_bytes=4)
     return est.tier_total("compute") + est.tier_total("host") + w.runtime_bytes
 

@@ -224,14 +224,16 @@ def _budget_triple(budget: Any) -> tuple[int, int, int]:
 @torch.no_grad()
 def reference_generate(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
                        budget: Any, rule: str = "exact", max_new_tokens: int = 8, score_reduce: str = "sum",
-                       trace: list | None = None, rolling: bool = False) -> tuple[torch.Tensor, list[torch.Tensor]]:
+                       trace: list | None = None, rolling: bool = False,
+                       forced: torch.Tensor | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """Greedy generation with simulated eviction.
 
     input_ids (b, p), left-padded; attention_mask (b, p) 1 = real (None = all real); budget: (sink, heavy,
     recent) or any object with those attributes (ignored for rule "full"); rule: exact | port | window | full.
     Returns tokens (b, max_new_tokens) and the logits (b, V) fp32 that chose each of them. If `trace` is a
     list, it receives after the prefill and after every decode step the kept positions [layer][b][g].
-    rolling: position rolling (RoPE models only)."""
+    rolling: position rolling (RoPE models only). forced (b, max_new_tokens): feed these tokens instead of the
+    argmax (teacher forcing, as the accuracy harness scores a continuation)."""
     if rule not in RULES:
         raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
     if score_reduce not in ("sum", "mean"):
@@ -266,7 +268,7 @@ def reference_generate(model: torch.nn.Module, input_ids: torch.Tensor, attentio
         for step in range(max_new_tokens):
             logits = out.logits[:, -1].float()
             step_logits.append(logits)
-            nxt = logits.argmax(dim=-1)
+            nxt = logits.argmax(dim=-1) if forced is None else forced[:, step]
             tokens.append(nxt)
             if step == max_new_tokens - 1:
                 break                            # the last token is never fed back
