@@ -63,6 +63,21 @@ def engine_nll(engine: Engine, prompts, conts, ev: EvictionConfig, shared) -> li
     return [nll_of(steps[i], c) for i, c in enumerate(conts)]
 
 
+def kept_deciles(engine: Engine, context: int, recent: int) -> list[float]:
+    """Where the kept prompt tokens that are not in the final recent window sit at the end of the run: share
+    per tenth of the context, over every (sequence, layer, KV head)."""
+    counts = [0] * 10
+    for caches in engine.last_caches:
+        for split in caches.values():
+            for cache in split.caches:
+                pos = cache.pos[cache.pos >= 0]
+                pos = pos[pos < context - recent]            # prompt tokens outside the last window
+                for d in (pos * 10 // context).tolist():
+                    counts[d] += 1
+    total = sum(counts) or 1
+    return [c / total for c in counts]
+
+
 def ppl(rows: list[list[float]]) -> float:
     flat = [x for r in rows for x in r]
     return math.exp(sum(flat) / len(flat))
@@ -99,10 +114,14 @@ def main(argv: list[str] | None = None) -> int:
     engine = Engine(loaded.config, loaded.read, offload=OffloadPolicy(gpu_batch_size=len(prompts),
                                                                       kv_dtype="float32"))
     shared = engine.prefill(prompts)
-    results = {name: engine_nll(engine, prompts, conts, ev, shared) for name, ev in rules.items()}
+    results = {}
+    for name, ev in rules.items():
+        results[name] = engine_nll(engine, prompts, conts, ev, shared)
+        if name.startswith("h2o (heavy"):
+            deciles = kept_deciles(engine, a.context, slots - half)
     engine.close()
     out = {"corpus": a.corpus, "windows": a.windows, "context": a.context, "continuation": a.continuation,
-           "slots": slots, "ppl": {k: ppl(v) for k, v in results.items()}}
+           "slots": slots, "ppl": {k: ppl(v) for k, v in results.items()}, "h2o_kept_by_context_decile": deciles}
     h2o_key = next(k for k in rules if k.startswith("h2o (heavy"))
     if not a.skip_reference:
         from tests.reference.h2o_masked import reference_generate
@@ -118,6 +137,8 @@ def main(argv: list[str] | None = None) -> int:
           f"({100 * a.budget:.0f} %)")
     for k, v in out["ppl"].items():
         print(f"  {k:34s} ppl {v:8.3f}  ({v / full:.3f}x full)")
+    print("  h2o's kept prompt tokens outside the recent window, by tenth of the context: "
+          + " ".join(f"{100 * x:.0f}%" for x in deciles))
     if "reference_h2o_ppl" in out:
         print(f"  masked reference, exact H2O         ppl {out['reference_h2o_ppl']:8.3f}; largest per-token NLL "
               f"difference from the engine {out['engine_vs_reference_max_nll_diff']:.2e}")

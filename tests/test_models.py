@@ -57,3 +57,24 @@ def test_metrics_over_several_blocks():
     assert m["generated_tokens"] == 25 and m["decode_steps"] == 3 * 4
     assert m["block_size"] == 1 and m["padded_prompt_len"] == 7
     assert len(m["step_times_s"]) == 4 and all(t > 0 for t in m["step_times_s"])
+
+
+@pytest.mark.parametrize("chunk_bytes", [64 << 10, 8 << 20])
+def test_linear_upcasts_fp16_weights_by_row_blocks(monkeypatch, chunk_bytes):
+    """ops.linear with a weight stored narrower than x (fp16 staged on a CPU) equals the linear on the upcast
+    weight: every block of rows is the same fp32 GEMM on the same values. 64 KiB blocks cut a 3000-row weight
+    into 375 blocks (the last one partial); the default 8 MiB into 3."""
+    import torch.nn.functional as F
+
+    from flexgen_h2o.models import ops
+    monkeypatch.setattr(ops, "UPCAST_CHUNK_BYTES", chunk_bytes)
+    monkeypatch.setattr(ops._local, "scratch", None, raising=False)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 3, 2048, generator=g)
+    w = (torch.randn(3000, 2048, generator=g) * 0.02).half()
+    b = torch.randn(3000, generator=g)
+    want = F.linear(x, w.float(), b)
+    got = ops.linear(x, w, b)
+    assert got.dtype == torch.float32 and got.shape == want.shape
+    assert torch.allclose(got, want, rtol=0, atol=1e-5)
+    assert torch.equal(ops.linear(x, w.float(), b), want)        # same dtype: the plain kernel
