@@ -33,22 +33,6 @@ from flexgen_h2o.kv import EvictionConfig  # noqa: E402
 from flexgen_h2o.loader import load_model  # noqa: E402
 
 
-def hf_llama(loaded):
-    """SmolLM2 as transformers' LlamaForCausalLM, from the same converted store."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-    cfg = loaded.config
-    model = LlamaForCausalLM(LlamaConfig(
-        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, num_hidden_layers=cfg.n_layers,
-        intermediate_size=cfg.ffn_size, num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads,
-        max_position_embeddings=cfg.max_seq_len, rms_norm_eps=cfg.norm_eps, tie_word_embeddings=True,
-        rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta}))
-    state = {n: torch.from_numpy(loaded.read(n.removeprefix("model.") if n != "lm_head.weight"
-                                             else "embed_tokens.weight").copy()).float()
-             for n in model.state_dict()}
-    model.load_state_dict(state)
-    return model.eval()
-
-
 def nll_of(logits: list[torch.Tensor], targets: list[int]) -> list[float]:
     return [-float(torch.log_softmax(lg.float(), -1)[t]) for lg, t in zip(logits, targets)]
 
@@ -124,8 +108,9 @@ def main(argv: list[str] | None = None) -> int:
            "slots": slots, "ppl": {k: ppl(v) for k, v in results.items()}, "h2o_kept_by_context_decile": deciles}
     h2o_key = next(k for k in rules if k.startswith("h2o (heavy"))
     if not a.skip_reference:
+        from benchmarks.hf_cache import load_smollm2
         from tests.reference.h2o_masked import reference_generate
-        model = hf_llama(loaded)
+        model, _ = load_smollm2("cpu", torch.float32)
         ids, forced = torch.tensor(prompts), torch.tensor(conts)
         _, logits = reference_generate(model, ids, None, (0, half, slots - half), rule="exact",
                                        max_new_tokens=len(conts[0]), forced=forced)
