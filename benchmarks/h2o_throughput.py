@@ -202,14 +202,16 @@ def summarize(plan: Plan, runs: list[dict], skip: int) -> dict:
             "slope_s_per_token": step_slope(plan.setting.prompt_len, steps, skip), "repeats": len(runs)}
 
 
-def reusable(metrics_path: Path, args: list[str]) -> bool:
-    """A finished case's metrics can stand in for a re-run only if its log shows the very same command."""
+def reusable(metrics_path: Path, args: list[str]) -> dict | None:
+    """A finished case's metrics, if they can stand in for a re-run: its log shows the very same command."""
     log = metrics_path.with_suffix(".log")
     if not (metrics_path.exists() and log.exists()):
-        return False
+        return None
     first = log.read_text().splitlines()[:1]
-    return bool(first) and first[0].split()[1:] == [str(x) for x in args] and "step_times_s" in \
-        json.loads(metrics_path.read_text())
+    if not first or first[0].split()[1:] != [str(x) for x in args]:
+        return None
+    metrics = json.loads(metrics_path.read_text())
+    return metrics if "step_times_s" in metrics else None
 
 
 def compare(summaries: list[dict]) -> list[dict]:
@@ -348,8 +350,8 @@ def main(argv: list[str] | None = None) -> int:
             tag = f"{setting.replace(':', '_').replace(' ', '_')}_{plan.case}_r{rep}"
             cold = {}
             metrics_path = out / "logs" / f"{tag}.json"
-            if a.resume and reusable(metrics_path, run_args(plan, a, metrics_path)):
-                m = json.loads(metrics_path.read_text())
+            m = reusable(metrics_path, run_args(plan, a, metrics_path)) if a.resume else None
+            if m is not None:
                 runs[i].append({**m, "repeat": rep, "reused": True})
                 print(f"  {tag}: reused {metrics_path}")
                 continue

@@ -53,14 +53,9 @@ def prompts_for(tokens: list[int], batch: int, length: int) -> list[list[int]]:
     return [tokens[i * stride:i * stride + length] for i in range(batch)]
 
 
-def fit_slope(points: list[tuple[int, float]]) -> float:
-    """Least-squares slope (seconds per token) through (length, seconds) points."""
-    return slope_and_error(points)[0]
-
-
 def slope_and_error(points: list[tuple[int, float]]) -> tuple[float, float]:
-    """Least-squares slope and its standard error (nan with fewer than 3 points): the error says whether the
-    run can resolve a slope as small as the target at all."""
+    """Least-squares slope (seconds per token) through (length, seconds) points, and its standard error (nan
+    with fewer than 3 points): the error says whether the run can resolve a slope as small as the target."""
     x, y = np.array([p[0] for p in points], dtype=float), np.array([p[1] for p in points], dtype=float)
     slope, icept = np.polyfit(x, y, 1)
     if len(x) < 3:

@@ -55,15 +55,14 @@ class SearchResult:
     steps: list[Step] = field(default_factory=list)
 
 
-def project_probe(row: dict[str, Any], gen_len: int, growth_bytes: int, peak_bytes: int | None = None
-                  ) -> tuple[float, int]:
+def project_probe(row: dict[str, Any], gen_len: int, growth_bytes: int, peak_bytes: int) -> tuple[float, int]:
     """(total tok/s, peak bytes) a probe of row['gen_len'] tokens projects for gen_len: the median decode step
     (first step left out: it pays one-off costs) repeated, plus the bytes the cache would still grow. peak_bytes:
-    the probe's peak the budget is about (default its RSS; a GPU workload's is its GPU memory)."""
+    the probe's peak the budget is about (Workload.peak_bytes: RSS, or GPU memory for a GPU workload)."""
     steps = row["step_times_s"][1:] or row["step_times_s"]
     step = median(steps) if steps else row["decode_s"] / max(row["gen_len"] - 1, 1)
     total = row["batch"] * gen_len / (row["prefill_s"] + step * (gen_len - 1))
-    return total, (row["peak_rss_bytes"] if peak_bytes is None else peak_bytes) + growth_bytes
+    return total, peak_bytes + growth_bytes
 
 
 def search_batch(cands: list[Candidate], probe: Callable[[Candidate], tuple[float, int]], budget: int, *,

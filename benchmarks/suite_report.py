@@ -7,6 +7,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from benchmarks.workloads import WEIGHTS_WHERE
+
 GIB, MIB = float(1 << 30), float(1 << 20)
 
 
@@ -31,7 +33,6 @@ def machine_line(m: dict[str, Any]) -> str:
 
 
 def results_table(wl: dict[str, Any]) -> list[str]:
-    budget = wl["workload"]["budget_bytes"]
     head = ("| system | batch | prefill tok/s | decode tok/s | total tok/s | total ceiling | peak RSS GiB | "
             "KV MiB/seq | wall s | bound tok/s (prefill / decode / total) | % of bound (prefill / decode / total) "
             "| decode limit | note |")
@@ -43,8 +44,7 @@ def results_table(wl: dict[str, Any]) -> list[str]:
             continue
         s, b = e["summary"], e["roofline"]
         batch = f"{s['gbs']}x{s['num_batches']}" if s["num_batches"] > 1 else str(s["batch"])
-        on_gpu = wl["workload"].get("budget_kind") == "gpu"
-        note = "OVER BUDGET" if (s.get("peak_gpu_bytes") or 0 if on_gpu else s["peak_rss_bytes"]) > budget else ""
+        note = "OVER BUDGET" if e.get("over_budget") else ""
         if e["status"] != "ran":
             note += f" {e['status']}: {e.get('reason') or ''}"
         kv = s["kv_bytes_per_seq"] / MIB if s.get("kv_bytes_per_seq") else None
@@ -129,11 +129,10 @@ def write_report(doc: dict[str, Any], out: Path) -> str:
              ""]
     for wl in doc["results"]:
         w = wl["workload"]
-        where = {"disk": "decoder weights on a cold disk", "host": "weights streamed from host RAM to the GPU"}
         peak = "GPU memory" if w.get("budget_kind") == "gpu" else "RSS"
         lines += [f"## {w['name']}", "",
                   f"{w['model']} ({'dummy' if w['dummy'] else 'real'} weights, "
-                  f"{where.get(w['weights'], 'weights in RAM')}), prompt {w['prompt_len']} + gen {w['gen_len']}, "
+                  f"{WEIGHTS_WHERE.get(w['weights'], 'weights in RAM')}), prompt {w['prompt_len']} + gen {w['gen_len']}, "
                   f"budget {w['budget_bytes'] / GIB:.2f} GiB peak {peak} per process.", "", *results_table(wl), "",
                   f"Batch search (probes of {w['probe_gen_len']} new tokens, projected to {w['gen_len']}; not "
                   "results):", "", *search_table(wl), ""]

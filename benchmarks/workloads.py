@@ -20,6 +20,7 @@ GIB = 1 << 30
 RAM_PERCENT = (100, 0, 100, 0, 100, 0)       # weights, KV and activations on the compute tier (RAM on a CPU)
 DISK_PERCENT = (0, 0, 100, 0, 100, 0)        # every weight homed on disk, KV and activations on the compute tier
 HOST_PERCENT = (0, 100, 100, 0, 100, 0)      # weights streamed from host RAM to the GPU, KV and activations on it
+WEIGHTS_WHERE = {"disk": "decoder weights on a cold disk", "host": "weights streamed from host RAM to the GPU"}
 
 # systems a workload runs when --systems is not given; deepspeed and flexgen are listed everywhere so that a
 # machine without a GPU shows them as skipped, with the reason, instead of leaving them out
@@ -66,11 +67,10 @@ class Workload:
 
     def describe(self) -> str:
         kind = "dummy weights" if self.dummy else "real weights"
-        where = {"disk": "decoder weights on a cold disk", "host": "weights streamed from host RAM to the GPU"}.get(
-            self.weights, "weights in RAM")
-        what = "GPU memory" if self.needs_gpu else "RAM budget"
-        return (f"{self.model} ({kind}, {where}), prompt {self.prompt_len} + gen {self.gen_len}, {what} "
-                f"{self.budget_bytes / GIB:.2f} GiB peak {'GPU memory' if self.needs_gpu else 'RSS'} per process")
+        where = WEIGHTS_WHERE.get(self.weights, "weights in RAM")
+        peak = "GPU memory" if self.needs_gpu else "RSS"
+        return (f"{self.model} ({kind}, {where}), prompt {self.prompt_len} + gen {self.gen_len}, budget "
+                f"{self.budget_bytes / GIB:.2f} GiB peak {peak} per process")
 
 
 def _smollm2(prompt: int, gen: int, max_batch: int) -> Workload:

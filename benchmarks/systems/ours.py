@@ -25,10 +25,11 @@ def predicted_bytes(w: Workload, hh_ratio: float | None, batch: int) -> int:
     from flexgen_h2o.planner import estimate
     ev = EvictionConfig(policy="full") if hh_ratio is None else EvictionConfig(policy="h2o", hh_ratio=hh_ratio)
     pol = OffloadPolicy.from_percent(w.percent, gpu_batch_size=batch, num_gpu_batches=1)
-    if w.needs_gpu:             # the budget is the device: what the compute tier (fp16 on CUDA) must hold
-        est = estimate(w.model_config(), pol, ev, prompt_len=w.prompt_len, gen_len=w.gen_len, compute_dtype_bytes=2)
+    # the engine computes in fp16 on CUDA, fp32 on a CPU
+    est = estimate(w.model_config(), pol, ev, prompt_len=w.prompt_len, gen_len=w.gen_len,
+                   compute_dtype_bytes=2 if w.needs_gpu else 4)
+    if w.needs_gpu:             # the budget is the device: what the compute tier must hold
         return est.tier_total("compute")
-    est = estimate(w.model_config(), pol, ev, prompt_len=w.prompt_len, gen_len=w.gen_len, compute_dtype_bytes=4)
     return est.tier_total("compute") + est.tier_total("host") + w.runtime_bytes
 
 

@@ -14,10 +14,10 @@ def finished_case(tmp_path, args, metrics=None):
 def test_a_case_is_reused_only_for_the_same_command(tmp_path):
     args = ["-m", "flexgen_h2o.run", "--model", "opt-1.3b", "--gen-len", "1024"]
     path = finished_case(tmp_path, args)
-    assert reusable(path, args)
-    assert not reusable(path, args[:-1] + ["512"])                  # another setting
-    assert not reusable(tmp_path / "missing.json", args)
-    assert not reusable(finished_case(tmp_path, args, {"error": "killed"}), args)   # no step times: not a result
+    assert reusable(path, args) == {"step_times_s": [0.1], "total_tok_s": 1.0}
+    assert reusable(path, args[:-1] + ["512"]) is None                  # another setting
+    assert reusable(tmp_path / "missing.json", args) is None
+    assert reusable(finished_case(tmp_path, args, {"error": "killed"}), args) is None   # no step times: not a result
 
 
 def summary(setting, case, slope, **rates):

@@ -1,7 +1,7 @@
 """benchmarks/step_scaling.py: the slope arithmetic and the target check (no timing is asserted)."""
 import pytest
 
-from benchmarks.step_scaling import fit_slope, prompts_for, summarize
+from benchmarks.step_scaling import prompts_for, slope_and_error, summarize
 
 
 def call(case, length, seconds, rep=0):
@@ -9,9 +9,9 @@ def call(case, length, seconds, rep=0):
 
 
 def test_slope_is_least_squares_over_every_point():
-    assert fit_slope([(1000, 0.3), (2000, 0.4)]) == pytest.approx(1e-4)
+    assert slope_and_error([(1000, 0.3), (2000, 0.4)])[0] == pytest.approx(1e-4)
     # two repeats per length: the line goes through their means
-    assert fit_slope([(1000, 0.2), (1000, 0.4), (3000, 0.5), (3000, 0.7)]) == pytest.approx(1.5e-4)
+    assert slope_and_error([(1000, 0.2), (1000, 0.4), (3000, 0.5), (3000, 0.7)])[0] == pytest.approx(1.5e-4)
 
 
 def test_target_uses_the_magnitude_of_the_ratio():
@@ -34,7 +34,6 @@ def test_prompts_are_distinct_windows_of_the_requested_length():
 
 
 def test_standard_error_reflects_the_scatter():
-    from benchmarks.step_scaling import slope_and_error
     exact = [(n, 0.1 + 1e-4 * n) for n in (1000, 2000, 3000)]
     assert slope_and_error(exact)[1] == pytest.approx(0.0, abs=1e-12)
     noisy = [(1000, 0.2), (1000, 0.4), (2000, 0.3), (2000, 0.5), (3000, 0.4), (3000, 0.6)]

@@ -103,7 +103,7 @@ def test_search_down_uses_the_planner_and_the_probe_cap():
 def test_project_probe_and_flexgen_rates():
     row = {"batch": 4, "gen_len": 5, "prefill_s": 2.0, "decode_s": 1.0, "step_times_s": [0.4, 0.2, 0.2, 0.2],
            "peak_rss_bytes": 100}
-    total, peak = project_probe(row, 11, growth_bytes=50)
+    total, peak = project_probe(row, 11, growth_bytes=50, peak_bytes=row["peak_rss_bytes"])
     assert total == pytest.approx(4 * 11 / (2.0 + 0.2 * 10)) and peak == 150
     r = rates(4, 512, 32, 2.0, 31.0)
     assert r == {"prefill_tok_s": 1024.0, "decode_tok_s": 4.0, "total_tok_s": pytest.approx(128 / 33)}
