@@ -7,7 +7,9 @@ setup(
     description="High-throughput offline generation for OPT and Llama with offloading and H2O eviction",
     packages=find_packages(include=["flexgen_h2o", "flexgen_h2o.*"]),
     python_requires=">=3.10",
-    install_requires=["torch", "numpy", "transformers>=5.0", "safetensors", "psutil", "tqdm"],
+    # transformers 5.24 warns that generate's and forward's past_key_values goes in 5.40; the hf cache and its
+    # tests pass caches that way, so a clean install must not pick up the release that removes it
+    install_requires=["torch", "numpy", "transformers>=5.0,<5.40", "safetensors", "psutil", "tqdm"],
     extras_require={
         "test": ["pytest", "pytest-timeout"],
         "eval": ["rouge-score", "matplotlib"],
