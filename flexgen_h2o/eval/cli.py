@@ -19,7 +19,7 @@ from typing import Callable  # noqa: E402
 
 from flexgen_h2o.config import ConfigError  # noqa: E402
 from flexgen_h2o.eval.grid import (DEFAULT_BUDGETS, DEFAULT_POLICIES, parse_budget, parse_budgets,  # noqa: E402
-                                   parse_policies)
+                                   parse_heavy_share, parse_policies)
 
 TASKS = ("perplexity", "summarization", "streaming", "needle")
 
@@ -47,6 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--policies", default=",".join(DEFAULT_POLICIES))
     p.add_argument("--budgets", default=",".join(DEFAULT_BUDGETS),
                    help="%% of the sequence (prompt + new tokens) or slot counts, e.g. 20%%,256")
+    p.add_argument("--heavy-share", type=float, default=0.5,
+                   help="h2o/h2o-port: share of each budget for heavy hitters, the rest recent (default 0.5)")
     p.add_argument("--batch-size", type=int, default=8, help="sequences per engine block")
     p.add_argument("--kv-dtype", choices=("float16", "float32"), default="float16")
     p.add_argument("--device", help="cuda, cuda:N or cpu (default: cuda when present)")
@@ -101,6 +103,7 @@ def check_args(a: argparse.Namespace) -> list[str]:
         raise ConfigError(f"--ppl-corpora takes {', '.join(CORPORA)}; got {a.ppl_corpora!r}")
     a.corpora = corpora
     a.policy_list = parse_policies(a.policies)
+    a.heavy_share = parse_heavy_share(a.heavy_share)
     a.budget_list = parse_budgets(a.budgets)
     a.sum_budget_list = parse_budgets(a.sum_budgets) if a.sum_budgets else a.budget_list
     a.needle_budget_list = parse_budgets(a.needle_budgets) if a.needle_budgets else a.budget_list
@@ -145,6 +148,8 @@ def run_tasks(a: argparse.Namespace, tasks: list[str]) -> int:
     except (ModelNameError, WeightStoreError) as e:
         raise ConfigError(str(e)) from None
     common = {"model": loaded.config.name, "dummy_weights": a.dummy_weights, "kv_dtype": a.kv_dtype, "seed": a.seed}
+    if a.heavy_share != 0.5:            # recorded only when set, so checkpoints of even-split runs still resume
+        common["heavy_share"] = a.heavy_share
     runner_kw = dict(batch_size=a.batch_size, kv_dtype=a.kv_dtype, seed=a.seed, progress=not a.no_progress,
                      device=a.device)
     # build every task's items first: a bad size fails before hours of running
@@ -176,7 +181,7 @@ def _plan(task: str, a: argparse.Namespace, loaded) -> tuple[dict, int, int, Cal
         from flexgen_h2o.eval.perplexity import run_perplexity
         items = {c: data.perplexity_items(tok, c, a.ppl_items, a.ppl_context, a.ppl_continuation) for c in a.corpora}
         _check_vocab([x for pairs in items.values() for p, c in pairs for x in (p, c)], cfg.vocab_size)
-        points = make_grid(a.policy_list, a.budget_list)
+        points = make_grid(a.policy_list, a.budget_list, heavy_share=a.heavy_share)
         meta = {"corpora": a.corpora, "items": a.ppl_items, "context": a.ppl_context,
                 "continuation": a.ppl_continuation, "budgets": [b.label for b in a.budget_list]}
         return (meta, len(points) * len(items), sum(map(len, items.values())),
@@ -186,7 +191,7 @@ def _plan(task: str, a: argparse.Namespace, loaded) -> tuple[dict, int, int, Cal
         rouge_scorer()                                   # fail now, not after the first point, without rouge-score
         sitems = data.summary_items(tok, a.sum_items, a.sum_prompt_len)
         _check_vocab([it.prompt for it in sitems], cfg.vocab_size)
-        points = make_grid(a.policy_list, a.sum_budget_list)
+        points = make_grid(a.policy_list, a.sum_budget_list, heavy_share=a.heavy_share)
         meta = {"items": a.sum_items, "prompt_len": a.sum_prompt_len, "gen_len": a.sum_gen_len,
                 "budgets": [b.label for b in a.sum_budget_list]}
         return (meta, len(points), len(sitems),
@@ -198,7 +203,7 @@ def _plan(task: str, a: argparse.Namespace, loaded) -> tuple[dict, int, int, Cal
             raise ConfigError(f"stream length {length} must exceed --stream-prefill ({a.stream_prefill})")
         streams = data.stream_items(tok, a.stream_count, length)
         _check_vocab(streams, cfg.vocab_size)
-        points = streaming_points(a.stream_policy_list, a.stream_budget_spec)
+        points = streaming_points(a.stream_policy_list, a.stream_budget_spec, a.heavy_share)
         meta = {"length": length, "streams": a.stream_count, "prefill": a.stream_prefill,
                 "budget": a.stream_budget_spec.label, "windows": a.stream_windows, "model_window": cfg.max_seq_len}
         # the no-rolling baselines must run past the window: that is what is measured
@@ -207,7 +212,7 @@ def _plan(task: str, a: argparse.Namespace, loaded) -> tuple[dict, int, int, Cal
     from flexgen_h2o.eval.needle import run_needle
     nitems = data.needle_items(tok, a.needle_len, a.needle_depths, a.needle_trials, a.needle_filler, a.seed)
     _check_vocab([it.prompt for it in nitems], cfg.vocab_size)
-    points = make_grid(a.policy_list, a.needle_budget_list)
+    points = make_grid(a.policy_list, a.needle_budget_list, heavy_share=a.heavy_share)
     meta = {"length": a.needle_len, "depths": a.needle_depths, "trials": a.needle_trials, "filler": a.needle_filler,
             "budgets": [b.label for b in a.needle_budget_list]}
     return meta, len(points), len(nitems), lambda r, s: run_needle(r, s, nitems, points), False

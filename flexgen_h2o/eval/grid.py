@@ -15,6 +15,7 @@ from flexgen_h2o.kv.budget import DEFAULT_SINKS, POLICY_NAMES
 
 DEFAULT_POLICIES = POLICY_NAMES                       # full, h2o, h2o-port, local, sink, random
 DEFAULT_BUDGETS = ("5%", "10%", "20%", "40%", "64", "128", "256", "512", "1024")
+HEAVY_HITTER_POLICIES = ("h2o", "h2o-port")
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,7 @@ class GridPoint:
     policy: str
     budget: BudgetSpec | None = None
     rolling: bool = False
+    heavy_share: float = 0.5        # h2o / h2o-port: the heavy hitters' share of the slots (the rest is recent)
 
     @property
     def key(self) -> str:
@@ -97,13 +99,24 @@ class GridPoint:
         slots = self.slots(seq_len)
         if slots is None:
             return EvictionConfig(policy="full", position_rolling=self.rolling)
+        if self.policy in HEAVY_HITTER_POLICIES and self.heavy_share != 0.5:
+            heavy = int(round(self.heavy_share * slots))
+            return EvictionConfig(policy=self.policy, hh_size=heavy, recent_size=slots - heavy,
+                                  position_rolling=self.rolling, seed=seed)
         return EvictionConfig(policy=self.policy, kv_budget=slots, position_rolling=self.rolling, seed=seed)
 
 
-def make_grid(policies: list[str], budgets: list[BudgetSpec], rolling: bool = False) -> list[GridPoint]:
+def make_grid(policies: list[str], budgets: list[BudgetSpec], rolling: bool = False,
+              heavy_share: float = 0.5) -> list[GridPoint]:
     """full first (other tasks compare against its output), then every evicting policy at every budget."""
     points = [GridPoint("full", None, rolling)] if "full" in policies else []
     for policy in policies:
         if policy != "full":
-            points += [GridPoint(policy, b, rolling) for b in budgets]
+            points += [GridPoint(policy, b, rolling, heavy_share) for b in budgets]
     return points
+
+
+def parse_heavy_share(value: float) -> float:
+    if not 0.0 <= value <= 1.0:
+        raise ConfigError(f"--heavy-share {value} is a fraction of each H2O budget in [0, 1] (0.5: an even split)")
+    return value

@@ -17,12 +17,12 @@ from flexgen_h2o.eval.results import BlockCheckpoint, ResultStore
 from flexgen_h2o.eval.runner import Runner
 
 
-def streaming_points(policies: list[str], budget: BudgetSpec) -> list[GridPoint]:
+def streaming_points(policies: list[str], budget: BudgetSpec, heavy_share: float = 0.5) -> list[GridPoint]:
     """full (true positions), then each evicting policy at one budget without and with rolling."""
     points = [GridPoint("full")] if "full" in policies else []
     for policy in policies:
         if policy != "full":
-            points += [GridPoint(policy, budget, False), GridPoint(policy, budget, True)]
+            points += [GridPoint(policy, budget, rolling, heavy_share) for rolling in (False, True)]
     return points
 
 

@@ -49,3 +49,18 @@ def test_bad_budgets(text, match):
 def test_bad_policies():
     with pytest.raises(ConfigError, match="unknown policy lru"):
         parse_policies("h2o,lru")
+
+
+@pytest.mark.parametrize("policy", ["h2o", "h2o-port"])
+def test_heavy_share_moves_slots_from_heavy_to_recent_at_the_same_total(policy):
+    even = GridPoint(policy, parse_budget("20%")).eviction(1000).resolve(990, 10)
+    quarter = make_grid([policy], [parse_budget("20%")], heavy_share=0.25)[0].eviction(1000).resolve(990, 10)
+    assert (even.heavy, even.recent) == (100, 100)
+    assert (quarter.heavy, quarter.recent) == (50, 150) and quarter.budget == even.budget == 200
+
+
+def test_heavy_share_leaves_the_window_policies_alone():
+    for policy in ("local", "sink", "random"):
+        a = GridPoint(policy, parse_budget("20%")).eviction(1000).resolve(990, 10)
+        b = GridPoint(policy, parse_budget("20%"), heavy_share=0.1).eviction(1000).resolve(990, 10)
+        assert a == b

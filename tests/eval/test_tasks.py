@@ -139,6 +139,7 @@ def test_cli_end_to_end_resume_and_report(tiny_folder, tmp_path, capsys):
                                        (["--ppl-items", "0"], "--ppl-items must be >= 1"),
                                        (["--needle-depths", "10,120"], "percents in 0..100"),
                                        (["--stream-len", "10", "--stream-prefill", "20"], "must exceed"),
+                                       (["--heavy-share", "1.5"], "--heavy-share 1.5 is a fraction"),
                                        (["--model", "no-such-model", "--tasks", "needle"], "unknown model"),
                                        (["--frobnicate"], "unrecognized arguments")])
 def test_bad_input_is_one_line_and_exit_2(bad, match, capsys, tmp_path):
