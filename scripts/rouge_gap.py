@@ -46,7 +46,8 @@ def main() -> int:
     p.add_argument("--budget", default="20%")
     p.add_argument("--policies", default="h2o,sink,local")
     a = p.parse_args()
-    records = json.loads(a.json.read_text())["records"]
+    data = json.loads(a.json.read_text())
+    records, share = data["records"], data["meta"].get("heavy_share", 0.5)    # absent: the even split
     full = records["full"]
     articles = lee_articles()
     leads, docs = zip(*(split_lead(articles[i]) for i in full["articles"]))
@@ -60,7 +61,11 @@ def main() -> int:
         r2 = per_item_rouge2(scorer, list(leads), rec["summaries"])
         lo, hi = bootstrap_ratio(r2, full_r2)
         ratio = sum(r2) / sum(full_r2)
-        recent = rec["slots_min"] // 2 if policy == "h2o" else rec["slots_min"] - (4 if policy == "sink" else 0)
+        slots = rec["slots_min"]
+        if policy in ("h2o", "h2o-port"):
+            recent = slots // 2 if share == 0.5 else slots - int(round(share * slots))
+        else:
+            recent = slots - (4 if policy == "sink" else 0)
         fid = per_item_rouge2(scorer, full["summaries"], rec["summaries"])
         words = [len(d.split()) for d in docs]
         # ~1.3 tokens per English word for this tokenizer: a rough cut, stated as such in the output
