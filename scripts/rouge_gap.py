@@ -18,12 +18,19 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from flexgen_h2o.eval.data import split_lead                    # noqa: E402
-from flexgen_h2o.eval.summarize import rouge_scorer             # noqa: E402
+from flexgen_h2o.eval.grid import GridPoint, parse_budget       # noqa: E402
+from flexgen_h2o.eval.summarize import pair_rouge, rouge_scorer  # noqa: E402
 from flexgen_h2o.frontends.corpus import lee_articles           # noqa: E402
 
 
 def per_item_rouge2(scorer, targets: list[str], predictions: list[str]) -> list[float]:
-    return [1.0 if t == p else scorer.score(t, p)["rouge2"].fmeasure for t, p in zip(targets, predictions)]
+    return [pair_rouge(scorer, t, p)["rouge2"] for t, p in zip(targets, predictions)]
+
+
+def recent_window(policy: str, slots: int, heavy_share: float) -> int:
+    """The recent-window slots the harness gave this point (the grid's own split, not a copy of it)."""
+    point = GridPoint(policy, parse_budget(str(slots)), heavy_share=heavy_share)
+    return point.eviction(slots + 1).resolve(slots, 1).recent
 
 
 def bootstrap_ratio(a: list[float], b: list[float], n: int = 10_000, seed: int = 0) -> tuple[float, float]:
@@ -61,11 +68,7 @@ def main() -> int:
         r2 = per_item_rouge2(scorer, list(leads), rec["summaries"])
         lo, hi = bootstrap_ratio(r2, full_r2)
         ratio = sum(r2) / sum(full_r2)
-        slots = rec["slots_min"]
-        if policy in ("h2o", "h2o-port"):
-            recent = slots // 2 if share == 0.5 else slots - int(round(share * slots))
-        else:
-            recent = slots - (4 if policy == "sink" else 0)
+        recent = recent_window(policy, rec["slots_min"], share)
         fid = per_item_rouge2(scorer, full["summaries"], rec["summaries"])
         words = [len(d.split()) for d in docs]
         # ~1.3 tokens per English word for this tokenizer: a rough cut, stated as such in the output

@@ -23,18 +23,18 @@ def rouge_scorer():
     return RougeScorer(list(ROUGE_TYPES), use_stemmer=True)
 
 
+def pair_rouge(scorer, target: str, prediction: str) -> dict[str, float]:
+    """F-measure of each ROUGE type for one pair."""
+    if target == prediction:                  # rouge-score gives 0 for two empty strings; identical is 1
+        return dict.fromkeys(ROUGE_TYPES, 1.0)
+    scores = scorer.score(target, prediction)
+    return {t: scores[t].fmeasure for t in ROUGE_TYPES}
+
+
 def mean_rouge(scorer, targets: list[str], predictions: list[str]) -> dict[str, float]:
     """Mean F-measure of each ROUGE type over the pairs."""
-    totals = dict.fromkeys(ROUGE_TYPES, 0.0)
-    for target, pred in zip(targets, predictions):
-        if target == pred:                    # rouge-score gives 0 for two empty strings; identical is 1
-            for t in ROUGE_TYPES:
-                totals[t] += 1.0
-            continue
-        scores = scorer.score(target, pred)
-        for t in ROUGE_TYPES:
-            totals[t] += scores[t].fmeasure
-    return {t: v / max(len(targets), 1) for t, v in totals.items()}
+    pairs = [pair_rouge(scorer, t, p) for t, p in zip(targets, predictions)]
+    return {t: sum(x[t] for x in pairs) / max(len(pairs), 1) for t in ROUGE_TYPES}
 
 
 def first_line(text: str) -> str:

@@ -30,3 +30,9 @@ def test_bootstrap_interval_brackets_the_ratio_and_is_exact_for_a_scaled_copy():
     lo, hi = rouge_gap.bootstrap_ratio(other, base, n=2000)
     ratio = sum(other) / sum(base)
     assert lo < ratio < hi and hi - lo > 0.2     # ten noisy articles: a wide interval, not a point
+
+
+def test_recent_window_follows_the_grid_split():
+    assert rouge_gap.recent_window("h2o", 410, 0.5) == 205
+    assert rouge_gap.recent_window("h2o", 410, 0.25) == 308
+    assert rouge_gap.recent_window("sink", 410, 0.25) == 406       # 4 sinks, the rest recent; no heavy share
