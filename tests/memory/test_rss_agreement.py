@@ -36,7 +36,7 @@ CHILD = textwrap.dedent("""
 
     percent, offload_dir = json.loads(sys.argv[1]), sys.argv[2]
     libc = ctypes.CDLL("libc.so.6")
-    libc.mallopt(-3, 1 << 20)                   # M_MMAP_THRESHOLD fixed: freed large blocks go back to the OS
+    assert libc.mallopt(-3, 1 << 20) == 1       # M_MMAP_THRESHOLD fixed: freed large blocks go back to the OS
     torch.set_num_threads(2)
     loaded = load_model("opt-125m", dummy_weights=True, progress=False)
     policy = OffloadPolicy.from_percent(percent, gpu_batch_size=8, num_gpu_batches=2)
