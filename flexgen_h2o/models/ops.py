@@ -91,8 +91,15 @@ def grouped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: floa
     b, h, t, d = q.shape
     g, s = k.shape[1], k.shape[2]
     r = h // g
+    # a prompt without pads: its mask is purely causal
+    no_pads = t == s and t > 1 and query_valid is not None and bool(query_valid.all())
     if not want_scores and t > 1:
-        # fused kernel for the prompt when nobody needs the probabilities
+        # fused kernel for the prompt when nobody needs the probabilities. is_causal lets the kernel skip the
+        # blocks above the diagonal, which an explicit mask does not (profiled at 2048 tokens: attention took
+        # 39 % of the prompt pass with the mask, ~2x its causal FLOPs)
+        if no_pads:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=(r > 1))
+            return out, None
         full_mask = mask if mask.shape[1] == 1 else mask.repeat_interleave(r, dim=1)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=full_mask, scale=scale, enable_gqa=(r > 1))
         return out, None
@@ -106,11 +113,13 @@ def grouped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: floa
         tc, sk = stop - start, (stop if causal_self else s)
         logits = torch.matmul(qg[:, :, :, start:stop].reshape(b, g, r * tc, d), k[:, :, :sk].transpose(-1, -2))
         logits = logits.view(b, g, r, tc, sk).float()                              # (b, g, r, tc, sk)
-        logits.masked_fill_(~mask[:, :, None, start:stop, :sk], float("-inf"))
+        # without pads every key before the chunk is visible to all its queries: only the diagonal block masks
+        lo = start if no_pads else 0
+        logits[..., lo:].masked_fill_(~mask[:, :, None, start:stop, lo:sk], float("-inf"))
         probs = torch.softmax(logits, dim=-1)
         outs.append(torch.matmul(probs.to(v.dtype).view(b, g, r * tc, sk), v[:, :, :sk]).view(b, g, r, tc, d))
         if want_scores:
-            if query_valid is not None:
+            if query_valid is not None and not no_pads:
                 probs.mul_(query_valid[:, None, None, start:stop, None])
             scores[:, :, :sk] += probs.sum(dim=(2, 3))
     out = torch.cat(outs, dim=3) if len(outs) > 1 else outs[0]

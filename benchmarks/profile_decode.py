@@ -1,0 +1,176 @@
+"""Where a decode step's time goes: torch's profiler over a few decode steps of our engine, ops grouped by kind,
+beside the roofline bound of the same step (issue 8: "what limits it, profiled, not guessed").
+
+Decode (default): one prefill (Engine.prefill, not profiled), one warm-up decode, then one decode of `--steps`
+steps timed without the profiler and one under it. Each case decodes from the same prefill at the same batch, so
+only the cache rule differs. `--phase prefill`: the prompt pass instead (generate one token, timed once without
+and once under the profiler, after a warm-up), per case, since H2O's prefill also accumulates scores. The ops fall into groups (GEMM, attention, KV eviction bookkeeping, copies and casts, element-wise,
+other) by name; the table gives each group's self CPU time per step and its share.
+
+    python -m benchmarks.profile_decode --batch 54 --prompt-len 2048 --out benchmarks/results/profile_decode
+    python -m benchmarks.profile_decode --phase prefill --batch 4 --out benchmarks/results/profile_prefill
+"""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")     # before torch loads OpenMP
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+# first matching group wins; names are aten op names as the profiler reports them
+GROUPS: list[tuple[str, tuple[str, ...]]] = [
+    ("GEMM (linear, matmul)", ("aten::mm", "aten::addmm", "aten::bmm", "aten::linear", "aten::matmul",
+                               "aten::baddbmm")),
+    ("attention (sdpa, softmax)", ("aten::_scaled_dot_product", "aten::scaled_dot_product", "aten::softmax",
+                                   "aten::_softmax", "aten::_safe_softmax", "aten::log_softmax")),
+    ("select / gather / scatter (KV slots, eviction)", ("aten::topk", "aten::sort", "aten::argsort", "aten::gather",
+                                                       "aten::scatter", "aten::index", "aten::masked",
+                                                       "aten::take", "aten::argmax", "aten::argmin",
+                                                       "aten::min", "aten::max", "aten::where")),
+    ("copies and casts", ("aten::copy_", "aten::to", "aten::_to_copy", "aten::clone", "aten::contiguous",
+                          "aten::cat", "aten::stack", "aten::empty", "aten::zeros", "aten::full",
+                          "aten::fill_", "aten::zero_", "aten::resize_")),
+    ("element-wise and reductions", ("aten::add", "aten::mul", "aten::sub", "aten::div", "aten::neg",
+                                     "aten::pow", "aten::rsqrt", "aten::mean", "aten::sum", "aten::silu",
+                                     "aten::relu", "aten::exp", "aten::cos", "aten::sin", "aten::layer_norm",
+                                     "aten::native_layer_norm", "aten::eq", "aten::ne", "aten::lt", "aten::gt",
+                                     "aten::ge", "aten::le", "aten::logical", "aten::bitwise", "aten::clamp",
+                                     "aten::embedding", "aten::cumsum", "aten::maximum", "aten::minimum")),
+]
+
+
+def group_of(op: str) -> str:
+    for name, prefixes in GROUPS:
+        if op.startswith(prefixes):
+            return name
+    return "other (views, Python-side ops)"
+
+
+def grouped(rows: list[tuple[str, float, int]], steps: int) -> list[dict]:
+    """(op, self CPU seconds, calls) -> per-group seconds and calls per step, largest first."""
+    acc: dict[str, list[float]] = {}
+    for op, self_s, calls in rows:
+        g = acc.setdefault(group_of(op), [0.0, 0])
+        g[0] += self_s
+        g[1] += calls
+    total = sum(v[0] for v in acc.values()) or 1.0
+    return sorted(({"group": k, "ms_per_step": 1e3 * v[0] / steps, "calls_per_step": v[1] / steps,
+                    "share": v[0] / total} for k, v in acc.items()), key=lambda r: -r["ms_per_step"])
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.profile_decode", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--batch", type=int, default=54, help="sequences per decode step (one GPU batch)")
+    p.add_argument("--prompt-len", type=int, default=2048)
+    p.add_argument("--steps", type=int, default=8, help="decode steps per timed / profiled call")
+    p.add_argument("--phase", choices=["decode", "prefill"], default="decode")
+    p.add_argument("--cases", nargs="+", default=["h2o", "full"], choices=["h2o", "full"])
+    p.add_argument("--hh-size", type=int, default=204)
+    p.add_argument("--recent-size", type=int, default=204)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--machine-json", type=Path, help="the suite's machine.json: adds the step's roofline bound")
+    p.add_argument("--out", type=Path, default=Path("benchmarks/results/profile_decode"))
+    return p
+
+
+def step_bound(machine: dict, cfg, phase: str, batch: int, prompt_len: int, kv_tokens: float,
+               kv_bytes_per_seq: float) -> dict:
+    """The roofline of one profiled unit (a decode step, or the whole prompt pass), weights resident."""
+    from benchmarks.machine import bound
+    b = bound(machine, cfg, batch=batch, prompt_len=prompt_len, gen_len=2, kv_read_bytes_per_seq=kv_bytes_per_seq,
+              offloaded_weight_bytes=0, resident_weight_bytes=cfg.n_params() * 4, kv_tokens=kv_tokens)
+    if phase == "prefill":
+        return {"bound_step_ms": 1e3 * b["prefill_s"], "bound_limit": b["prefill_limit"]}
+    return {"bound_step_ms": 1e3 * b["decode_step_s"], "bound_limit": b["decode_limit"]}
+
+
+def timed_call(engine, prompts, rule, prefilled, a: argparse.Namespace):
+    """One call of the phase: returns (a function running it, a function reading its unit times in seconds)."""
+    from flexgen_h2o.config import GenerationConfig
+    if a.phase == "prefill":
+        gen = GenerationConfig(max_new_tokens=1, stop_at_eos=False)
+        return (lambda: engine.generate(prompts, gen, eviction=rule)), (lambda res: [res.metrics["prefill_s"]])
+    gen = GenerationConfig(max_new_tokens=a.steps + 1, stop_at_eos=False)
+    return (lambda: engine.generate(prompts, gen, eviction=rule, prefilled=prefilled),
+            lambda res: res.metrics["step_times_s"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from flexgen_h2o.config import OffloadPolicy
+    from flexgen_h2o.engine import Engine
+    from flexgen_h2o.eval import data
+    from flexgen_h2o.kv import EvictionConfig
+    from flexgen_h2o.loader import load_model
+    from benchmarks.step_scaling import prompts_for
+    torch.set_num_threads(a.threads)
+    a.out.mkdir(parents=True, exist_ok=True)
+    model = load_model(a.model, progress=False)
+    cfg = model.config
+    rules = {"full": EvictionConfig(),
+             "h2o": EvictionConfig(policy="h2o", hh_size=a.hh_size, recent_size=a.recent_size)}
+    machine = json.loads(a.machine_json.read_text()) if a.machine_json else None
+    engine = Engine(cfg, model.read, offload=OffloadPolicy(gpu_batch_size=a.batch, num_gpu_batches=1),
+                    locate=model.locate)
+    report: dict = {"args": {k: str(v) for k, v in vars(a).items()}, "torch": torch.__version__, "cases": {}}
+    try:
+        prompts = prompts_for(data.corpus_stream(model.tokenizer, "wiki", a.prompt_len * 2), a.batch, a.prompt_len)
+        kept = engine.prefill(prompts) if a.phase == "decode" else None
+        for case in a.cases:
+            run, units = timed_call(engine, prompts, rules[case], kept, a)
+            run()                                                                       # warm-up
+            plain = units(run())
+            plain = plain[1:] if a.phase == "decode" else plain                       # step 0: prefill's logits
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                profiled = units(run())
+            rows = [(e.key, e.self_cpu_time_total / 1e6, e.count) for e in prof.key_averages()]
+            steps = len(profiled)                 # per-unit figures: the whole call's ops over its units
+            top = sorted(rows, key=lambda r: -r[1])[:15]
+            kv_tokens = (a.hh_size + a.recent_size + 1) if case == "h2o" else a.prompt_len + a.steps / 2
+            entry = {"step_ms_median": 1e3 * float(np.median(plain)),
+                     "step_ms_profiled_median": 1e3 * float(np.median(profiled[1:] or profiled)),
+                     "groups": grouped(rows, steps),
+                     "top_ops": [{"op": op, "ms_per_step": 1e3 * s / steps, "calls_per_step": c / steps}
+                                 for op, s, c in top]}
+            if machine:
+                kv_bytes = kv_tokens * cfg.n_layers * 2 * cfg.n_kv_heads * cfg.head_dim * 2   # fp16 K and V
+                entry.update(step_bound(machine, cfg, a.phase, a.batch, a.prompt_len, kv_tokens, kv_bytes))
+            report["cases"][case] = entry
+    finally:
+        engine.close()
+    (a.out / "results.json").write_text(json.dumps(report, indent=2))
+    md = markdown(report, a)
+    (a.out / "results.md").write_text(md)
+    print(md)
+    return 0
+
+
+def markdown(report: dict, a: argparse.Namespace) -> str:
+    unit = "decode step" if getattr(a, "phase", "decode") == "decode" else "prompt pass"
+    lines = [f"# Profile per {unit}: {a.model}, batch {a.batch}, prompt {a.prompt_len}", ""]
+    for case, e in report["cases"].items():
+        bound = (f", roofline bound {e['bound_step_ms']:.1f} ms ({e['bound_limit']}): measured / bound "
+                 f"{e['step_ms_median'] / e['bound_step_ms']:.2f}x") if "bound_step_ms" in e else ""
+        lines += [f"## {case}: {unit} {e['step_ms_median']:.1f} ms (under the profiler "
+                  f"{e['step_ms_profiled_median']:.1f} ms){bound}", "",
+                  f"| group | ms per {unit} | calls per {unit} | share of self CPU |", "|---|---|---|---|"]
+        lines += [f"| {g['group']} | {g['ms_per_step']:.1f} | {g['calls_per_step']:.0f} | {100 * g['share']:.0f} % |"
+                  for g in e["groups"]]
+        lines += ["", f"| top op | ms per {unit} | calls per {unit} |", "|---|---|---|"]
+        lines += [f"| `{o['op']}` | {o['ms_per_step']:.1f} | {o['calls_per_step']:.0f} |" for o in e["top_ops"]]
+        lines.append("")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

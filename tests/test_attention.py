@@ -1,0 +1,39 @@
+"""ops.grouped_attention's prompt fast paths against plain masked softmax attention, with and without pads."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flexgen_h2o.models import ops
+
+
+def naive(q, k, v, mask, scale, query_valid):
+    """Repeat the KV heads, masked softmax over every key, column sums of the valid queries' probabilities."""
+    r = q.shape[1] // k.shape[1]
+    kr, vr = k.repeat_interleave(r, 1), v.repeat_interleave(r, 1)
+    logits = (q @ kr.transpose(-1, -2)) * scale
+    probs = torch.softmax(logits.masked_fill(~mask, float("-inf")), dim=-1)          # (b, h, t, s)
+    mass = (probs * query_valid[:, None, :, None]).sum(2)                            # (b, h, s)
+    return probs @ vr, mass.view(k.shape[0], k.shape[1], r, -1).sum(2)
+
+
+@pytest.mark.parametrize("pads", [False, True])
+@pytest.mark.parametrize("want_scores", [False, True])
+def test_prompt_attention_matches_masked_softmax(pads, want_scores):
+    torch.manual_seed(0)
+    b, h, g, t, d = 2, 6, 2, 37, 8
+    q, k, v = torch.randn(b, h, t, d), torch.randn(b, g, t, d), torch.randn(b, g, t, d)
+    valid = torch.ones(b, t, dtype=torch.bool)
+    if pads:
+        valid[1, :5] = False                    # left padding on the second sequence
+    mask = ops.causal_pad_mask(valid)
+    out, scores = ops.grouped_attention(q, k, v, mask, 0.3, want_scores=want_scores, query_valid=valid,
+                                        query_chunk=16)     # several chunks: the diagonal-block masking is used
+    ref_out, ref_scores = naive(q, k, v, mask, 0.3, valid)
+    rows = valid[:, None, :, None].expand_as(out)            # a pad query's output is never used
+    assert torch.allclose(out[rows], ref_out[rows], atol=1e-5)
+    if want_scores:
+        assert torch.allclose(scores, ref_scores, atol=1e-5)
+        assert torch.all(scores[1, :, :5] == 0) == pads      # pad keys get no mass
+    else:
+        assert scores is None
