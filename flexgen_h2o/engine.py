@@ -18,7 +18,7 @@ from torch import Tensor
 from flexgen_h2o.backend import get_backend
 from flexgen_h2o.config import ConfigError, GenerationConfig, GenerationResult, OffloadPolicy, split_by_fraction
 from flexgen_h2o.kv import EvictionConfig, get_policy, policy_for
-from flexgen_h2o.kv.cache import KVCache, gather_slots
+from flexgen_h2o.kv.cache import KVCache, StagingBuffers, gather_slots
 from flexgen_h2o.kv.mixed import SplitKVCache
 from flexgen_h2o.memory import ComputeTier, DiskTier, HostTier, OffloadDir, check_space
 from flexgen_h2o.models import ModelConfig, build_layers, schedule_groups
@@ -79,6 +79,8 @@ class Engine:
         self.backend = get_backend(device)
         self.device, self.compute_dtype = self.backend.compute_device, self.backend.compute_dtype
         self.kv_dtype = getattr(torch, self.offload.kv_dtype)
+        # CPU: staged KV windows reuse buffers (CUDA's caching allocator already recycles device memory)
+        self.kv_staging = None if self.backend.is_cuda else StagingBuffers()
         self.layers = build_layers(model)
         self.groups = schedule_groups([layer.kind for layer in self.layers], self.offload.sep_layer)
         self.decode = decode
@@ -116,6 +118,8 @@ class Engine:
         """Free every tensor the last run allocated on the tiers (disk files are deleted)."""
         for handle in self._handles:
             handle.free()
+        if self.kv_staging is not None:
+            self.kv_staging.clear()
         self._handles = []
 
     def close(self) -> None:
@@ -145,7 +149,7 @@ class Engine:
             # attention reads the window on the compute device, or where the KV lives with cpu_cache_compute
             cache = KVCache(layer.kv_spec(), hi - lo, budget.capacity, policy, budget, dtype=self.kv_dtype,
                             alloc=lambda shape, dtype, kind=kind: self._alloc(kind, shape, dtype), tier_kind=kind,
-                            rolling=rolling, generator=generator)
+                            rolling=rolling, generator=generator, staging=self.kv_staging)
             parts.append((lo, hi, cache))
         off_device = any(kind != "compute" for _, _, kind in split)
         host_attention = self.offload.cpu_cache_compute and off_device and self.device.type != "cpu"

@@ -67,6 +67,9 @@ class SplitKVCache:
                       write_slot=torch.cat([v.write_slot for v in views]))
         if views[0].key_positions is not None:
             view.key_positions = cat("key_positions", 0)
+        for part in views:                     # the parts were copied into the joint window
+            if part.release is not None:
+                part.release()
         return view
 
     def commit_decode(self, view: KVView, out: LayerOutput, new_pos: Tensor) -> None:

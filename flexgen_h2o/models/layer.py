@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Mapping, Protocol
+from typing import Callable, Mapping, Protocol
 
 import torch
 from torch import Tensor
@@ -64,6 +64,7 @@ class KVView:
     valid: Tensor                # (b, g, s) bool: slot holds a real token (pads and empty slots are False)
     write_slot: Tensor           # (b, g) long: the free slot the new token is written into before attending
     key_positions: Tensor | None = None   # (b, g, s) long: rolling only, positions to rotate cached keys at
+    release: Callable[[], None] | None = None   # gives pooled staging buffers back once the step is committed
 
 
 @dataclass

@@ -237,3 +237,5 @@ class BlockExecutor:
         b = self.batches[batch]
         for l, (view, out, pos) in updates.items():
             b.caches[l].commit_decode(view, out, pos)
+            if view.release is not None:
+                view.release()
