@@ -35,10 +35,10 @@ def _plain_alloc(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
 
 class StagingBuffers:
     """Reused flat buffers for staged KV windows on a CPU. A fresh multi-MB tensor per (layer, step) is a fresh
-    allocation whose pages fault on first touch, and freeing them from other threads fragments the heap: an
-    H2O decode at batch 54 slowed from ~440 to ~580 ms per step over 512 steps that way. Buffers are sized to a
-    cache's capacity (one key per cache shape, however long the window) and come back when the step's KV is
-    committed (KVView.release)."""
+    allocation whose pages fault on first touch, and they are freed on another thread than the one that made
+    them. With fresh windows an H2O decode at batch 54 slowed from ~440 to ~580 ms per step over 512 steps; with
+    this pool it stayed within 413-460 ms (docs/suite.md). Buffers are sized to a cache's capacity (one key per
+    cache shape, however long the window) and come back when the step's KV is committed (KVView.release)."""
 
     def __init__(self) -> None:
         self._free: dict[tuple[int, torch.dtype], list[Tensor]] = defaultdict(list)
