@@ -4,8 +4,10 @@ beside the roofline bound of the same step (issue 8: "what limits it, profiled, 
 Decode (default): one prefill (Engine.prefill, not profiled), one warm-up decode, then one decode of `--steps`
 steps timed without the profiler and one under it. Each case decodes from the same prefill at the same batch, so
 only the cache rule differs. `--phase prefill`: the prompt pass instead (generate one token, timed once without
-and once under the profiler, after a warm-up), per case, since H2O's prefill also accumulates scores. The ops fall into groups (GEMM, attention, KV eviction bookkeeping, copies and casts, element-wise,
-other) by name; the table gives each group's self CPU time per step and its share.
+and once under the profiler, after a warm-up), per case, since H2O's prefill also accumulates scores. The ops
+fall into groups (GEMM, attention, KV eviction bookkeeping, copies and casts, element-wise, other) by name; the
+table gives each group's self CPU time per unit and its share. A decode profile also holds generate's one-time
+setup (committing the kept prompt rows), spread over the steps.
 
     python -m benchmarks.profile_decode --batch 54 --prompt-len 2048 --out benchmarks/results/profile_decode
     python -m benchmarks.profile_decode --phase prefill --batch 4 --out benchmarks/results/profile_prefill
@@ -102,10 +104,10 @@ def timed_call(engine, prompts, rule, prefilled, a: argparse.Namespace):
             lambda res: res.metrics["step_times_s"])
 
 
-def main(argv: list[str] | None = None) -> int:
-    a = build_parser().parse_args(argv)
+def setup(a: argparse.Namespace):
+    """The model, one engine of one GPU batch of `a.batch`, `a.batch` Wikipedia windows of `a.prompt_len` tokens,
+    and the two cache rules (full; h2o at a.hh_size + a.recent_size): what every profiled case shares."""
     import torch
-    from torch.profiler import ProfilerActivity, profile
 
     from flexgen_h2o.config import OffloadPolicy
     from flexgen_h2o.engine import Engine
@@ -114,17 +116,25 @@ def main(argv: list[str] | None = None) -> int:
     from flexgen_h2o.loader import load_model
     from benchmarks.step_scaling import prompts_for
     torch.set_num_threads(a.threads)
-    a.out.mkdir(parents=True, exist_ok=True)
     model = load_model(a.model, progress=False)
-    cfg = model.config
     rules = {"full": EvictionConfig(),
              "h2o": EvictionConfig(policy="h2o", hh_size=a.hh_size, recent_size=a.recent_size)}
-    machine = json.loads(a.machine_json.read_text()) if a.machine_json else None
-    engine = Engine(cfg, model.read, offload=OffloadPolicy(gpu_batch_size=a.batch, num_gpu_batches=1),
+    prompts = prompts_for(data.corpus_stream(model.tokenizer, "wiki", a.prompt_len * 2), a.batch, a.prompt_len)
+    engine = Engine(model.config, model.read, offload=OffloadPolicy(gpu_batch_size=a.batch, num_gpu_batches=1),
                     locate=model.locate)
+    return model, engine, prompts, rules
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    a.out.mkdir(parents=True, exist_ok=True)
+    model, engine, prompts, rules = setup(a)
+    cfg = model.config
+    machine = json.loads(a.machine_json.read_text()) if a.machine_json else None
     report: dict = {"args": {k: str(v) for k, v in vars(a).items()}, "torch": torch.__version__, "cases": {}}
     try:
-        prompts = prompts_for(data.corpus_stream(model.tokenizer, "wiki", a.prompt_len * 2), a.batch, a.prompt_len)
         kept = engine.prefill(prompts) if a.phase == "decode" else None
         for case in a.cases:
             run, units = timed_call(engine, prompts, rules[case], kept, a)
@@ -156,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def markdown(report: dict, a: argparse.Namespace) -> str:
-    unit = "decode step" if getattr(a, "phase", "decode") == "decode" else "prompt pass"
+    unit = "decode step" if a.phase == "decode" else "prompt pass"
     lines = [f"# Profile per {unit}: {a.model}, batch {a.batch}, prompt {a.prompt_len}", ""]
     for case, e in report["cases"].items():
         bound = (f", roofline bound {e['bound_step_ms']:.1f} ms ({e['bound_limit']}): measured / bound "

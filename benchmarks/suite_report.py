@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from statistics import median
 from typing import Any
 
 from benchmarks.workloads import WEIGHTS_WHERE
@@ -59,6 +60,22 @@ def results_table(wl: dict[str, Any]) -> list[str]:
             f"{_f(b['total_tok_s'], 2)} | {_f(b['prefill_pct'], 0)} / {_f(b['decode_pct'], 0)} / "
             f"{_f(b['total_pct'], 0)} | {limit} | {note.strip()} |")
     return lines
+
+
+def drift_table(wl: dict[str, Any]) -> list[str]:
+    """Per final run, the median decode step over its first and last 10 % of steps: a cache of fixed size should
+    not slow down through a run (one that grows by a token per step may)."""
+    lines = ["| system | repeat | steps | first 10 % ms | last 10 % ms | last / first |", "|" + "---|" * 6]
+    for e in wl["systems"]:
+        for run in e["runs"]:
+            st = run["step_times_s"]
+            if len(st) < 10:
+                continue
+            n = len(st) // 10
+            first, last = median(st[:n]) * 1e3, median(st[-n:]) * 1e3
+            lines.append(f"| {e['system']} | {run['repeat']} | {len(st)} | {first:.0f} | {last:.0f} | "
+                         f"{last / first:.2f} |")
+    return lines if len(lines) > 2 else []
 
 
 def search_table(wl: dict[str, Any]) -> list[str]:
@@ -136,6 +153,9 @@ def write_report(doc: dict[str, Any], out: Path) -> str:
                   f"budget {w['budget_bytes'] / GIB:.2f} GiB peak {peak} per process.", "", *results_table(wl), "",
                   f"Batch search (probes of {w['probe_gen_len']} new tokens, projected to {w['gen_len']}; not "
                   "results):", "", *search_table(wl), ""]
+        drift = drift_table(wl)
+        if drift:
+            lines += ["Decode step through each final run (first vs last 10 % of its steps):", "", *drift, ""]
         for f in plot_workload(wl, out):
             lines += [f"![{f}]({f})", ""]
     md = "\n".join(lines) + "\n"

@@ -27,7 +27,7 @@ def per_item_rouge2(scorer, targets: list[str], predictions: list[str]) -> list[
     return [pair_rouge(scorer, t, p)["rouge2"] for t, p in zip(targets, predictions)]
 
 
-def recent_window(policy: str, slots: int, heavy_share: float) -> int:
+def recent_window(policy: str, slots: int, heavy_share: float | None) -> int:
     """The recent-window slots the harness gave this point (the grid's own split, not a copy of it)."""
     point = GridPoint(policy, parse_budget(str(slots)), heavy_share=heavy_share)
     return point.eviction(slots + 1).resolve(slots, 1).recent
@@ -54,7 +54,7 @@ def main() -> int:
     p.add_argument("--policies", default="h2o,sink,local")
     a = p.parse_args()
     data = json.loads(a.json.read_text())
-    records, share = data["records"], data["meta"].get("heavy_share", 0.5)    # absent: the even split
+    records, share = data["records"], data["meta"].get("heavy_share")    # absent: the even split
     full = records["full"]
     articles = lee_articles()
     leads, docs = zip(*(split_lead(articles[i]) for i in full["articles"]))

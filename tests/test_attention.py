@@ -27,8 +27,10 @@ def test_prompt_attention_matches_masked_softmax(pads, want_scores):
     if pads:
         valid[1, :5] = False                    # left padding on the second sequence
     mask = ops.causal_pad_mask(valid)
+    # unpadded: the caller's causal_only lets the fused kernel use is_causal and the scores path mask only each
+    # chunk's diagonal block (several chunks here)
     out, scores = ops.grouped_attention(q, k, v, mask, 0.3, want_scores=want_scores, query_valid=valid,
-                                        query_chunk=16)     # several chunks: the diagonal-block masking is used
+                                        query_chunk=16, causal_only=not pads)
     ref_out, ref_scores = naive(q, k, v, mask, 0.3, valid)
     rows = valid[:, None, :, None].expand_as(out)            # a pad query's output is never used
     assert torch.allclose(out[rows], ref_out[rows], atol=1e-5)
@@ -37,3 +39,19 @@ def test_prompt_attention_matches_masked_softmax(pads, want_scores):
         assert torch.all(scores[1, :, :5] == 0) == pads      # pad keys get no mass
     else:
         assert scores is None
+
+
+@pytest.mark.parametrize("lengths, unpadded", [([9, 9], True), ([9, 14], False)])
+def test_engine_takes_the_causal_path_only_for_unpadded_prompts(monkeypatch, lengths, unpadded):
+    from tests.helpers import greedy, make_engine, random_prompts, tiny_hf
+    seen = []
+    real = ops.grouped_attention
+
+    def spy(q, k, v, mask, scale, **kw):
+        if q.shape[2] > 1:                                   # prompt passes only; decode steps have one query
+            seen.append(kw["causal_only"])
+        return real(q, k, v, mask, scale, **kw)
+
+    monkeypatch.setattr(ops, "grouped_attention", spy)
+    make_engine(tiny_hf("llama-gqa")).generate(random_prompts(lengths), greedy(2))
+    assert seen and set(seen) == {unpadded}

@@ -47,8 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--policies", default=",".join(DEFAULT_POLICIES))
     p.add_argument("--budgets", default=",".join(DEFAULT_BUDGETS),
                    help="%% of the sequence (prompt + new tokens) or slot counts, e.g. 20%%,256")
-    p.add_argument("--heavy-share", type=float, default=0.5,
-                   help="h2o/h2o-port: share of each budget for heavy hitters, the rest recent (default 0.5)")
+    p.add_argument("--heavy-share", type=float,
+                   help="h2o/h2o-port: share of each budget for heavy hitters, the rest recent (default: an even "
+                        "split, heavy = budget // 2)")
     p.add_argument("--batch-size", type=int, default=8, help="sequences per engine block")
     p.add_argument("--kv-dtype", choices=("float16", "float32"), default="float16")
     p.add_argument("--device", help="cuda, cuda:N or cpu (default: cuda when present)")
@@ -148,7 +149,7 @@ def run_tasks(a: argparse.Namespace, tasks: list[str]) -> int:
     except (ModelNameError, WeightStoreError) as e:
         raise ConfigError(str(e)) from None
     common = {"model": loaded.config.name, "dummy_weights": a.dummy_weights, "kv_dtype": a.kv_dtype, "seed": a.seed}
-    if a.heavy_share != 0.5:            # recorded only when set, so checkpoints of even-split runs still resume
+    if a.heavy_share is not None:       # recorded only when set, so checkpoints of even-split runs still resume
         common["heavy_share"] = a.heavy_share
     runner_kw = dict(batch_size=a.batch_size, kv_dtype=a.kv_dtype, seed=a.seed, progress=not a.no_progress,
                      device=a.device)

@@ -80,7 +80,8 @@ class GridPoint:
     policy: str
     budget: BudgetSpec | None = None
     rolling: bool = False
-    heavy_share: float = 0.5        # h2o / h2o-port: the heavy hitters' share of the slots (the rest is recent)
+    # h2o / h2o-port: the heavy hitters' share of the slots, the rest recent; None: kv_budget's own even split
+    heavy_share: float | None = None
 
     @property
     def key(self) -> str:
@@ -99,7 +100,7 @@ class GridPoint:
         slots = self.slots(seq_len)
         if slots is None:
             return EvictionConfig(policy="full", position_rolling=self.rolling)
-        if self.policy in HEAVY_HITTER_POLICIES and self.heavy_share != 0.5:
+        if self.policy in HEAVY_HITTER_POLICIES and self.heavy_share is not None:
             heavy = int(round(self.heavy_share * slots))
             return EvictionConfig(policy=self.policy, hh_size=heavy, recent_size=slots - heavy,
                                   position_rolling=self.rolling, seed=seed)
@@ -107,7 +108,7 @@ class GridPoint:
 
 
 def make_grid(policies: list[str], budgets: list[BudgetSpec], rolling: bool = False,
-              heavy_share: float = 0.5) -> list[GridPoint]:
+              heavy_share: float | None = None) -> list[GridPoint]:
     """full first (other tasks compare against its output), then every evicting policy at every budget."""
     points = [GridPoint("full", None, rolling)] if "full" in policies else []
     for policy in policies:
@@ -116,7 +117,7 @@ def make_grid(policies: list[str], budgets: list[BudgetSpec], rolling: bool = Fa
     return points
 
 
-def parse_heavy_share(value: float) -> float:
-    if not 0.0 <= value <= 1.0:
-        raise ConfigError(f"--heavy-share {value} is a fraction of each H2O budget in [0, 1] (0.5: an even split)")
+def parse_heavy_share(value: float | None) -> float | None:
+    if value is not None and not 0.0 <= value <= 1.0:
+        raise ConfigError(f"--heavy-share {value} is a fraction of each H2O budget in [0, 1] (unset: an even split)")
     return value

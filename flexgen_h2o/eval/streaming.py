@@ -17,7 +17,7 @@ from flexgen_h2o.eval.results import BlockCheckpoint, ResultStore
 from flexgen_h2o.eval.runner import Runner
 
 
-def streaming_points(policies: list[str], budget: BudgetSpec, heavy_share: float = 0.5) -> list[GridPoint]:
+def streaming_points(policies: list[str], budget: BudgetSpec, heavy_share: float | None = None) -> list[GridPoint]:
     """full (true positions), then each evicting policy at one budget without and with rolling."""
     points = [GridPoint("full")] if "full" in policies else []
     for policy in policies:

@@ -37,8 +37,11 @@ class StagingBuffers:
     """Reused flat buffers for staged KV windows on a CPU. A fresh multi-MB tensor per (layer, step) is a fresh
     allocation whose pages fault on first touch, and they are freed on another thread than the one that made
     them. With fresh windows an H2O decode at batch 54 slowed from ~440 to ~580 ms per step over 512 steps; with
-    this pool it stayed within 413-460 ms (docs/suite.md). Buffers are sized to a cache's capacity (one key per
-    cache shape, however long the window) and come back when the step's KV is committed (KVView.release)."""
+    this pool its first and last tenths stayed within 414-461 ms (docs/suite.md). Buffers are sized to a cache's capacity (one key per
+    cache shape, however long the window) and come back when the step's KV is committed (KVView.release).
+    Not weights.staging.StagingPool: that pool charges the compute tier, and the windows never were charged
+    (the planner counts them in its workspace estimate), so moving them there would fail budgeted runs that
+    pass today."""
 
     def __init__(self) -> None:
         self._free: dict[tuple[int, torch.dtype], list[Tensor]] = defaultdict(list)
@@ -137,14 +140,15 @@ class KVCache:
         write_slot = self.free_slots()
         s = max(self.n_used, int(write_slot.max().item()) + 1)
         pos = self.pos[:, :, :s].to(device)
+        windows = (self.k[:, :, :s], self.v[:, :, :s])
+        release = None
         if self.staging is not None and device.type == "cpu":
-            flats = [self.staging.take(src.numel(), dtype) for src in (self.k, self.v)]
-            k, v = (flat[:src[:, :, :s].numel()].view(*src.shape[:2], s, *src.shape[3:]).copy_(src[:, :, :s])
-                    for flat, src in zip(flats, (self.k, self.v)))
+            # capacity-sized buffers: one pool key per cache, however wide the window
+            flats = [self.staging.take(self.k.numel(), dtype) for _ in windows]
+            k, v = (flat[:w.numel()].view(w.shape).copy_(w) for flat, w in zip(flats, windows))
             release = lambda: [self.staging.give(f) for f in flats]  # noqa: E731
         else:
-            k, v = (src[:, :, :s].to(device=device, dtype=dtype, copy=True) for src in (self.k, self.v))
-            release = None
+            k, v = (w.to(device=device, dtype=dtype, copy=True) for w in windows)
         view = KVView(k=k, v=v, valid=pos >= 0, write_slot=write_slot.to(device), release=release)
         if self.rolling:
             view.key_positions = self._ranks(pos.long(), view.write_slot, new_rank.to(device))

@@ -50,9 +50,11 @@ class StepContext:
     keys_pre_rope: bool = False  # position rolling: store keys before RoPE, rotate by rank at attention time
     score_reduce: str = "sum"    # pooling of grouped query heads into one KV head's score: "sum" or "mean"
     query_chunk: int = 256       # prefill queries per chunk when scores are wanted (never a full s x s matrix)
+    unpadded: bool = False       # no pads in any sequence: a prompt's mask is purely causal (decided on the host)
 
     def rows(self, lo: int, hi: int) -> "StepContext":
-        """The context of sequences [lo, hi) only (a prefill chunk)."""
+        """The context of sequences [lo, hi) only (a prefill chunk): a chunk of an unpadded block is unpadded;
+        one of a padded block keeps the general mask (still exact) rather than re-checking on the device."""
         return dataclasses.replace(self, positions=self.positions[lo:hi], token_valid=self.token_valid[lo:hi])
 
 

@@ -80,19 +80,19 @@ def causal_pad_mask(token_valid: Tensor) -> Tensor:
 
 def grouped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float, *, want_scores: bool = False,
                       query_valid: Tensor | None = None, score_reduce: str = "sum",
-                      query_chunk: int = 256) -> tuple[Tensor, Tensor | None]:
+                      query_chunk: int = 256, causal_only: bool = False) -> tuple[Tensor, Tensor | None]:
     """Softmax attention of h query heads over g KV heads without repeating K/V.
 
     q (b, h, t, d); k, v (b, g, s, d); mask (b, 1 or g, t, s) bool, True = may attend; with s == t the keys
     are the queries' own tokens and the mask is causal (a prompt), so keys after a query chunk are skipped.
     Returns out (b, h, t, d) and, if want_scores, the fp32 attention mass each key received (b, g, s), summed
     over valid queries and pooled over the query heads of its group (sum, or mean over the group).
+    causal_only: the caller knows this is a prompt without pads, so `mask` is purely causal (faster paths).
     """
     b, h, t, d = q.shape
     g, s = k.shape[1], k.shape[2]
     r = h // g
-    # a prompt without pads: its mask is purely causal
-    no_pads = t == s and t > 1 and query_valid is not None and bool(query_valid.all())
+    no_pads = causal_only and t == s and t > 1
     if not want_scores and t > 1:
         # fused kernel for the prompt when nobody needs the probabilities. is_causal lets the kernel skip the
         # blocks above the diagonal, which an explicit mask does not (profiled at 2048 tokens: attention took

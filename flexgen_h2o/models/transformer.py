@@ -103,7 +103,8 @@ class AttentionLayer(_Base):
             mask = kv.valid[:, :, None, :]                                     # (b, g, 1, s)
         out, scores = ops.grouped_attention(q, keys, values, mask, scale, want_scores=ctx.want_scores,
                                             query_valid=ctx.token_valid if kv is None else None,
-                                            score_reduce=ctx.score_reduce, query_chunk=ctx.query_chunk)
+                                            score_reduce=ctx.score_reduce, query_chunk=ctx.query_chunk,
+                                            causal_only=kv is None and ctx.unpadded)
         if out.device != x.device:               # only the attention output crosses back; k/v rows go home
             out = out.to(home_device, home_dtype)
         out = ops.linear(ops.merge_heads(out), w[f"self_attn.{self.out_proj}.weight"],

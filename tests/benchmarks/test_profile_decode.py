@@ -27,5 +27,5 @@ def test_markdown_states_the_ratio_to_the_bound():
     case = {"step_ms_median": 400.0, "step_ms_profiled_median": 430.0, "bound_step_ms": 100.0,
             "bound_limit": "compute", "groups": grouped([("aten::mm", 1.0, 8)], 8),
             "top_ops": [{"op": "aten::mm", "ms_per_step": 125.0, "calls_per_step": 1}]}
-    md = markdown({"cases": {"h2o": case}}, argparse.Namespace(model="m", batch=4, prompt_len=16, steps=8))
+    md = markdown({"cases": {"h2o": case}}, argparse.Namespace(model="m", batch=4, prompt_len=16, phase="decode"))
     assert "measured / bound 4.00x" in md and "| GEMM (linear, matmul) | 125.0 | 1 | 100 % |" in md

@@ -14,7 +14,7 @@ import pytest
 from benchmarks import machine as mach
 from benchmarks.common import CaseFailed
 from benchmarks.suite import project_probe, run_workload, search_batch, summarize, validate_row
-from benchmarks.suite_report import write_report
+from benchmarks.suite_report import drift_table, write_report
 from benchmarks.systems import RESULT_KEYS, Candidate, all_systems, rates, select_systems
 from benchmarks.workloads import GIB, WORKLOADS, select_workloads, smoke
 
@@ -220,3 +220,12 @@ def test_quick_mode_runs_every_enabled_system(tmp_path):
     assert status[("s512+128-smoke", "ours-h2o-20")] == status[("disk512+128-smoke", "ours-full")] == "ran"
     assert status[("s512+128-smoke", "hf")] == status[("disk512+128-smoke", "accelerate")] == "ran"
     assert all(v in ("ran", "skipped") for v in status.values())
+
+
+def test_drift_table_compares_the_first_and_last_tenth_of_each_run():
+    rising = [0.4] * 10 + [0.5] * 80 + [0.6] * 10
+    wl = {"systems": [{"system": "ours-h2o-20", "runs": [{"repeat": 0, "step_times_s": rising},
+                                                           {"repeat": 1, "step_times_s": [0.3] * 5}]},
+                      {"system": "flexgen", "runs": []}]}
+    assert drift_table(wl)[2:] == ["| ours-h2o-20 | 0 | 100 | 400 | 600 | 1.50 |"]    # a 5-step run is too short
+    assert drift_table({"systems": [{"system": "hf", "runs": []}]}) == []

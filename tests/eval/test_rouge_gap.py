@@ -33,6 +33,7 @@ def test_bootstrap_interval_brackets_the_ratio_and_is_exact_for_a_scaled_copy():
 
 
 def test_recent_window_follows_the_grid_split():
-    assert rouge_gap.recent_window("h2o", 410, 0.5) == 205
+    assert rouge_gap.recent_window("h2o", 410, None) == 205
+    assert rouge_gap.recent_window("h2o", 409, None) == 205         # kv_budget's split: heavy = 409 // 2
     assert rouge_gap.recent_window("h2o", 410, 0.25) == 308
     assert rouge_gap.recent_window("sink", 410, 0.25) == 406       # 4 sinks, the rest recent; no heavy share

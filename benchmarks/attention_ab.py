@@ -1,0 +1,93 @@
+"""The prompt pass with `ops.grouped_attention` as it was at another git revision against the working tree's,
+interleaved in one process (old, new, then new, old, ...), so the VM's drift lands on both alike.
+
+Everything but the attention function is the working tree's: the same engine, prompts (Wikipedia windows) and
+cache rules as benchmarks/profile_decode.py. The old function gets only the keyword arguments its signature has.
+
+    python -m benchmarks.attention_ab --old-rev ff410d4 --out benchmarks/results/attention_ab
+"""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")     # before torch loads OpenMP
+
+import argparse  # noqa: E402
+import importlib.util  # noqa: E402
+import inspect  # noqa: E402
+import json  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+from pathlib import Path  # noqa: E402
+from statistics import mean  # noqa: E402
+
+from benchmarks.common import REPO_ROOT  # noqa: E402
+
+OPS_PATH = "flexgen_h2o/models/ops.py"
+
+
+def old_attention(rev: str):
+    """grouped_attention from `rev`'s ops.py, called with the keyword arguments it knows."""
+    source = subprocess.run(["git", "show", f"{rev}:{OPS_PATH}"], cwd=REPO_ROOT, capture_output=True, text=True,
+                            check=True).stdout
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "ops_old.py"
+        path.write_text(source)
+        spec = importlib.util.spec_from_file_location("ops_old", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    fn = module.grouped_attention
+    known = set(inspect.signature(fn).parameters)
+    return lambda *args, **kw: fn(*args, **{k: v for k, v in kw.items() if k in known})
+
+
+def ratios(times: dict[str, list[float]]) -> dict[str, float]:
+    """Per case, mean old time / mean new time (> 1: the new function is faster)."""
+    cases = {key.rsplit("-", 1)[0] for key in times}
+    return {c: mean(times[f"{c}-old"]) / mean(times[f"{c}-new"]) for c in sorted(cases)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.attention_ab", description=__doc__.split("\n\n")[0])
+    p.add_argument("--old-rev", required=True, help="git revision whose grouped_attention is the baseline")
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--prompt-len", type=int, default=2048)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--hh-size", type=int, default=204)
+    p.add_argument("--recent-size", type=int, default=204)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out", type=Path, default=Path("benchmarks/results/attention_ab"))
+    a = p.parse_args(argv)
+    from benchmarks.profile_decode import setup
+    from flexgen_h2o.config import GenerationConfig
+    from flexgen_h2o.models import ops
+    versions = {"old": old_attention(a.old_rev), "new": ops.grouped_attention}
+    _, engine, prompts, rules = setup(a)
+    gen = GenerationConfig(max_new_tokens=1, stop_at_eos=False)
+    times: dict[str, list[float]] = {}
+    try:
+        engine.generate(prompts, gen, eviction=rules["full"])                      # warm-up
+        for rep in range(a.repeats):
+            order = ["old", "new"] if rep % 2 == 0 else ["new", "old"]
+            for case in rules:
+                for ver in order:
+                    ops.grouped_attention = versions[ver]
+                    s = engine.generate(prompts, gen, eviction=rules[case]).metrics["prefill_s"]
+                    times.setdefault(f"{case}-{ver}", []).append(s)
+                    print(f"{case:5s} {ver}: prompt pass {s:.2f} s", flush=True)
+    finally:
+        ops.grouped_attention = versions["new"]
+        engine.close()
+    result = {"args": {k: str(v) for k, v in vars(a).items()}, "prefill_s": times, "old_over_new": ratios(times)}
+    a.out.mkdir(parents=True, exist_ok=True)
+    (a.out / "results.json").write_text(json.dumps(result, indent=2))
+    for case, r in result["old_over_new"].items():
+        print(f"{case}: old {mean(times[case + '-old']):.2f} s, new {mean(times[case + '-new']):.2f} s "
+              f"(mean of {a.repeats}): {r:.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
