@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Callable, Iterable, Sequence, TypeVar
@@ -100,3 +101,51 @@ def median(xs: Sequence[float]) -> float:
         return float("nan")
     mid = len(s) // 2
     return s[mid] if len(s) % 2 else 0.5 * (s[mid - 1] + s[mid])
+
+
+def rss_split() -> dict[str, int]:
+    """This process's resident set now, split as the kernel counts it (/proc/self/status): RssAnon (heap,
+    tensors), RssFile (mapped file pages, e.g. np.memmap'd weights, which are also page cache) and RssShmem.
+    Empty where the kernel does not expose it."""
+    out: dict[str, int] = {}
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(("RssAnon:", "RssFile:", "RssShmem:")):
+                    key, kb = line.split()[:2]
+                    out[key[:-1]] = int(kb) * 1024
+    except OSError:
+        pass
+    return out
+
+
+class RssSplitPeaks:
+    """Peaks of each rss_split() part, sampled on a daemon thread (VmHWM keeps only the total's peak). Used
+    where the total misleads: a peer that maps its weight files counts those pages in its RSS, although the
+    kernel can drop them, while a process that read() the same files does not."""
+
+    def __init__(self, interval_s: float = 0.05) -> None:
+        self.start: dict[str, int] = {}           # at __enter__: mapped libraries are RssFile too
+        self.peaks: dict[str, int] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(interval_s,), daemon=True)
+
+    def growth(self, key: str) -> int:
+        """How far the part's peak rose above its value at the start."""
+        return self.peaks.get(key, 0) - self.start.get(key, 0)
+
+    def _run(self, interval_s: float) -> None:
+        while True:
+            for key, value in rss_split().items():
+                self.peaks[key] = max(self.peaks.get(key, 0), value)
+            if self._stop.wait(interval_s):
+                return
+
+    def __enter__(self) -> "RssSplitPeaks":
+        self.start = rss_split()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()

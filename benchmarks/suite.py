@@ -31,6 +31,7 @@ from pathlib import Path  # noqa: E402
 from typing import Any, Callable  # noqa: E402
 
 from benchmarks.common import REPO_ROOT, CaseFailed, bench_env, drop_page_cache, median  # noqa: E402
+from benchmarks.suite_report import CAPPED_BEST  # noqa: E402
 from benchmarks.systems import RESULT_KEYS, Candidate, System, all_systems, select_systems  # noqa: E402
 from benchmarks.systems.gpu_check import NEEDS_GPU, cuda_available  # noqa: E402
 from benchmarks.workloads import WORKLOADS, Workload, select_workloads  # noqa: E402
@@ -66,7 +67,7 @@ def project_probe(row: dict[str, Any], gen_len: int, growth_bytes: int, peak_byt
 
 
 def search_batch(cands: list[Candidate], probe: Callable[[Candidate], tuple[float, int]], budget: int, *,
-                 order: str = "up", max_probes: int = 4) -> SearchResult:
+                 order: str = "up", max_probes: int = 6) -> SearchResult:
     """The best batch within `budget`. probe(c) -> (projected total tok/s, projected peak bytes), or raises
     CaseFailed. "up": ascending until over budget, slower, or failed. "down": the planner's admitted candidates
     from the largest, skipping measured over-budget ones, until one is slower than the best so far.
@@ -103,9 +104,12 @@ def search_batch(cands: list[Candidate], probe: Callable[[Candidate], tuple[floa
             res.best, best_tps = c, tps
         if slower:
             break
+    capped = any(s.status == "not probed (probe cap)" for s in res.steps)
+    probed = [s for s in res.steps if s.projected_total_tok_s is not None]
     for s in res.steps:
         if s.candidate == res.best:
-            s.status = "best"
+            # the cap, not a slower or over-budget probe, ended the search: a larger batch might be faster
+            s.status = CAPPED_BEST if capped and order == "up" and probed and s is probed[-1] else "best"
     res.steps += rejected
     return res
 
@@ -268,7 +272,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--smoke", "--quick", action="store_true",
                    help=f"tiny shapes (64+8, batch <= 2, OPT-125M), 1 repeat; default workloads {SMOKE_WORKLOADS}")
     p.add_argument("--repeats", type=int, help="final runs per system, interleaved (default 2; smoke 1)")
-    p.add_argument("--max-probes", type=int, help="search probes per system (default 4; smoke 1)")
+    p.add_argument("--max-probes", type=int, help="search probes per system (default 6; smoke 1)")
     p.add_argument("--budget-gib", type=float, help="override every workload's RAM budget")
     p.add_argument("--threads", type=int, default=2, help="OMP/MKL/torch threads, the same for every system")
     p.add_argument("--timeout", type=float, help="seconds per case (smoke: 600)")
@@ -281,7 +285,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
     a.repeats = a.repeats or (1 if a.smoke else 2)
-    a.max_probes = a.max_probes or (1 if a.smoke else 4)      # smoke: the search runs, one probe per system
+    a.max_probes = a.max_probes or (1 if a.smoke else 6)      # smoke: the search runs, one probe per system
     a.timeout = a.timeout or (600 if a.smoke else None)
     a.out.mkdir(parents=True, exist_ok=True)
     a.work = a.work or a.out / "work"

@@ -11,6 +11,8 @@ from typing import Any
 from benchmarks.workloads import WEIGHTS_WHERE
 
 GIB, MIB = float(1 << 30), float(1 << 20)
+# the search's verdict when its probe cap, not a slower or over-budget probe, ended an upward search
+CAPPED_BEST = "best (the probe cap ended the search: --max-probes)"
 
 
 def _f(x: Any, nd: int = 1) -> str:
@@ -46,6 +48,11 @@ def results_table(wl: dict[str, Any]) -> list[str]:
         s, b = e["summary"], e["roofline"]
         batch = f"{s['gbs']}x{s['num_batches']}" if s["num_batches"] > 1 else str(s["batch"])
         note = "OVER BUDGET" if e.get("over_budget") else ""
+        mapped = max(r.get("extra", {}).get("rss_file_growth_bytes") or 0 for r in e["runs"])
+        if mapped > 0.1 * GIB:
+            note += f" mapped file pages (RssFile) added up to {mapped / GIB:.2f} GiB to its RSS while generating"
+        if any(st["status"] == CAPPED_BEST for st in e.get("search", [])):
+            note += " batch search capped: a larger batch was not tried"
         if e["status"] != "ran":
             note += f" {e['status']}: {e.get('reason') or ''}"
         kv = s["kv_bytes_per_seq"] / MIB if s.get("kv_bytes_per_seq") else None

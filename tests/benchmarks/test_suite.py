@@ -14,7 +14,7 @@ import pytest
 from benchmarks import machine as mach
 from benchmarks.common import CaseFailed
 from benchmarks.suite import project_probe, run_workload, search_batch, summarize, validate_row
-from benchmarks.suite_report import drift_table, write_report
+from benchmarks.suite_report import CAPPED_BEST, drift_table, write_report
 from benchmarks.systems import RESULT_KEYS, Candidate, all_systems, rates, select_systems
 from benchmarks.workloads import GIB, WORKLOADS, select_workloads, smoke
 
@@ -87,6 +87,18 @@ def test_search_up_stops_when_slower_and_on_failure():
     probe, calls = _fake_probe({1: (5.0, 1), 2: "fail"})
     res = search_batch(cands, probe, GIB, order="up")
     assert res.best.batch == 1 and res.steps[-1].status.startswith("failed: RuntimeError: boom")
+
+
+def test_search_up_says_when_the_probe_cap_ended_it():
+    cands = [Candidate(b, b) for b in (1, 2, 4, 8, 16)]
+    probe, calls = _fake_probe({1: (5.0, 1), 2: (9.0, 1), 4: (12.0, 1)})
+    res = search_batch(cands, probe, GIB, order="up", max_probes=3)
+    assert calls == [1, 2, 4] and res.best.batch == 4
+    assert [s.status for s in res.steps] == ["ok", "ok", CAPPED_BEST] + ["not probed (probe cap)"] * 2
+    # a slower probe ends it before the cap: a plain "best", even though candidates remain
+    probe, calls = _fake_probe({1: (5.0, 1), 2: (9.0, 1), 4: (6.0, 1)})
+    res = search_batch(cands, probe, GIB, order="up", max_probes=3)
+    assert [s.status for s in res.steps][:2] == ["ok", "best"]
 
 
 def test_search_down_uses_the_planner_and_the_probe_cap():
@@ -201,6 +213,12 @@ def test_report_lists_skipped_rows_and_plots(tmp_path):
            "results": [{"workload": {**w.__dict__}, "systems": [ran, skipped]}]}
     md = write_report(doc, tmp_path)
     assert "SMOKE RUN" in md and "| flexgen | - |" in md and "skipped: needs a CUDA GPU" in md
+    assert "batch search capped" not in md
+    ran["search"][0]["status"] = CAPPED_BEST
+    assert "batch search capped: a larger batch was not tried" in write_report(doc, tmp_path)
+    assert "mapped file pages" not in md
+    rows[0]["extra"]["rss_file_growth_bytes"] = 3 * GIB // 2
+    assert "mapped file pages (RssFile) added up to 1.50 GiB to its RSS" in write_report(doc, tmp_path)
     assert (tmp_path / "throughput_s512+128-smoke.png").stat().st_size > 0
     assert (tmp_path / "steps_s512+128-smoke.png").is_file()
     assert math.isfinite(ran["roofline"]["decode_pct"])
