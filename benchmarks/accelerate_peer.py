@@ -38,7 +38,7 @@ from typing import Any  # noqa: E402
 if __package__ in (None, ""):                               # `python benchmarks/accelerate_peer.py` also works
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import RssSplitPeaks, drop_page_cache  # noqa: E402
+from benchmarks.common import RssSampler, drop_page_cache  # noqa: E402
 
 RESIDENT_PREFIXES = ("embed_tokens.", "embed_positions.", "project_in.", "project_out.", "lm_head.")
 
@@ -181,7 +181,7 @@ def run_case(a: argparse.Namespace) -> dict[str, Any]:
         return (time.perf_counter() - t0, proc_read_bytes() - io0, counter.bytes - loaded0,
                 out.shape[1] - ids.shape[1])
 
-    with RssSplitPeaks() as rss_parts:
+    with RssSampler() as rss:
         prefill_s, _, prefill_loaded, _ = timed(1)
         full_s, io_full, loaded_full, n_gen = timed(a.gen_len)
     decode_s = max(full_s - prefill_s, 1e-9)
@@ -195,9 +195,8 @@ def run_case(a: argparse.Namespace) -> dict[str, Any]:
             "offload_folder_bytes": disk_bytes, "io_read_bytes": io_full, "io_window_s": full_s,
             "kv_cache_bytes": kv_per_token * a.batch * (a.prompt_len + n_gen - 1),
             "kv_bytes_per_token": kv_per_token, "peak_rss_bytes": peak_rss_bytes(),
-            # sampled during generate: mapped offload pages are RssFile (so is every mapped library, hence the start)
-            "peak_rss_parts_bytes": rss_parts.peaks, "start_rss_parts_bytes": rss_parts.start,
-            "rss_file_growth_bytes": rss_parts.growth("RssFile"),
+            # sampled during generate; mapped offload pages would be "file" pages, grown above the libraries' start
+            "rss_parts_peak_bytes": rss.peaks, "rss_file_growth_bytes": rss.growth("file"),
             "torch_threads": torch.get_num_threads(), "attn_implementation": model.config._attn_implementation,
             "device_map": device_map}
 

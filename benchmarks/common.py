@@ -18,6 +18,7 @@ from typing import Callable, Iterable, Sequence, TypeVar
 from flexgen_h2o.memory import drop_file_cache
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+PAGE_SIZE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 T = TypeVar("T")
 
 
@@ -103,49 +104,54 @@ def median(xs: Sequence[float]) -> float:
     return s[mid] if len(s) % 2 else 0.5 * (s[mid - 1] + s[mid])
 
 
-def rss_split() -> dict[str, int]:
-    """This process's resident set now, split as the kernel counts it (/proc/self/status): RssAnon (heap,
-    tensors), RssFile (mapped file pages, e.g. np.memmap'd weights, which are also page cache) and RssShmem.
-    Empty where the kernel does not expose it."""
-    out: dict[str, int] = {}
+
+def rss_parts() -> dict[str, int]:
+    """This process's resident set now, from /proc/self/statm (one cheap read): "rss" in all, "file" the pages
+    backed by a file or shared memory (RssFile + RssShmem: mapped libraries, np.memmap'd weights; the kernel can
+    drop them) and "anon" the rest (heap, tensors). Empty where the kernel does not expose it."""
     try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(("RssAnon:", "RssFile:", "RssShmem:")):
-                    key, kb = line.split()[:2]
-                    out[key[:-1]] = int(kb) * 1024
-    except OSError:
-        pass
-    return out
+        with open("/proc/self/statm") as f:
+            resident, shared = (int(x) * PAGE_SIZE for x in f.read().split()[1:3])
+    except (OSError, ValueError):
+        return {}
+    return {"rss": resident, "file": shared, "anon": resident - shared}
 
 
-class RssSplitPeaks:
-    """Peaks of each rss_split() part, sampled on a daemon thread (VmHWM keeps only the total's peak). Used
-    where the total misleads: a peer that maps its weight files counts those pages in its RSS, although the
-    kernel can drop them, while a process that read() the same files does not."""
+class RssSampler:
+    """Peaks of each rss_parts() value, sampled on a daemon thread (torch ops release the GIL), plus the values
+    at the start. VmHWM keeps only the total's peak, and the total misleads where a process maps its weight
+    files: those pages count in its RSS, while a process that read() the same files is not charged for them."""
 
     def __init__(self, interval_s: float = 0.05) -> None:
-        self.start: dict[str, int] = {}           # at __enter__: mapped libraries are RssFile too
+        self.start: dict[str, int] = {}
         self.peaks: dict[str, int] = {}
+        self._interval_s = interval_s
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(interval_s,), daemon=True)
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    @property
+    def peak(self) -> int:
+        return self.peaks.get("rss", 0)
 
     def growth(self, key: str) -> int:
-        """How far the part's peak rose above its value at the start."""
+        """How far a part's peak rose above its value at the start."""
         return self.peaks.get(key, 0) - self.start.get(key, 0)
 
-    def _run(self, interval_s: float) -> None:
-        while True:
-            for key, value in rss_split().items():
-                self.peaks[key] = max(self.peaks.get(key, 0), value)
-            if self._stop.wait(interval_s):
-                return
+    def _sample(self) -> None:
+        for key, value in rss_parts().items():
+            self.peaks[key] = max(self.peaks.get(key, 0), value)
 
-    def __enter__(self) -> "RssSplitPeaks":
-        self.start = rss_split()
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval_s):
+            self._sample()
+
+    def __enter__(self) -> "RssSampler":
+        self.start = rss_parts()
+        self._sample()
         self._thread.start()
         return self
 
     def __exit__(self, *exc) -> None:
         self._stop.set()
         self._thread.join()
+        self._sample()

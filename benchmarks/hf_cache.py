@@ -23,45 +23,16 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")     # the parent imports tor
 import argparse  # noqa: E402
 import json  # noqa: E402
 import sys  # noqa: E402
-import threading  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from benchmarks.common import CaseFailed, bench_env, interleaved, median, run_json  # noqa: E402
+from benchmarks.common import CaseFailed, RssSampler, bench_env, interleaved, median, run_json  # noqa: E402
 
 CASES = ("dynamic", "h2o")
 MIB, GIB = 1 << 20, 1 << 30
 
 
 # --- one case (child process) ---
-
-class RssPeak:
-    """Samples this process's resident set every 2 ms on a thread (torch ops release the GIL)."""
-
-    def __init__(self) -> None:
-        self.peak, self._stop = 0, threading.Event()
-        self._page = os.sysconf("SC_PAGE_SIZE")
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def current(self) -> int:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * self._page
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.peak = max(self.peak, self.current())
-            time.sleep(0.002)
-
-    def __enter__(self) -> RssPeak:
-        self.peak = self.current()
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, self.current())
-
 
 def load_smollm2(device: str, dtype):
     """SmolLM2-135M as a transformers LlamaForCausalLM, from the project's converted weight store."""
@@ -122,7 +93,7 @@ def run_case(a: argparse.Namespace) -> dict:
     if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
     clock, cache = Clock(), new_cache()
-    with RssPeak() as rss:
+    with RssSampler(interval_s=0.002) as rss:
         t0 = time.perf_counter()
         out = generate(ids, a.gen_len, cache, [clock])
     s = clock.stamps

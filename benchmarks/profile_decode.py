@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
                      "top_ops": [{"op": op, "ms_per_step": 1e3 * s / steps, "calls_per_step": c / steps}
                                  for op, s, c in top]}
             if machine:
-                kv_bytes = kv_tokens * cfg.n_layers * 2 * cfg.n_kv_heads * cfg.head_dim * 2   # fp16 K and V
+                kv_bytes = kv_tokens * cfg.kv_bytes_per_token(2)                             # fp16 K and V
                 entry.update(step_bound(machine, cfg, a.phase, a.batch, a.prompt_len, kv_tokens, kv_bytes))
             report["cases"][case] = entry
     finally:

@@ -80,9 +80,11 @@ def search_batch(cands: list[Candidate], probe: Callable[[Candidate], tuple[floa
         res.steps = [Step(admitted[0], "best (only candidate, not probed)", admitted[0].predicted_bytes)] + rejected
         return res
     order_list = admitted if order == "up" else admitted[::-1]
-    best_tps, probes = 0.0, 0
+    best_tps, probes, capped_best = 0.0, 0, None
     for i, c in enumerate(order_list):
         if probes >= max_probes:
+            if order == "up" and res.steps and res.steps[-1].candidate == res.best:
+                capped_best = res.best      # the cap, not a slower or over-budget probe, ended the search
             res.steps += [Step(x, "not probed (probe cap)") for x in order_list[i:]]
             break
         probes += 1
@@ -104,12 +106,9 @@ def search_batch(cands: list[Candidate], probe: Callable[[Candidate], tuple[floa
             res.best, best_tps = c, tps
         if slower:
             break
-    capped = any(s.status == "not probed (probe cap)" for s in res.steps)
-    probed = [s for s in res.steps if s.projected_total_tok_s is not None]
     for s in res.steps:
         if s.candidate == res.best:
-            # the cap, not a slower or over-budget probe, ended the search: a larger batch might be faster
-            s.status = CAPPED_BEST if capped and order == "up" and probed and s is probed[-1] else "best"
+            s.status = CAPPED_BEST if res.best == capped_best else "best"
     res.steps += rejected
     return res
 

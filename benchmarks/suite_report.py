@@ -50,7 +50,7 @@ def results_table(wl: dict[str, Any]) -> list[str]:
         note = "OVER BUDGET" if e.get("over_budget") else ""
         mapped = max(r.get("extra", {}).get("rss_file_growth_bytes") or 0 for r in e["runs"])
         if mapped > 0.1 * GIB:
-            note += f" mapped file pages (RssFile) added up to {mapped / GIB:.2f} GiB to its RSS while generating"
+            note += f" file-backed pages (mapped files) added up to {mapped / GIB:.2f} GiB to its RSS while generating"
         if any(st["status"] == CAPPED_BEST for st in e.get("search", [])):
             note += " batch search capped: a larger batch was not tried"
         if e["status"] != "ran":

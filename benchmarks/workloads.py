@@ -6,7 +6,7 @@
 - `disk512+128`, `disk512+512`, `disk512+1024`: an OPT-1.3B-shaped dummy model (2.6 GB of fp16 weights) whose
   decoder weights live on disk, page cache dropped before every run, under a RAM budget below the weights' size
   (2 GiB; 3 GiB for disk512+128, where Accelerate runs: it peaks at ~2.4 GiB of RSS at batch 1, almost all of it
-  anonymous memory, measured with RssAnon/RssFile on 2026-11-25, so 2 GiB would leave it no batch).
+  anonymous memory (the split measured on 2026-11-25), so 2 GiB would leave it no batch).
 
 The budget is the process's peak RSS (VmHWM): one number, measured the same way for every system, whatever its
 internals (our engine's tiers, HF's allocator, Accelerate's hooks). `--smoke` shrinks each workload

@@ -59,5 +59,5 @@ class Accelerate(System):
                 "kv_bytes_per_seq": raw["kv_cache_bytes"] / block, "kv_tokens_per_seq": tokens, "step_times_s": [],
                 "offloaded_weight_bytes": raw["offload_folder_bytes"], "io_read_bytes": raw.get("io_read_bytes"),
                 "weights_bytes_read": raw.get("weights_bytes_read"),
-                "peak_rss_parts_bytes": raw.get("peak_rss_parts_bytes"),
+                "rss_parts_peak_bytes": raw.get("rss_parts_peak_bytes"),
                 "rss_file_growth_bytes": raw.get("rss_file_growth_bytes")}

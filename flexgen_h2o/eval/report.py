@@ -141,13 +141,14 @@ def streaming_section(data: dict, out: Path) -> str:
             for k, r in recs.items()]
     parts = ["## Streaming", _meta_line(data),
              _table(["point", "ppl", "first 10 %", "last 10 %", "last / first", "last 10 % / full's", "slots"], rows)]
+    prefill = data["meta"].get("prefill", 0)
+    header, per_window = window_table(recs, prefill)
+    parts += ["Perplexity per window of the stream (× full's in the same window):", _table(header, per_window)]
     plt = _plt()
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    prefill = data["meta"].get("prefill", 0)
     for k, r in recs.items():
-        w, n = r["window_ppl"], len(r["nll_curve"])
-        xs = [prefill + (i + 0.5) * n / len(w) for i in range(len(w))]
-        ax.plot(xs, w, marker=".", label=k, linestyle="-" if r["rolling"] or k == "full" else ":")
+        ax.plot(_window_centres(r, prefill), r["window_ppl"], marker=".", label=k,
+                linestyle="-" if r["rolling"] or k == "full" else ":")
     window = data["meta"].get("model_window")
     if window and window < prefill + max((len(r["nll_curve"]) for r in recs.values()), default=0):
         ax.axvline(window, color="red", alpha=0.5, label="model window")
@@ -158,6 +159,29 @@ def streaming_section(data: dict, out: Path) -> str:
     ax.legend(fontsize=7)
     parts.append(f"![streaming]({_save(fig, out / 'streaming.png')})")
     return "\n\n".join(parts)
+
+
+def _window_centres(rec: dict, prefill: int) -> list[float]:
+    """Stream position of the middle of each of a point's perplexity windows (equal stretches of the curve)."""
+    w, n = rec["window_ppl"], len(rec["nll_curve"])
+    return [prefill + (i + 0.5) * n / len(w) for i in range(len(w))]
+
+
+def window_table(recs: dict, prefill: int) -> tuple[list[str], list[list[str]]]:
+    """One row per window of the stream, one column per point: the window's perplexity and, for the other
+    points, its ratio to full's in the same window. Window by window the text's own difficulty cancels out of
+    the ratio, so a collapse past the model's window would show there."""
+    full = recs.get("full")
+    first = next(iter(recs.values()), None)
+    centres = _window_centres(first, prefill) if first else []
+    rows = []
+    for i, centre in enumerate(centres):
+        cells = [f"{centre:.0f}"]
+        for k, r in recs.items():
+            ratio = f" ({r['window_ppl'][i] / full['window_ppl'][i]:.3f}×)" if full and k != "full" else ""
+            cells.append(_fmt(r["window_ppl"][i]) + ratio)
+        rows.append(cells)
+    return ["window centre (token)", *recs], rows
 
 
 def _save(fig, path: Path) -> str:

@@ -14,6 +14,7 @@ the scores, whatever the tier. The cache owns bytes; the policy owns decisions (
 """
 from __future__ import annotations
 
+import functools
 import threading
 from collections import Counter, defaultdict
 from typing import Callable
@@ -37,8 +38,9 @@ class StagingBuffers:
     """Reused flat buffers for staged KV windows on a CPU. A fresh multi-MB tensor per (layer, step) is a fresh
     allocation whose pages fault on first touch, and they are freed on another thread than the one that made
     them. With fresh windows an H2O decode at batch 54 slowed from ~440 to ~580 ms per step over 512 steps; with
-    this pool its first and last tenths stayed within 414-461 ms (docs/suite.md). Buffers are sized to a cache's capacity (one key per
-    cache shape, however long the window) and come back when the step's KV is committed (KVView.release).
+    this pool its first and last tenths stayed within 414-461 ms (docs/suite.md). Buffers are sized to a cache's
+    capacity (one key per cache shape, however long the window) and come back when the step's KV is committed
+    (KVView.release).
     Not weights.staging.StagingPool: that pool charges the compute tier, and the windows never were charged
     (the planner counts them in its workspace estimate), so moving them there would fail budgeted runs that
     pass today."""
@@ -54,9 +56,10 @@ class StagingBuffers:
                 return free.pop()
         return torch.empty(numel, dtype=dtype)
 
-    def give(self, flat: Tensor) -> None:
+    def give(self, *flats: Tensor) -> None:
         with self._lock:
-            self._free[(flat.numel(), flat.dtype)].append(flat)
+            for flat in flats:
+                self._free[(flat.numel(), flat.dtype)].append(flat)
 
     def clear(self) -> None:
         with self._lock:
@@ -146,7 +149,7 @@ class KVCache:
             # capacity-sized buffers: one pool key per cache, however wide the window
             flats = [self.staging.take(self.k.numel(), dtype) for _ in windows]
             k, v = (flat[:w.numel()].view(w.shape).copy_(w) for flat, w in zip(flats, windows))
-            release = lambda: [self.staging.give(f) for f in flats]  # noqa: E731
+            release = functools.partial(self.staging.give, *flats)
         else:
             k, v = (w.to(device=device, dtype=dtype, copy=True) for w in windows)
         view = KVView(k=k, v=v, valid=pos >= 0, write_slot=write_slot.to(device), release=release)

@@ -124,6 +124,7 @@ def test_cli_end_to_end_resume_and_report(tiny_folder, tmp_path, capsys):
     assert set(res["streaming"]) == {"full", "h2o@64", "h2o@64+roll"}       # the 540-token stream passed 512
     report = (out / "report.md").read_text()
     assert "## Perplexity" in report and "## Needle" in report and "## Targets" in report
+    assert "| window centre (token) | full | h2o@64 | h2o@64+roll |" in report
     assert all((out / f).is_file() for f in ("perplexity_wiki.png", "summarization_rouge2.png", "streaming.png",
                                              "needle.png"))
     capsys.readouterr()
