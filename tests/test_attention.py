@@ -55,3 +55,35 @@ def test_engine_takes_the_causal_path_only_for_unpadded_prompts(monkeypatch, len
     monkeypatch.setattr(ops, "grouped_attention", spy)
     make_engine(tiny_hf("llama-gqa")).generate(random_prompts(lengths), greedy(2))
     assert seen and set(seen) == {unpadded}
+
+
+@pytest.mark.parametrize("pads", [False, True])
+def test_scored_blocks_stay_under_the_byte_cap_and_match(monkeypatch, pads):
+    """A cap smaller than one sequence's smallest block splits the batch by sequences and shrinks the query
+    blocks; the result is still plain masked softmax attention, and no block's logits exceed the cap."""
+    torch.manual_seed(1)
+    b, h, g, t, d = 3, 4, 2, 40, 8
+    q, k, v = torch.randn(b, h, t, d), torch.randn(b, g, t, d), torch.randn(b, g, t, d)
+    valid = torch.ones(b, t, dtype=torch.bool)
+    if pads:
+        valid[2, :7] = False
+    mask = ops.causal_pad_mask(valid)
+    cap = 2 * h * t * 4 * ops.MIN_QUERY_CHUNK // 8       # two sequences' minimal block would not fit
+    monkeypatch.setattr(ops, "MIN_QUERY_CHUNK", 8)
+    monkeypatch.setattr(ops, "SCORE_BLOCK_BYTES", cap)
+    seen = []
+    real_softmax = torch.softmax
+
+    def spy(x, dim):
+        seen.append(x.numel() * 4)
+        return real_softmax(x, dim=dim)
+
+    monkeypatch.setattr(ops.torch, "softmax", spy)
+    out, scores = ops.grouped_attention(q, k, v, mask, 0.3, want_scores=True, query_valid=valid, query_chunk=256,
+                                        causal_only=not pads)
+    monkeypatch.undo()
+    ref_out, ref_scores = naive(q, k, v, mask, 0.3, valid)
+    rows = valid[:, None, :, None].expand_as(out)
+    assert torch.allclose(out[rows], ref_out[rows], atol=1e-5)
+    assert torch.allclose(scores, ref_scores, atol=1e-5)
+    assert len(seen) > b and max(seen) <= cap            # several blocks, each under the cap

@@ -25,10 +25,18 @@ def expand_positions(positions: Tensor, like: Tensor | None, shape: tuple[int, .
 def newest_mask(positions: Tensor, valid: Tensor, k: int) -> Tensor:
     """(b, g, s) bool: the k valid slots with the largest positions per column (all valid ones if fewer).
 
-    Positions are unique among the valid slots of a column, so the k-th largest value is a clean threshold."""
+    Positions are unique among the valid slots of a column. A recent window is never evicted from, so in a
+    cache the k newest positions are consecutive and "position > newest - k" finds them without a top-k, which
+    cost ~0.7 ms of a ~4 ms per-layer eviction step at 54 x 3 x 409 slots. The shortcut is checked (a column's
+    count under it must be min(k, its valid count)); any column with a gap falls back to the exact top-k."""
     if k <= 0:
         return torch.zeros_like(valid)
     masked = torch.where(valid, positions, torch.full_like(positions, -1))
+    newest = masked.amax(dim=-1, keepdim=True)                                     # (b, g, 1)
+    window = valid & (masked > newest - k)
+    n_valid = valid.sum(dim=-1)
+    if bool((window.sum(dim=-1) == n_valid.clamp(max=k)).all()):
+        return window
     k = min(k, positions.shape[-1])
     kth = masked.topk(k, dim=-1).values[..., -1:]                                  # (b, g, 1)
     return valid & (masked >= kth)
@@ -37,9 +45,8 @@ def newest_mask(positions: Tensor, valid: Tensor, k: int) -> Tensor:
 def argmin_score(scores: Tensor, positions: Tensor, candidates: Tensor) -> Tensor:
     """(b, g) slot of the lowest score among `candidates`; ties go to the smallest position. Columns without a
     candidate get NO_VICTIM."""
-    key = scores.masked_fill(~candidates, float("inf"))
-    low = key.min(dim=-1, keepdim=True).values                                     # (b, g, 1)
-    tied = candidates & (key == low)
+    key = torch.where(candidates, scores, torch.full_like(scores, float("inf")))
+    tied = candidates & (key == key.amin(dim=-1, keepdim=True))                   # amin: no index pass
     return _pick_by_position(positions, tied, smallest=True)
 
 

@@ -190,3 +190,18 @@ def test_pack_kept():
     assert pack_kept(keep[:, :, :2], 4)[0].shape == (2, 1, 4)
     with pytest.raises(ValueError, match="3 rows kept but only 2 slots"):
         pack_kept(keep, 2)
+
+
+def test_newest_mask_shortcut_and_its_fallback():
+    """Consecutive newest positions take the shortcut; a gap among the k newest must fall back to the exact
+    top-k, in any slot order, with free slots (-1) ignored."""
+    from flexgen_h2o.kv.select import newest_mask
+    pos = torch.tensor([[[7, -1, 3, 9, 8, 0]],          # newest 3 consecutive: 7, 8, 9
+                        [[10, 5, -1, 0, 9, -1]],         # gap: newest 3 are 5, 9, 10
+                        [[2, -1, -1, 1, -1, -1]]])       # fewer valid than k: all of them
+    valid = pos >= 0
+    got = newest_mask(pos, valid, 3)
+    want = [[7, 8, 9], [5, 9, 10], [1, 2]]
+    for b in range(3):
+        assert sorted(pos[b, 0][got[b, 0]].tolist()) == want[b]
+    assert not newest_mask(pos, valid, 0).any()
