@@ -27,17 +27,22 @@ from benchmarks.common import REPO_ROOT  # noqa: E402
 OPS_PATH = "flexgen_h2o/models/ops.py"
 
 
-def old_attention(rev: str):
-    """grouped_attention from `rev`'s ops.py, called with the keyword arguments it knows."""
-    source = subprocess.run(["git", "show", f"{rev}:{OPS_PATH}"], cwd=REPO_ROOT, capture_output=True, text=True,
+def module_at(rev: str, path: str, name: str):
+    """The module at `path` as it was at git revision `rev`, loaded under `name` beside the working tree's."""
+    source = subprocess.run(["git", "show", f"{rev}:{path}"], cwd=REPO_ROOT, capture_output=True, text=True,
                             check=True).stdout
     with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "ops_old.py"
-        path.write_text(source)
-        spec = importlib.util.spec_from_file_location("ops_old", path)
+        file = Path(tmp) / f"{name}.py"
+        file.write_text(source)
+        spec = importlib.util.spec_from_file_location(name, file)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
-    fn = module.grouped_attention
+    return module
+
+
+def old_attention(rev: str):
+    """grouped_attention from `rev`'s ops.py, called with the keyword arguments it knows."""
+    fn = module_at(rev, OPS_PATH, "ops_old").grouped_attention
     known = set(inspect.signature(fn).parameters)
     return lambda *args, **kw: fn(*args, **{k: v for k, v in kw.items() if k in known})
 

@@ -11,6 +11,9 @@ setup (committing the kept prompt rows), spread over the steps.
 
     python -m benchmarks.profile_decode --batch 54 --prompt-len 2048 --out benchmarks/results/profile_decode
     python -m benchmarks.profile_decode --phase prefill --batch 4 --out benchmarks/results/profile_prefill
+    # the disk512+128 shape: OPT-1.3B dummy weights read from files, a 103-slot H2O window as at 20 % of 512
+    python -m benchmarks.profile_decode --model opt-1.3b --dummy-weights --percent 0 0 100 0 100 0 --batch 58 \
+        --prompt-len 128 --hh-size 51 --recent-size 51 --cases h2o --out benchmarks/results/profile_decode_disk
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")     # before torch loads Ope
 import argparse  # noqa: E402
 import json  # noqa: E402
 import sys  # noqa: E402
+import tempfile  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
@@ -77,17 +81,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hh-size", type=int, default=204)
     p.add_argument("--recent-size", type=int, default=204)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--dummy-weights", action="store_true",
+                   help="deterministic random weights and random prompt ids (the OPT shapes: no weights offline)")
+    p.add_argument("--percent", type=int, nargs=6, metavar="P",
+                   help="weights, KV and activations placement, as the CLI's --percent (default: all resident); "
+                        "weights with a disk share are read from a dummy store's files, as in the suite")
     p.add_argument("--machine-json", type=Path, help="the suite's machine.json: adds the step's roofline bound")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/profile_decode"))
     return p
 
 
 def step_bound(machine: dict, cfg, phase: str, batch: int, prompt_len: int, kv_tokens: float,
-               kv_bytes_per_seq: float) -> dict:
-    """The roofline of one profiled unit (a decode step, or the whole prompt pass), weights resident."""
+               kv_bytes_per_seq: float, disk_share: float = 0.0) -> dict:
+    """The roofline of one profiled unit (a decode step, or the whole prompt pass). disk_share: the fraction of
+    the weights homed on disk (fp16 files, counted as the suite counts them); the rest is resident (fp32)."""
     from benchmarks.machine import bound
+    n = cfg.n_params()
     b = bound(machine, cfg, batch=batch, prompt_len=prompt_len, gen_len=2, kv_read_bytes_per_seq=kv_bytes_per_seq,
-              offloaded_weight_bytes=0, resident_weight_bytes=cfg.n_params() * 4, kv_tokens=kv_tokens)
+              offloaded_weight_bytes=n * 2 * disk_share, resident_weight_bytes=n * 4 * (1 - disk_share),
+              kv_tokens=kv_tokens)
     if phase == "prefill":
         return {"bound_step_ms": 1e3 * b["prefill_s"], "bound_limit": b["prefill_limit"]}
     return {"bound_step_ms": 1e3 * b["decode_step_s"], "bound_limit": b["decode_limit"]}
@@ -104,24 +116,38 @@ def timed_call(engine, prompts, rule, prefilled, a: argparse.Namespace):
             lambda res: res.metrics["step_times_s"])
 
 
-def setup(a: argparse.Namespace):
+def offload_policy(a: argparse.Namespace):
+    """One GPU batch of `a.batch`: everything resident unless --percent places it."""
+    from flexgen_h2o.config import OffloadPolicy
+    percent = getattr(a, "percent", None)
+    if percent:
+        return OffloadPolicy.from_percent(percent, gpu_batch_size=a.batch, num_gpu_batches=1)
+    return OffloadPolicy(gpu_batch_size=a.batch, num_gpu_batches=1)
+
+
+def setup(a: argparse.Namespace, offload_dir: str | None = None):
     """The model, one engine of one GPU batch of `a.batch`, `a.batch` Wikipedia windows of `a.prompt_len` tokens,
     and the two cache rules (full; h2o at a.hh_size + a.recent_size): what every profiled case shares."""
     import torch
 
-    from flexgen_h2o.config import OffloadPolicy
     from flexgen_h2o.engine import Engine
     from flexgen_h2o.eval import data
     from flexgen_h2o.kv import EvictionConfig
     from flexgen_h2o.loader import load_model
     from benchmarks.step_scaling import prompts_for
     torch.set_num_threads(a.threads)
-    model = load_model(a.model, progress=False)
+    offload = offload_policy(a)
+    dummy = getattr(a, "dummy_weights", False)            # attention_ab shares this setup without these options
+    model = load_model(a.model, dummy_weights=dummy, dummy_on_disk=offload.tier_fractions("weights")[2] > 0,
+                       progress=False)
     rules = {"full": EvictionConfig(),
              "h2o": EvictionConfig(policy="h2o", hh_size=a.hh_size, recent_size=a.recent_size)}
-    prompts = prompts_for(data.corpus_stream(model.tokenizer, "wiki", a.prompt_len * 2), a.batch, a.prompt_len)
-    engine = Engine(model.config, model.read, offload=OffloadPolicy(gpu_batch_size=a.batch, num_gpu_batches=1),
-                    locate=model.locate)
+    if dummy:
+        gen = torch.Generator().manual_seed(0)
+        prompts = torch.randint(0, model.config.vocab_size, (a.batch, a.prompt_len), generator=gen).tolist()
+    else:
+        prompts = prompts_for(data.corpus_stream(model.tokenizer, "wiki", a.prompt_len * 2), a.batch, a.prompt_len)
+    engine = Engine(model.config, model.read, offload=offload, locate=model.locate, offload_dir=offload_dir)
     return model, engine, prompts, rules
 
 
@@ -130,8 +156,10 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from torch.profiler import ProfilerActivity, profile
     a.out.mkdir(parents=True, exist_ok=True)
-    model, engine, prompts, rules = setup(a)
+    scratch = tempfile.TemporaryDirectory(prefix="profile_decode_")     # KV / activations with a disk share
+    model, engine, prompts, rules = setup(a, offload_dir=scratch.name)
     cfg = model.config
+    disk_share = offload_policy(a).tier_fractions("weights")[2]
     machine = json.loads(a.machine_json.read_text()) if a.machine_json else None
     report: dict = {"args": {k: str(v) for k, v in vars(a).items()}, "torch": torch.__version__, "cases": {}}
     try:
@@ -154,10 +182,12 @@ def main(argv: list[str] | None = None) -> int:
                                  for op, s, c in top]}
             if machine:
                 kv_bytes = kv_tokens * cfg.kv_bytes_per_token(2)                             # fp16 K and V
-                entry.update(step_bound(machine, cfg, a.phase, a.batch, a.prompt_len, kv_tokens, kv_bytes))
+                entry.update(step_bound(machine, cfg, a.phase, a.batch, a.prompt_len, kv_tokens, kv_bytes,
+                                        disk_share))
             report["cases"][case] = entry
     finally:
         engine.close()
+        scratch.cleanup()
     (a.out / "results.json").write_text(json.dumps(report, indent=2))
     md = markdown(report, a)
     (a.out / "results.md").write_text(md)

@@ -37,7 +37,9 @@ from benchmarks.systems.gpu_check import NEEDS_GPU, cuda_available  # noqa: E402
 from benchmarks.workloads import WORKLOADS, Workload, select_workloads  # noqa: E402
 
 SMOKE_WORKLOADS = ["s512+128", "disk512+128"]
-SLOWER = 0.97                  # a probe this much below the best so far ends the search (noise margin)
+# a probe this much below the best so far ends the search. Two probes of one system drift by 10-15 % on this VM:
+# at 0.97, kvpress's batch 2 on s512+32 (-4 % against batch 1) ended its search at batch 1 (2026-11-25)
+SLOWER = 0.85
 
 
 # --- the batch search (pure: `probe` is injected, so tests drive it with a fake) ---

@@ -80,8 +80,9 @@ def causal_pad_mask(token_valid: Tensor) -> Tensor:
 
 # The scored path materialises fp32 logits and probabilities one block of queries at a time. Blocks above ~32 MB
 # are mmap'd by glibc on every allocation (fresh pages, faulted and zeroed per block) and stream through DRAM
-# in each of the ~5 passes over them; at 16 MB a 4 x 2048 SmolLM2 prompt's scored attention ran in about half
-# the time of 256-query blocks (75 MB), with identical results.
+# in each of the ~5 passes over them. In isolation, 4 x 2048 SmolLM2 tokens' scored attention took about half
+# the time in 16 MB blocks as in 256-query ones (75 MB); the engine's H2O prompt pass at 16 x 512 1.12x
+# (docs/suite.md, "Engine changes after the disk run").
 SCORE_BLOCK_BYTES = 16 << 20
 MIN_QUERY_CHUNK = 32             # fewer queries per block and the per-block op overhead starts to show
 

@@ -29,3 +29,28 @@ def test_markdown_states_the_ratio_to_the_bound():
             "top_ops": [{"op": "aten::mm", "ms_per_step": 125.0, "calls_per_step": 1}]}
     md = markdown({"cases": {"h2o": case}}, argparse.Namespace(model="m", batch=4, prompt_len=16, phase="decode"))
     assert "measured / bound 4.00x" in md and "| GEMM (linear, matmul) | 125.0 | 1 | 100 % |" in md
+
+
+def test_percent_places_the_weights_and_the_bound_counts_the_disk_share():
+    from benchmarks.machine import bound
+    from benchmarks.profile_decode import offload_policy, step_bound
+    from flexgen_h2o.models import resolve_model
+    from benchmarks.profile_decode import build_parser
+    resident = offload_policy(argparse.Namespace(batch=8))                 # attention_ab's namespace: no --percent
+    args = build_parser().parse_args(["--dummy-weights", "--batch", "8", "--percent", "0", "0", "100", "0", "100", "0"])
+    on_disk = offload_policy(args)
+    assert args.dummy_weights and offload_policy(build_parser().parse_args([])).tier_fractions("weights")[2] == 0
+    assert resident.tier_fractions("weights")[2] == 0 and on_disk.tier_fractions("weights")[2] == 1
+    assert on_disk.gpu_batch_size == 8 and on_disk.num_gpu_batches == 1
+    machine = {"disk_read_GBps": 1.0, "mem_read_GBps": 100.0, "page_cache_read_GBps": 0.1,
+               "mem_available_bytes": 1 << 40, "gemm_prefill_GFLOPs": 100.0, "gemm_decode_GFLOPs": {"8": 50.0}}
+    cfg = resolve_model("opt-125m")
+    n = cfg.n_params()
+    got = step_bound(machine, cfg, "decode", 8, 64, kv_tokens=20, kv_bytes_per_seq=1e6, disk_share=1.0)
+    want = bound(machine, cfg, batch=8, prompt_len=64, gen_len=2, kv_read_bytes_per_seq=1e6,
+                 offloaded_weight_bytes=n * 2, resident_weight_bytes=0, kv_tokens=20)
+    assert got["bound_step_ms"] == pytest.approx(1e3 * want["decode_step_s"])
+    # a slow page cache here: the fp16 files bound the step, where fp32 weights from DRAM would not
+    resident_bound = step_bound(machine, cfg, "decode", 8, 64, 20, 1e6)
+    assert got["bound_limit"] == "io" and resident_bound["bound_limit"] == "compute"
+    assert got["bound_step_ms"] == pytest.approx(1e3 * (n * 2 / 0.1e9 + 8 * 1e6 / 100e9))

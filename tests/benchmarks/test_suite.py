@@ -247,3 +247,15 @@ def test_drift_table_compares_the_first_and_last_tenth_of_each_run():
                       {"system": "flexgen", "runs": []}]}
     assert drift_table(wl)[2:] == ["| ours-h2o-20 | 0 | 100 | 400 | 600 | 1.50 |"]    # a 5-step run is too short
     assert drift_table({"systems": [{"system": "hf", "runs": []}]}) == []
+
+
+def test_search_goes_on_through_a_dip_within_the_noise_margin():
+    """A probe a few per cent below the best is noise on this VM, not a turning point: the search continues and
+    keeps the fastest; a drop beyond the margin still ends it."""
+    from benchmarks.suite import SLOWER
+    cands = [Candidate(b, b) for b in (1, 2, 4, 8, 16)]
+    dip = 10.0 * (SLOWER + 1) / 2                                  # inside the margin
+    probe, calls = _fake_probe({1: (10.0, 1), 2: (dip, 1), 4: (14.0, 1), 8: (14.0 * SLOWER * 0.99, 1)})
+    res = search_batch(cands, probe, GIB, order="up", max_probes=10)
+    assert calls == [1, 2, 4, 8] and res.best.batch == 4
+    assert [s.status for s in res.steps] == ["ok", "ok", "best", "slower"]
