@@ -113,9 +113,11 @@ def grouped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: floa
         full_mask = mask if mask.shape[1] == 1 else mask.repeat_interleave(r, dim=1)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=full_mask, scale=scale, enable_gqa=(r > 1))
         return out, None
-    if t > 1 and b > 1 and b * h * s * 4 * MIN_QUERY_CHUNK > SCORE_BLOCK_BYTES:
+    # glibc's mmap threshold and the cache sizes are a CPU's: on a GPU the blocks stay at query_chunk
+    block_bytes = SCORE_BLOCK_BYTES if q.device.type == "cpu" else 1 << 62
+    if t > 1 and b > 1 and b * h * s * 4 * MIN_QUERY_CHUNK > block_bytes:
         # even the smallest query block of every sequence would not fit: a few sequences at a time
-        rows = max(1, SCORE_BLOCK_BYTES // (h * s * 4 * MIN_QUERY_CHUNK))
+        rows = max(1, block_bytes // (h * s * 4 * MIN_QUERY_CHUNK))
         parts = [grouped_attention(q[lo:lo + rows], k[lo:lo + rows], v[lo:lo + rows], mask[lo:lo + rows], scale,
                                    want_scores=want_scores, score_reduce=score_reduce, query_chunk=query_chunk,
                                    query_valid=None if query_valid is None else query_valid[lo:lo + rows],
@@ -125,7 +127,7 @@ def grouped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: floa
     qg = (q * scale).reshape(b, g, r, t, d)
     outs, scores = [], torch.zeros(b, g, s, dtype=torch.float32, device=q.device) if want_scores else None
     # the block's fp32 logits and probabilities stay under SCORE_BLOCK_BYTES (see there)
-    chunk = min(t, query_chunk, max(MIN_QUERY_CHUNK, SCORE_BLOCK_BYTES // (b * h * s * 4)))
+    chunk = min(t, query_chunk, max(MIN_QUERY_CHUNK, block_bytes // (b * h * s * 4)))
     # a prompt attending to itself (s == t, causal): queries [start, stop) see only keys [0, stop)
     causal_self = t == s and t > 1
     for start in range(0, t, chunk):
