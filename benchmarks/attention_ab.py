@@ -13,31 +13,15 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")     # before torch loads OpenMP
 
 import argparse  # noqa: E402
-import importlib.util  # noqa: E402
 import inspect  # noqa: E402
 import json  # noqa: E402
-import subprocess  # noqa: E402
 import sys  # noqa: E402
-import tempfile  # noqa: E402
 from pathlib import Path  # noqa: E402
 from statistics import mean  # noqa: E402
 
-from benchmarks.common import REPO_ROOT  # noqa: E402
+from benchmarks.common import module_at  # noqa: E402
 
 OPS_PATH = "flexgen_h2o/models/ops.py"
-
-
-def module_at(rev: str, path: str, name: str):
-    """The module at `path` as it was at git revision `rev`, loaded under `name` beside the working tree's."""
-    source = subprocess.run(["git", "show", f"{rev}:{path}"], cwd=REPO_ROOT, capture_output=True, text=True,
-                            check=True).stdout
-    with tempfile.TemporaryDirectory() as tmp:
-        file = Path(tmp) / f"{name}.py"
-        file.write_text(source)
-        spec = importlib.util.spec_from_file_location(name, file)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    return module
 
 
 def old_attention(rev: str):

@@ -6,10 +6,12 @@ the allocator state belong to that case alone; the parent only reads the JSON ba
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -104,7 +106,6 @@ def median(xs: Sequence[float]) -> float:
     return s[mid] if len(s) % 2 else 0.5 * (s[mid - 1] + s[mid])
 
 
-
 def rss_parts() -> dict[str, int]:
     """This process's resident set now, from /proc/self/statm (one cheap read): "rss" in all, "file" the pages
     backed by a file or shared memory (RssFile + RssShmem: mapped libraries, np.memmap'd weights; the kernel can
@@ -155,3 +156,17 @@ class RssSampler:
         self._stop.set()
         self._thread.join()
         self._sample()
+
+
+def module_at(rev: str, path: str, name: str):
+    """The module at `path` as it was at git revision `rev`, loaded under `name` beside the working tree's (the
+    A/B benchmarks time an old function against the new one in one process)."""
+    source = subprocess.run(["git", "show", f"{rev}:{path}"], cwd=REPO_ROOT, capture_output=True, text=True,
+                            check=True).stdout
+    with tempfile.TemporaryDirectory() as tmp:
+        file = Path(tmp) / f"{name}.py"
+        file.write_text(source)
+        spec = importlib.util.spec_from_file_location(name, file)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    return module

@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/eviction_ab"))
     a = p.parse_args(argv)
     import torch
-    from benchmarks.attention_ab import module_at
+    from benchmarks.common import module_at
     from flexgen_h2o.kv import select
     torch.set_num_threads(a.threads)
     versions = {"old": module_at(a.old_rev, SELECT_PATH, "select_old"), "new": select}

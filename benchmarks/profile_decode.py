@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     scratch = tempfile.TemporaryDirectory(prefix="profile_decode_")     # KV / activations with a disk share
     model, engine, prompts, rules = setup(a, offload_dir=scratch.name)
     cfg = model.config
-    disk_share = offload_policy(a).tier_fractions("weights")[2]
+    disk_share = engine.offload.tier_fractions("weights")[2]
     machine = json.loads(a.machine_json.read_text()) if a.machine_json else None
     report: dict = {"args": {k: str(v) for k, v in vars(a).items()}, "torch": torch.__version__, "cases": {}}
     try:

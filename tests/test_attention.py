@@ -68,8 +68,8 @@ def test_scored_blocks_stay_under_the_byte_cap_and_match(monkeypatch, pads):
     if pads:
         valid[2, :7] = False
     mask = ops.causal_pad_mask(valid)
-    cap = 2 * h * t * 4 * ops.MIN_QUERY_CHUNK // 8       # two sequences' minimal block would not fit
     monkeypatch.setattr(ops, "MIN_QUERY_CHUNK", 8)
+    cap = h * t * 4 * ops.MIN_QUERY_CHUNK               # one sequence's smallest block: two would not fit
     monkeypatch.setattr(ops, "SCORE_BLOCK_BYTES", cap)
     seen = []
     real_softmax = torch.softmax

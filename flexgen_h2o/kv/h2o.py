@@ -23,8 +23,9 @@ from flexgen_h2o.kv.select import (NO_VICTIM, argmin_score, expand_positions, ke
 def h2o_candidates(positions: Tensor, budget: Budget) -> tuple[Tensor, Tensor]:
     """(candidates (b, g, s) bool, over (b, g) bool): who may be evicted, and which columns must evict."""
     valid = positions >= 0
-    over = valid.sum(dim=-1) > budget.budget
-    candidates = valid & (positions >= budget.sink) & ~newest_mask(positions, valid, budget.recent)
+    n_valid = valid.sum(dim=-1)
+    over = n_valid > budget.budget
+    candidates = valid & (positions >= budget.sink) & ~newest_mask(positions, valid, budget.recent, n_valid)
     return candidates, over
 
 

@@ -22,8 +22,9 @@ def expand_positions(positions: Tensor, like: Tensor | None, shape: tuple[int, .
     return positions.long()
 
 
-def newest_mask(positions: Tensor, valid: Tensor, k: int) -> Tensor:
+def newest_mask(positions: Tensor, valid: Tensor, k: int, n_valid: Tensor | None = None) -> Tensor:
     """(b, g, s) bool: the k valid slots with the largest positions per column (all valid ones if fewer).
+    n_valid: valid.sum(-1), when the caller has it already (one reduction less per decode step and layer).
 
     Positions are unique among the valid slots of a column. A recent window is never evicted from, so in a
     cache the k newest positions are consecutive and "position > newest - k" finds them without a top-k, which
@@ -34,7 +35,7 @@ def newest_mask(positions: Tensor, valid: Tensor, k: int) -> Tensor:
     masked = torch.where(valid, positions, torch.full_like(positions, -1))
     newest = masked.amax(dim=-1, keepdim=True)                                     # (b, g, 1)
     window = valid & (masked > newest - k)
-    n_valid = valid.sum(dim=-1)
+    n_valid = valid.sum(dim=-1) if n_valid is None else n_valid
     if bool((window.sum(dim=-1) == n_valid.clamp(max=k)).all()):
         return window
     k = min(k, positions.shape[-1])

@@ -80,8 +80,7 @@ def causal_pad_mask(token_valid: Tensor) -> Tensor:
 
 # The scored path materialises fp32 logits and probabilities one block of queries at a time. Blocks above ~32 MB
 # are mmap'd by glibc on every allocation (fresh pages, faulted and zeroed per block) and stream through DRAM
-# in each of the ~5 passes over them. In isolation, 4 x 2048 SmolLM2 tokens' scored attention took about half
-# the time in 16 MB blocks as in 256-query ones (75 MB); the engine's H2O prompt pass at 16 x 512 1.12x
+# in each of the ~5 passes over them. The engine's H2O prompt pass at 16 x 512 measured 1.12x with 16 MB blocks
 # (docs/suite.md, "Engine changes after the disk run").
 SCORE_BLOCK_BYTES = 16 << 20
 MIN_QUERY_CHUNK = 32             # fewer queries per block and the per-block op overhead starts to show
@@ -119,11 +118,10 @@ def grouped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: floa
         # even the smallest query block of every sequence would not fit: a few sequences at a time
         rows = max(1, block_bytes // (h * s * 4 * MIN_QUERY_CHUNK))
         parts = [grouped_attention(q[lo:lo + rows], k[lo:lo + rows], v[lo:lo + rows], mask[lo:lo + rows], scale,
-                                   want_scores=want_scores, score_reduce=score_reduce, query_chunk=query_chunk,
+                                   want_scores=True, score_reduce=score_reduce, query_chunk=query_chunk,
                                    query_valid=None if query_valid is None else query_valid[lo:lo + rows],
                                    causal_only=causal_only) for lo in range(0, b, rows)]
-        out = torch.cat([o for o, _ in parts])
-        return out, (torch.cat([sc for _, sc in parts]) if want_scores else None)
+        return torch.cat([o for o, _ in parts]), torch.cat([sc for _, sc in parts])   # t > 1 here: scores wanted
     qg = (q * scale).reshape(b, g, r, t, d)
     outs, scores = [], torch.zeros(b, g, s, dtype=torch.float32, device=q.device) if want_scores else None
     # the block's fp32 logits and probabilities stay under SCORE_BLOCK_BYTES (see there)
