@@ -21,7 +21,7 @@ from flexgen_h2o.kv import EvictionConfig, get_policy, policy_for
 from flexgen_h2o.kv.cache import KVCache, StagingBuffers, gather_slots
 from flexgen_h2o.kv.mixed import SplitKVCache
 from flexgen_h2o.memory import ComputeTier, DiskTier, HostTier, OffloadDir, check_space
-from flexgen_h2o.models import ModelConfig, build_layers, schedule_groups
+from flexgen_h2o.models import ModelConfig, StepContext, build_layers, ops, schedule_groups
 from flexgen_h2o.planner import estimate
 from flexgen_h2o.sampling import Sampler, StopTracker
 from flexgen_h2o.schedule.activations import ActivationHome
@@ -283,8 +283,9 @@ class Engine:
         gbs = self.offload.gpu_batch_size
         prefill_rows = self.offload.prefill_rows(min(gbs, len(prompts)), prompt_len)
         # the transient tensors of one layer forward are real memory too: charge the compute tier an estimate
-        workspace = self.model.workspace_bytes(prefill_rows, prompt_len, self.compute_dtype.itemsize,
-                                               policy.needs_scores)
+        block = (ops.score_block_bytes(prefill_rows, self.model.n_heads, prompt_len, StepContext.query_chunk,
+                                       self.device.type) if policy.needs_scores else 0)
+        workspace = self.model.workspace_bytes(prefill_rows, prompt_len, self.compute_dtype.itemsize, block)
         self._handles.append(self.tiers["compute"].reserve(workspace, "workspace (estimated)"))
         if "disk" in self.tiers:                # before the first file: enough room for this block?
             check_space(self.offload_dir.root, self._disk_bytes(len(prompts), prompt_len, n_new, ev))

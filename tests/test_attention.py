@@ -87,3 +87,25 @@ def test_scored_blocks_stay_under_the_byte_cap_and_match(monkeypatch, pads):
     assert torch.allclose(out[rows], ref_out[rows], atol=1e-5)
     assert torch.allclose(scores, ref_scores, atol=1e-5)
     assert len(seen) > b and max(seen) <= cap            # several blocks, each under the cap
+
+
+@pytest.mark.parametrize("cap_blocks", [0, 1, 2], ids=["no-split", "one-sequence", "two-sequences"])
+def test_score_block_bytes_is_the_largest_block_made(monkeypatch, cap_blocks):
+    """The planner's workspace estimate uses ops.score_block_bytes: it must be the largest logits block the
+    scored pass really makes (equal when the prompt fills its last query block), whether the sequences are
+    split (a cap of one or two sequences' smallest blocks, with a ragged last group) or not (no cap)."""
+    torch.manual_seed(2)
+    b, h, g, t, d = 3, 4, 2, 64, 8
+    monkeypatch.setattr(ops, "MIN_QUERY_CHUNK", 8)
+    monkeypatch.setattr(ops, "SCORE_BLOCK_BYTES", cap_blocks * h * t * 4 * 8 if cap_blocks else 1 << 40)
+    q, k, v = torch.randn(b, h, t, d), torch.randn(b, g, t, d), torch.randn(b, g, t, d)
+    mask = ops.causal_pad_mask(torch.ones(b, t, dtype=torch.bool))
+    expected = ops.score_block_bytes(b, h, t, 256, "cpu")
+    seen = []
+    real_softmax = torch.softmax
+    monkeypatch.setattr(ops.torch, "softmax", lambda x, dim: seen.append(x.numel() * 4) or real_softmax(x, dim=dim))
+    ops.grouped_attention(q, k, v, mask, 0.3, want_scores=True, query_chunk=256, causal_only=True)
+    monkeypatch.undo()
+    assert max(seen) == expected
+    assert expected == {0: b * h * t * t * 4, 1: h * 8 * t * 4, 2: 2 * h * 8 * t * 4}[cap_blocks]
+    assert ops.score_block_bytes(b, h, t, 256, "cuda") == b * h * t * t * 4    # no cap on a GPU

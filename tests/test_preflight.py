@@ -115,3 +115,35 @@ def test_cli_refuses_a_run_that_cannot_fit(tmp_path):
     assert float(m.group(3)) == pytest.approx(PRESETS["opt-175b"].n_params() * 2 / GIB, abs=0.01)
     assert "combine a smaller block" in err or "what to change" in err
     assert not (tmp_path / "m.json").exists() and not (tmp_path / "home").exists()    # nothing written
+
+
+def test_engine_and_planner_charge_the_capped_score_blocks(tmp_path, monkeypatch):
+    """An H2O prompt pass on a CPU materialises logits in blocks capped at ops.SCORE_BLOCK_BYTES; the engine's
+    workspace reservation and the planner's estimate both follow the cap, not a query_chunk-sized block (which
+    over-charged a disk512+512 run ~0.5 GiB and shrank its batch from 34 to 20)."""
+    from flexgen_h2o.models import ops
+    model = tiny_hf("llama")
+    cfg = from_hf_config(model.config.to_dict())
+    prompt_len, h = 20, cfg.n_heads
+    monkeypatch.setattr(ops, "MIN_QUERY_CHUNK", 4)
+    monkeypatch.setattr(ops, "SCORE_BLOCK_BYTES", h * prompt_len * 4 * 4)      # one sequence, 4 queries
+    eviction = EvictionConfig(policy="h2o", hh_ratio=0.2)
+    offload = OffloadPolicy.from_percent((100, 0, 100, 0, 100, 0), gpu_batch_size=3, num_gpu_batches=1)
+    engine = make_engine(model, offload=offload, eviction=eviction, offload_dir=tmp_path, record=False)
+    charged = []
+    tier = engine.tiers["compute"]
+    real_reserve = tier.reserve
+    monkeypatch.setattr(tier, "reserve", lambda n, name="": charged.append((name, n)) or real_reserve(n, name))
+    try:
+        engine.generate(random_prompts([prompt_len] * 3), greedy(2))
+    finally:
+        engine.close()
+    workspace = [n for name, n in charged if name.startswith("workspace")]
+    capped = cfg.workspace_bytes(3, prompt_len, 4, h * 4 * prompt_len * 4)
+    whole = cfg.workspace_bytes(3, prompt_len, 4, 3 * h * prompt_len * prompt_len * 4)   # 3 sequences x 20 queries
+    assert workspace == [capped] and capped < whole
+    est = estimate(cfg, offload, eviction, prompt_len=prompt_len, gen_len=2, compute_dtype_bytes=4)
+    monkeypatch.setattr(ops, "SCORE_BLOCK_BYTES", 1 << 40)
+    uncapped = estimate(cfg, offload, eviction, prompt_len=prompt_len, gen_len=2, compute_dtype_bytes=4)
+    saved = uncapped.bytes["compute"]["workspace"] - est.bytes["compute"]["workspace"]
+    assert saved == whole - capped

@@ -57,21 +57,21 @@ class ModelConfig:
         """K and V bytes one token costs across all layers (ANCHORS.md §5.5)."""
         return 2 * self.n_layers * self.n_kv_heads * self.head_dim * dtype_bytes
 
-    def workspace_bytes(self, batch: int, tokens: int, itemsize: int = 4, wants_scores: bool = False,
-                        query_chunk: int = 256) -> int:
+    def workspace_bytes(self, batch: int, tokens: int, itemsize: int = 4, score_block_bytes: int = 0) -> int:
         """Estimated transient bytes of the largest single layer forward for `batch` sequences of `tokens` new
         tokens (a prefill chunk is the peak): the layer's output next to its input, plus the attention block
-        (q/k/v and output, and with scores a chunk of fp32 logits and probabilities; measured ~120 MiB for one
-        SmolLM2 sequence of 2048, allocator slack included, hence 4 copies) or the MLP's ffn-wide intermediates,
-        or the head's last-token logits. Without scores the fused SDPA kernel keeps O(tokens) state (measured
-        on CPU: 43 MiB for 2 x 2048 SmolLM2 tokens, not the 600 MiB of a materialised score matrix)."""
+        (q/k/v and output, and when scores are wanted (score_block_bytes > 0: the largest fp32 logits block,
+        `ops.score_block_bytes`) that block's logits and probabilities; measured ~120 MiB for one SmolLM2
+        sequence of 2048 in 256-query blocks, allocator slack included, hence 4 copies) or the MLP's ffn-wide
+        intermediates, or the head's last-token logits. Without scores the fused SDPA kernel keeps O(tokens)
+        state (measured on CPU: 43 MiB for 2 x 2048 SmolLM2 tokens, not the 600 MiB of a materialised score
+        matrix)."""
         h, f, d = self.hidden_size, self.ffn_size, self.head_dim
         bt = batch * tokens
         hidden = 2 * bt * h * itemsize
         qkv = bt * (2 * self.n_heads + 2 * self.n_kv_heads) * d * itemsize
-        if wants_scores:
-            chunk = min(tokens, query_chunk)
-            probs = 4 * batch * self.n_heads * chunk * tokens * 4 + batch * self.n_kv_heads * tokens * 4
+        if score_block_bytes:
+            probs = 4 * score_block_bytes + batch * self.n_kv_heads * tokens * 4
         else:
             probs = bt * self.n_heads * d * itemsize
         mlp = bt * f * itemsize * (3 if self.activation == "silu" else 2)

@@ -86,6 +86,28 @@ SCORE_BLOCK_BYTES = 16 << 20
 MIN_QUERY_CHUNK = 32             # fewer queries per block and the per-block op overhead starts to show
 
 
+def score_block_cap(device_type: str) -> int:
+    """The byte cap of one scored block: glibc's mmap threshold and the cache sizes are a CPU's, so on a GPU the
+    blocks stay at query_chunk."""
+    return SCORE_BLOCK_BYTES if device_type == "cpu" else 1 << 62
+
+
+def score_blocking(batch: int, heads: int, keys: int, queries: int, query_chunk: int, cap: int) -> tuple[int, int]:
+    """(sequences, queries) of one scored block of fp32 logits: every sequence at once if a MIN_QUERY_CHUNK block
+    of all of them fits the cap, else as many sequences as fit; then as many queries as fit, up to query_chunk."""
+    rows = batch
+    if queries > 1 and batch > 1 and batch * heads * keys * 4 * MIN_QUERY_CHUNK > cap:
+        rows = max(1, cap // (heads * keys * 4 * MIN_QUERY_CHUNK))
+    return rows, min(queries, query_chunk, max(MIN_QUERY_CHUNK, cap // (rows * heads * keys * 4)))
+
+
+def score_block_bytes(batch: int, heads: int, tokens: int, query_chunk: int, device_type: str) -> int:
+    """Bytes of the largest fp32 logits block a scored prompt pass of `batch` x `tokens` makes (the planner's
+    workspace estimate uses it, so the estimate follows the blocks the engine really allocates)."""
+    rows, chunk = score_blocking(batch, heads, tokens, tokens, query_chunk, score_block_cap(device_type))
+    return rows * heads * chunk * tokens * 4
+
+
 def grouped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float, *, want_scores: bool = False,
                       query_valid: Tensor | None = None, score_reduce: str = "sum",
                       query_chunk: int = 256, causal_only: bool = False) -> tuple[Tensor, Tensor | None]:
@@ -112,11 +134,9 @@ def grouped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: floa
         full_mask = mask if mask.shape[1] == 1 else mask.repeat_interleave(r, dim=1)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=full_mask, scale=scale, enable_gqa=(r > 1))
         return out, None
-    # glibc's mmap threshold and the cache sizes are a CPU's: on a GPU the blocks stay at query_chunk
-    block_bytes = SCORE_BLOCK_BYTES if q.device.type == "cpu" else 1 << 62
-    if t > 1 and b > 1 and b * h * s * 4 * MIN_QUERY_CHUNK > block_bytes:
+    rows, chunk = score_blocking(b, h, s, t, query_chunk, score_block_cap(q.device.type))
+    if rows < b:
         # even the smallest query block of every sequence would not fit: a few sequences at a time
-        rows = max(1, block_bytes // (h * s * 4 * MIN_QUERY_CHUNK))
         parts = [grouped_attention(q[lo:lo + rows], k[lo:lo + rows], v[lo:lo + rows], mask[lo:lo + rows], scale,
                                    want_scores=True, score_reduce=score_reduce, query_chunk=query_chunk,
                                    query_valid=None if query_valid is None else query_valid[lo:lo + rows],
@@ -124,8 +144,6 @@ def grouped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: floa
         return torch.cat([o for o, _ in parts]), torch.cat([sc for _, sc in parts])   # t > 1 here: scores wanted
     qg = (q * scale).reshape(b, g, r, t, d)
     outs, scores = [], torch.zeros(b, g, s, dtype=torch.float32, device=q.device) if want_scores else None
-    # the block's fp32 logits and probabilities stay under SCORE_BLOCK_BYTES (see there)
-    chunk = min(t, query_chunk, max(MIN_QUERY_CHUNK, block_bytes // (b * h * s * 4)))
     # a prompt attending to itself (s == t, causal): queries [start, stop) see only keys [0, stop)
     causal_self = t == s and t > 1
     for start in range(0, t, chunk):

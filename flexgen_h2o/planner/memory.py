@@ -19,12 +19,11 @@ from dataclasses import dataclass, field
 
 from flexgen_h2o.config import OffloadPolicy, split_by_fraction
 from flexgen_h2o.kv import Budget, EvictionConfig
-from flexgen_h2o.models import KVSpec, ModelConfig, build_layers, schedule_groups
+from flexgen_h2o.models import KVSpec, ModelConfig, StepContext, build_layers, ops, schedule_groups
 from flexgen_h2o.weights.placement import choose_home, is_lookup_table
 
 TIERS = ("compute", "host", "disk")
 PARTS = ("weights", "kv", "activations", "workspace")
-QUERY_CHUNK = 256            # StepContext.query_chunk: prefill queries per chunk when H2O wants scores
 
 
 @dataclass
@@ -102,7 +101,11 @@ def estimate(model: ModelConfig, offload: OffloadPolicy, eviction: EvictionConfi
     est.add("compute", "workspace", windows * gbs * model.n_kv_heads * budget.capacity
             * (2 * model.head_dim * c + 16))
     rows = offload.prefill_rows(gbs, prompt_len)
-    est.add("compute", "workspace", model.workspace_bytes(rows, prompt_len, c, eviction.needs_scores, QUERY_CHUNK))
+    # the backends compute in fp32 only on a CPU, where the scored blocks are capped
+    device_type = "cpu" if c == 4 else "cuda"
+    block = (ops.score_block_bytes(rows, model.n_heads, prompt_len, StepContext.query_chunk, device_type)
+             if eviction.needs_scores else 0)
+    est.add("compute", "workspace", model.workspace_bytes(rows, prompt_len, c, block))
     return est
 
 
