@@ -190,7 +190,7 @@ def model_flops(cfg: Any, batch: int, prompt_len: int, kv_tokens: float) -> tupl
 
 def bound(machine: dict[str, Any], cfg: Any, *, batch: int, prompt_len: int, gen_len: int,
           kv_read_bytes_per_seq: float, offloaded_weight_bytes: float, resident_weight_bytes: float,
-          kv_tokens: float) -> dict[str, Any]:
+          kv_tokens: float, page_cache: bool = True) -> dict[str, Any]:
     """The fastest this run could be on this machine: per phase max(bytes that must move / bandwidth,
     FLOPs / peak GEMM rate), i.e. transfers and compute perfectly overlapped.
     - bytes, prefill: one pass of the offloaded (disk-homed) weights at the cold disk read rate;
@@ -198,12 +198,14 @@ def bound(machine: dict[str, Any], cfg: Any, *, batch: int, prompt_len: int, gen
       from disk), plus every sequence's kept KV read once from RAM, plus,
       when the compute device is the CPU, the resident weights streamed once from DRAM (a decode GEMM has too
       few rows to reuse them from cache: the decode-height GEMM rates in machine.json show it);
-    kv_read_bytes_per_seq and kv_tokens are averages over the decode steps."""
+    kv_read_bytes_per_seq and kv_tokens are averages over the decode steps; page_cache=False: the run drops the
+    weights from the page cache after every read, so every pass is bounded by the disk."""
     disk = machine["disk_read_GBps"] * 1e9
     mem = machine["mem_read_GBps"] * 1e9
     # after the first (cold) pass, offloaded weights that fit the free RAM come back from the page cache: the
     # physical limit of the later passes on this machine is the page-cache read rate, not the disk's
-    cached = offloaded_weight_bytes <= machine.get("mem_available_bytes", 0) and "page_cache_read_GBps" in machine
+    cached = (page_cache and offloaded_weight_bytes <= machine.get("mem_available_bytes", 0)
+              and "page_cache_read_GBps" in machine)
     again = machine["page_cache_read_GBps"] * 1e9 if cached else disk
     peak = peak_flops(machine)
     dram_weights = resident_weight_bytes if machine.get("gpu") is None else 0.0

@@ -140,6 +140,7 @@ def run_child(python: str, args: list[str], json_path: Path, env: dict[str, str]
 class Runner:
     def __init__(self, a: argparse.Namespace, env: dict[str, str]) -> None:
         self.a, self.env = a, env
+        self.full_probes: dict[tuple[str, str, str], dict] = {}    # probes that generated the whole gen_len
         self.runs_dir = a.out / "runs"
         self.runs_dir.mkdir(parents=True, exist_ok=True)
 
@@ -158,9 +159,20 @@ class Runner:
               f"{row['peak_rss_bytes'] / 2**30:.2f} GiB | {wall:.0f} s", flush=True)
         return row
 
+    def final(self, s: System, w: Workload, c: Candidate, repeat: int) -> dict:
+        """A final run. The first one reuses a probe of the same batch that already generated the whole gen_len
+        (smoke mode: the same command, nothing projected), so no case runs twice."""
+        reused = self.full_probes.pop((w.name, s.name, c.label), None) if repeat == 0 else None
+        if reused is None:
+            return self.case(s, w, c, w.gen_len, probe=False, repeat=repeat)
+        print(f"  {s.name:22s} run 0   batch {c.label:>5}: its probe, which ran the whole length", flush=True)
+        return {**reused, "probe": False, "extra": {**reused["extra"], "reused_probe": True}}
+
     def search(self, s: System, w: Workload) -> SearchResult:
         def probe(c: Candidate) -> tuple[float, int]:
             row = self.case(s, w, c, w.probe_gen_len, probe=True, repeat=0)
+            if w.probe_gen_len >= w.gen_len:
+                self.full_probes[(w.name, s.name, c.label)] = row
             return project_probe(row, w.gen_len, s.kv_growth_bytes(w, c.batch, w.gen_len - w.probe_gen_len),
                                  w.peak_bytes(row))
         cands = s.candidates(w, w.max_batch)
@@ -200,7 +212,7 @@ def roofline(machine: dict[str, Any], w: Workload, s: System, summ: dict[str, An
     resident = max(cfg.n_params() - off / 2, 0) * 4
     b = bound(machine, cfg, batch=summ["batch"], prompt_len=summ["prompt_len"], gen_len=g,
               kv_read_bytes_per_seq=per_seq * avg_tokens / tokens_end, offloaded_weight_bytes=off,
-              resident_weight_bytes=resident, kv_tokens=avg_tokens)
+              resident_weight_bytes=resident, kv_tokens=avg_tokens, page_cache=not w.uncached)
     for k in ("prefill_tok_s", "decode_tok_s", "total_tok_s"):
         b[k.replace("tok_s", "pct")] = 100 * summ[k] / b[k] if b[k] > 0 else float("nan")
     # total can never beat the prefill rate times gen/prompt: the time to read the prompt alone
@@ -220,15 +232,32 @@ def validate_row(row: dict[str, Any]) -> list[str]:
     return bad
 
 
+def ensure_real_store(w: Workload) -> str | None:
+    """Convert a real-weights model's store once, before any system runs (on a fresh machine the first one to
+    need it would otherwise convert inside its own case, or fail where it reads only the tokenizer); the reason
+    every system is skipped if that fails."""
+    if w.dummy:
+        return None
+    from flexgen_h2o.loader import ensure_store
+    try:
+        ensure_store(w.model, progress=False)
+    except Exception as err:                  # noqa: BLE001 - any failure becomes the rows' printed reason
+        return f"converting the {w.model} store failed: {str(err).strip().splitlines()[-1][:200]}"
+    return None
+
+
 def run_workload(w: Workload, names: list[str], systems: dict[str, System], runner: Runner,
                  machine: dict[str, Any]) -> dict[str, Any]:
     a = runner.a
     print(f"\n== {w.name}: {w.describe()}", flush=True)
     entries: dict[str, dict[str, Any]] = {}
+    store: list[str | None] = []            # the real-weights store: converted once, when a system first needs it
     for n in names:
         s = systems[n]
-        reason = (NEEDS_GPU if w.needs_gpu and not cuda_available() else None) or s.skip_reason(w) \
-            or s.prepare(w, runner.env, a.work)
+        reason = (NEEDS_GPU if w.needs_gpu and not cuda_available() else None) or s.skip_reason(w)
+        if not reason:
+            store = store or [ensure_real_store(w)]
+            reason = store[0] or s.prepare(w, runner.env, a.work)
         entries[n] = {"system": n, "status": "skipped" if reason else "pending", "reason": reason, "search": [],
                       "runs": []}
         if reason:
@@ -249,7 +278,7 @@ def run_workload(w: Workload, names: list[str], systems: dict[str, System], runn
             if e["status"] != "pending":
                 continue
             try:
-                e["runs"].append(runner.case(systems[n], w, e["best"], w.gen_len, probe=False, repeat=rep))
+                e["runs"].append(runner.final(systems[n], w, e["best"], rep))
             except CaseFailed as err:
                 e.update(status="failed", reason=str(err).strip().splitlines()[-1][:300])
     for n in live:
@@ -272,6 +301,9 @@ def build_parser() -> argparse.ArgumentParser:
                    f"default: the workload's list. Known: {', '.join(all_systems())}")
     p.add_argument("--smoke", "--quick", action="store_true",
                    help=f"tiny shapes (64+8, batch <= 2, OPT-125M), 1 repeat; default workloads {SMOKE_WORKLOADS}")
+    p.add_argument("--uncached-weights", action="store_true",
+                   help="disk workloads read their weights from the disk at every step, as for a model larger "
+                   "than RAM (names get -uncached; default workloads: the disk ones)")
     p.add_argument("--repeats", type=int, help="final runs per system, interleaved (default 2; smoke 1)")
     p.add_argument("--max-probes", type=int, help="search probes per system (default 6; smoke 1)")
     p.add_argument("--budget-gib", type=float, help="override every workload's RAM budget")
@@ -288,15 +320,21 @@ def main(argv: list[str] | None = None) -> int:
     a.repeats = a.repeats or (1 if a.smoke else 2)
     a.max_probes = a.max_probes or (1 if a.smoke else 6)      # smoke: the search runs, one probe per system
     a.timeout = a.timeout or (600 if a.smoke else None)
+    systems = all_systems()
+    smoke_names = [n for n in SMOKE_WORKLOADS if WORKLOADS[n].cold_disk or not a.uncached_weights]
+    try:                                          # bad names: one line and exit 2, before anything is measured
+        workloads = select_workloads(a.workload or (smoke_names if a.smoke else None), a.smoke, a.uncached_weights)
+        plans = [(w, select_systems(a.systems, w.systems, list(systems))) for w in workloads]
+    except SystemExit as err:
+        print(err.code, file=sys.stderr)
+        return 2
+    if a.budget_gib:
+        from dataclasses import replace
+        plans = [(replace(w, budget_bytes=int(a.budget_gib * (1 << 30))), names) for w, names in plans]
     a.out.mkdir(parents=True, exist_ok=True)
     a.work = a.work or a.out / "work"
     a.work.mkdir(parents=True, exist_ok=True)
-    workloads = select_workloads(a.workload or (SMOKE_WORKLOADS if a.smoke else None), a.smoke)
-    if a.budget_gib:
-        from dataclasses import replace
-        workloads = [replace(w, budget_bytes=int(a.budget_gib * (1 << 30))) for w in workloads]
     env = bench_env(a.threads)
-    systems = all_systems()
     if a.machine_json:
         machine = json.loads(a.machine_json.read_text())
     else:
@@ -306,8 +344,7 @@ def main(argv: list[str] | None = None) -> int:
                   + (["--smoke"] if a.smoke else []), mjson, env, a.out / "machine.log", None)
         machine = json.loads(mjson.read_text())
     t0 = time.perf_counter()
-    results = [run_workload(w, select_systems(a.systems, w.systems, list(systems)), systems, Runner(a, env),
-                            machine) for w in workloads]
+    results = [run_workload(w, names, systems, Runner(a, env), machine) for w, names in plans]
     doc = {"command": shlex.join(["python", "-m", "benchmarks.suite", *(argv if argv is not None else sys.argv[1:])]),
            "date": machine.get("date"), "smoke": a.smoke, "repeats": a.repeats, "threads": a.threads,
            "suite_s": time.perf_counter() - t0, "machine": machine, "results": results}

@@ -45,6 +45,7 @@ class Workload:
     probe_gen_len: int = 16      # generated tokens in a search probe (probes are short; final runs are not)
     is_smoke: bool = False
     budget_kind: str = "rss"     # "gpu": the budget is the device's memory (weights stream from host RAM)
+    uncached: bool = False       # disk weights dropped from the page cache after every read (a model > RAM)
 
     @property
     def needs_gpu(self) -> bool:
@@ -69,6 +70,7 @@ class Workload:
     def describe(self) -> str:
         kind = "dummy weights" if self.dummy else "real weights"
         where = WEIGHTS_WHERE.get(self.weights, "weights in RAM")
+        where += ", read from the disk at every step (never from the page cache)" if self.uncached else ""
         peak = "GPU memory" if self.needs_gpu else "RSS"
         return (f"{self.model} ({kind}, {where}), prompt {self.prompt_len} + gen {self.gen_len}, budget "
                 f"{self.budget_bytes / GIB:.2f} GiB peak {peak} per process")
@@ -106,15 +108,26 @@ def smoke(w: Workload) -> Workload:
     model = "opt-125m" if w.model.startswith("opt") else w.model
     # one budget level per family (20 %) keeps every adapter exercised at a third of the cost
     systems = tuple(s for s in w.systems if not s.endswith(("-10", "-40")))
+    # a probe of the whole gen_len is also the final run (Runner.final): one case per system
     return replace(w, name=w.name + "-smoke", model=model, prompt_len=64, gen_len=8, max_batch=2,
-                   probe_gen_len=4, systems=systems, is_smoke=True)
+                   probe_gen_len=8, systems=systems, is_smoke=True)
 
 
-def select_workloads(names: list[str] | None, smoke_mode: bool) -> list[Workload]:
-    """Workloads by name (or all); unknown names raise with the list of known ones."""
-    names = names or list(WORKLOADS)
+def uncached(w: Workload) -> Workload:
+    """The same disk workload with the weights read from the disk at every step, as they must be when the model
+    is larger than the machine's RAM (on this VM the 2.45 GiB of OPT-1.3B would otherwise come back from the page
+    cache after the first pass: RAM outside every process's RSS budget)."""
+    if not w.cold_disk:
+        raise SystemExit(f"error: --uncached-weights needs a disk workload; {w.name} keeps its weights in RAM")
+    return replace(w, name=w.name + "-uncached", uncached=True)
+
+
+def select_workloads(names: list[str] | None, smoke_mode: bool, uncached_weights: bool = False) -> list[Workload]:
+    """Workloads by name (or all; with uncached_weights, all disk ones); unknown names raise with the list of
+    known ones."""
+    names = names or [n for n, w in WORKLOADS.items() if w.cold_disk or not uncached_weights]
     unknown = [n for n in names if n not in WORKLOADS]
     if unknown:
         raise SystemExit(f"error: unknown workload(s) {', '.join(unknown)}; known: {', '.join(WORKLOADS)}")
-    picked = [WORKLOADS[n] for n in names]
+    picked = [uncached(WORKLOADS[n]) if uncached_weights else WORKLOADS[n] for n in names]
     return [smoke(w) for w in picked] if smoke_mode else picked

@@ -56,14 +56,21 @@ def load_model(model: str, *, path: str | None = None, dummy_weights: bool = Fal
             store = write_dummy_store(cfg, store, progress=progress)
         reader = open_store(store, specs)
         return LoadedModel(cfg, reader.read, fallback_tokenizer(), store, reader.locate)
-    store = Path(path).expanduser() if path else default_store_path(cfg)
-    if not (store / "manifest.json").is_file():
-        local_folder = os.path.isfile(os.path.join(os.path.expanduser(model), "config.json"))
-        if cfg.name == EMBEDDED_MODEL:
-            store = ensure_embedded_store(store, progress=progress)
-        elif local_folder:
-            store = convert_checkpoint(os.path.expanduser(model), cfg, store, progress=progress)
-        else:
-            store = download_and_convert(cfg.hf_id or model, store, cfg=cfg, progress=progress)   # says how else
+    store = ensure_store(model, cfg, path=path, progress=progress)
     reader = open_store(store, specs)
     return LoadedModel(cfg, reader.read, load_tokenizer(store) or fallback_tokenizer(), store, reader.locate)
+
+
+def ensure_store(model: str, cfg: ModelConfig | None = None, *, path: str | None = None,
+                 progress: bool = True) -> Path:
+    """The converted store of a real-weights model, converted on first use: the embedded SmolLM2 from its
+    package, a local HF folder from its files, a hub id from the hub (where there is a network)."""
+    cfg = cfg or resolve_model(model)
+    store = Path(path).expanduser() if path else default_store_path(cfg)
+    if (store / "manifest.json").is_file():
+        return store
+    if cfg.name == EMBEDDED_MODEL:
+        return ensure_embedded_store(store, progress=progress)
+    if os.path.isfile(os.path.join(os.path.expanduser(model), "config.json")):
+        return convert_checkpoint(os.path.expanduser(model), cfg, store, progress=progress)
+    return download_and_convert(cfg.hf_id or model, store, cfg=cfg, progress=progress)   # says how else

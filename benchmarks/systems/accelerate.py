@@ -26,6 +26,8 @@ class Accelerate(System):
     def skip_reason(self, w: Workload) -> str | None:
         if w.model_config().family != "opt" or not w.cold_disk:
             return "Accelerate's row is the disk-offload baseline (an OPT shape with weights on disk)"
+        if w.uncached:
+            return "Accelerate memory-maps its offload files, so it cannot keep them out of the page cache"
         return None
 
     def _folder(self, w: Workload) -> Path:

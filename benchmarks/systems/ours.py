@@ -86,6 +86,7 @@ class Ours(System):
         args += ["--full-cache"] if self.hh_ratio is None else ["--hh-ratio", f"{self.hh_ratio:g}"]
         args += ["--dummy-weights"] if w.dummy else []
         args += ["--no-warmup"] if w.cold_disk else []       # a warm-up would warm the page cache we dropped
+        args += ["--uncached-disk-weights"] if w.uncached else []
         return args
 
     def kv_growth_bytes(self, w: Workload, batch: int, tokens: int) -> int:

@@ -238,6 +238,9 @@ def test_quick_mode_runs_every_enabled_system(tmp_path):
     assert status[("s512+128-smoke", "ours-h2o-20")] == status[("disk512+128-smoke", "ours-full")] == "ran"
     assert status[("s512+128-smoke", "hf")] == status[("disk512+128-smoke", "accelerate")] == "ran"
     assert all(v in ("ran", "skipped") for v in status.values())
+    # one case per system: each final run is its probe, which generated the whole smoke length
+    runs = [row for r in doc["results"] for e in r["systems"] for row in e["runs"]]
+    assert runs and all(row["extra"].get("reused_probe") and row["gen_len"] == 8 for row in runs)
 
 
 def test_drift_table_compares_the_first_and_last_tenth_of_each_run():
@@ -259,3 +262,91 @@ def test_search_goes_on_through_a_dip_within_the_noise_margin():
     res = search_batch(cands, probe, GIB, order="up", max_probes=10)
     assert calls == [1, 2, 4, 8] and res.best.batch == 4
     assert [s.status for s in res.steps] == ["ok", "ok", "best", "slower"]
+
+
+def test_real_weights_store_is_converted_once_before_any_system(monkeypatch, tmp_path):
+    """On a fresh machine the SmolLM2 store does not exist yet; the suite converts it once per workload before
+    the first system prepares (kvpress reads its tokenizer in prepare), never for a dummy workload, and a failed
+    conversion is every system's printed reason."""
+    import flexgen_h2o.loader as loader
+    calls = []
+    monkeypatch.setattr(loader, "ensure_store", lambda model, **kw: calls.append(model))
+    prepared = []
+    systems = all_systems()
+    for n in ("ours-full", "ours-h2o-20"):
+        monkeypatch.setattr(systems[n], "prepare", lambda w, env, out, n=n: prepared.append((n, list(calls))) or
+                            "stop here")
+    a = SimpleNamespace(work=tmp_path, repeats=1, max_probes=1, out=tmp_path, threads=2, timeout=None)
+    runner = SimpleNamespace(a=a, env={})
+    run_workload(smoke(WORKLOADS["s512+128"]), ["ours-full", "ours-h2o-20"], systems, runner, MACHINE)
+    assert calls == ["smollm2-135m"] and prepared == [("ours-full", calls), ("ours-h2o-20", calls)]
+    run_workload(smoke(WORKLOADS["disk512+128"]), ["ours-full"], systems, runner, MACHINE)
+    assert calls == ["smollm2-135m"]                                       # dummy weights: nothing to convert
+
+    def fail(model, **kw):
+        raise RuntimeError("no space left on device\nwhile writing layer 3")
+    monkeypatch.setattr(loader, "ensure_store", fail)
+    res = run_workload(smoke(WORKLOADS["s512+128"]), ["ours-full", "hf"], systems, runner, MACHINE)
+    assert {(e["status"], e["reason"]) for e in res["systems"]} == {
+        ("skipped", "converting the smollm2-135m store failed: while writing layer 3")}
+
+
+def test_uncached_disk_workloads_read_the_weights_from_disk_every_step(tmp_path):
+    """--uncached-weights: the disk shapes as for a model larger than RAM. Ours gets --uncached-disk-weights,
+    Accelerate (mmap'd files) is skipped with its reason, the bound's later passes come from the disk, and a
+    RAM workload is refused."""
+    from benchmarks.workloads import uncached
+    w = uncached(WORKLOADS["disk512+512"])
+    assert (w.name, w.uncached, WORKLOADS["disk512+512"].uncached) == ("disk512+512-uncached", True, False)
+    assert "read from the disk at every step" in w.describe()
+    picked = select_workloads(None, False, uncached_weights=True)
+    assert [x.name for x in picked] == [n + "-uncached" for n, x in WORKLOADS.items() if x.cold_disk]
+    with pytest.raises(SystemExit, match="needs a disk workload"):
+        select_workloads(["s512+128"], False, uncached_weights=True)
+    systems = all_systems()
+    cmd = systems["ours-h2o-20"].command(w, Candidate(4, 4), 8, tmp_path / "m.json", tmp_path)
+    plain = systems["ours-h2o-20"].command(WORKLOADS["disk512+512"], Candidate(4, 4), 8, tmp_path / "m.json", tmp_path)
+    assert "--uncached-disk-weights" in cmd and "--uncached-disk-weights" not in plain
+    acc = uncached(WORKLOADS["disk512+128"])
+    assert "page cache" in systems["accelerate"].skip_reason(acc)
+    assert systems["accelerate"].skip_reason(WORKLOADS["disk512+128"]) is None
+    cfg = w.model_config()
+    m = {**MACHINE, "page_cache_read_GBps": 5.0, "mem_available_bytes": 4e9}
+    kw = dict(batch=2, prompt_len=512, gen_len=33, kv_read_bytes_per_seq=1e7, offloaded_weight_bytes=1e9,
+              resident_weight_bytes=0.0, kv_tokens=100)
+    cold = mach.bound(m, cfg, page_cache=False, **kw)
+    assert cold["decode_weights_from"] == "disk" and cold["decode_step_s"] == pytest.approx(0.5 + 2e7 / 1e10)
+    assert mach.bound(m, cfg, **kw)["decode_weights_from"] == "page cache"
+
+
+def test_final_run_reuses_a_probe_only_when_it_ran_the_whole_length(tmp_path):
+    from benchmarks.suite import Runner
+    a = SimpleNamespace(out=tmp_path, work=tmp_path, threads=2, timeout=None, max_probes=1)
+    runner = Runner(a, {})
+    ran = []
+    runner.case = lambda s, w, c, gen_len, probe, repeat: ran.append((c.batch, gen_len, probe)) or {
+        "batch": c.batch, "gen_len": gen_len, "probe": probe, "extra": {}, "step_times_s": [0.1] * gen_len,
+        "prefill_s": 1.0, "decode_s": 1.0, "peak_rss_bytes": 1 << 30}
+    s, cands = all_systems()["hf"], [Candidate(1, 1), Candidate(2, 2)]
+    s.candidates = lambda w, max_batch: cands
+    w = smoke(WORKLOADS["s512+128"])
+    assert w.probe_gen_len == w.gen_len
+    best = runner.search(s, w).best
+    first, second = runner.final(s, w, best, 0), runner.final(s, w, best, 1)
+    assert ran == [(1, 8, True), (1, 8, False)]                  # the probe, then only repeat 1 runs again
+    assert first["probe"] is False and first["extra"]["reused_probe"] and "reused_probe" not in second["extra"]
+    full = WORKLOADS["s512+128"]                                 # a real workload's 16-token probe is never reused
+    runner.search(s, full)
+    runner.final(s, full, Candidate(1, 1), 0)
+    assert ran[-1] == (1, full.gen_len, False) and not runner.full_probes
+
+
+@pytest.mark.parametrize("args, says", [(["--workload", "nope"], "unknown workload"),
+                                        (["--systems", "vllm"], "no system matches"),
+                                        (["--uncached-weights", "--workload", "s512+32"], "needs a disk workload")])
+def test_bad_suite_input_is_one_line_and_exit_2(tmp_path, capsys, args, says):
+    from benchmarks.suite import main
+    assert main([*args, "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert says in err and err.startswith("error:") and len(err.splitlines()) == 1
+    assert not (tmp_path / "out").exists()                     # refused before measuring or writing anything
