@@ -140,7 +140,7 @@ def run_child(python: str, args: list[str], json_path: Path, env: dict[str, str]
 class Runner:
     def __init__(self, a: argparse.Namespace, env: dict[str, str]) -> None:
         self.a, self.env = a, env
-        self.full_probes: dict[tuple[str, str, str], dict] = {}    # probes that generated the whole gen_len
+        self.full_probes: dict[tuple[str, str], dict] = {}    # (system, batch) -> a probe of the whole gen_len
         self.runs_dir = a.out / "runs"
         self.runs_dir.mkdir(parents=True, exist_ok=True)
 
@@ -162,7 +162,7 @@ class Runner:
     def final(self, s: System, w: Workload, c: Candidate, repeat: int) -> dict:
         """A final run. The first one reuses a probe of the same batch that already generated the whole gen_len
         (smoke mode: the same command, nothing projected), so no case runs twice."""
-        reused = self.full_probes.pop((w.name, s.name, c.label), None) if repeat == 0 else None
+        reused = self.full_probes.pop((s.name, c.label), None) if repeat == 0 else None
         if reused is None:
             return self.case(s, w, c, w.gen_len, probe=False, repeat=repeat)
         print(f"  {s.name:22s} run 0   batch {c.label:>5}: its probe, which ran the whole length", flush=True)
@@ -171,8 +171,8 @@ class Runner:
     def search(self, s: System, w: Workload) -> SearchResult:
         def probe(c: Candidate) -> tuple[float, int]:
             row = self.case(s, w, c, w.probe_gen_len, probe=True, repeat=0)
-            if w.probe_gen_len >= w.gen_len:
-                self.full_probes[(w.name, s.name, c.label)] = row
+            if w.probe_gen_len == w.gen_len:
+                self.full_probes[(s.name, c.label)] = row
             return project_probe(row, w.gen_len, s.kv_growth_bytes(w, c.batch, w.gen_len - w.probe_gen_len),
                                  w.peak_bytes(row))
         cands = s.candidates(w, w.max_batch)
@@ -321,9 +321,8 @@ def main(argv: list[str] | None = None) -> int:
     a.max_probes = a.max_probes or (1 if a.smoke else 6)      # smoke: the search runs, one probe per system
     a.timeout = a.timeout or (600 if a.smoke else None)
     systems = all_systems()
-    smoke_names = [n for n in SMOKE_WORKLOADS if WORKLOADS[n].cold_disk or not a.uncached_weights]
     try:                                          # bad names: one line and exit 2, before anything is measured
-        workloads = select_workloads(a.workload or (smoke_names if a.smoke else None), a.smoke, a.uncached_weights)
+        workloads = select_workloads(a.workload, a.smoke, a.uncached_weights, SMOKE_WORKLOADS if a.smoke else None)
         plans = [(w, select_systems(a.systems, w.systems, list(systems))) for w in workloads]
     except SystemExit as err:
         print(err.code, file=sys.stderr)

@@ -122,10 +122,11 @@ def uncached(w: Workload) -> Workload:
     return replace(w, name=w.name + "-uncached", uncached=True)
 
 
-def select_workloads(names: list[str] | None, smoke_mode: bool, uncached_weights: bool = False) -> list[Workload]:
-    """Workloads by name (or all; with uncached_weights, all disk ones); unknown names raise with the list of
-    known ones."""
-    names = names or [n for n, w in WORKLOADS.items() if w.cold_disk or not uncached_weights]
+def select_workloads(names: list[str] | None, smoke_mode: bool, uncached_weights: bool = False,
+                     default: list[str] | None = None) -> list[Workload]:
+    """Workloads by name, else `default` (else all), of which only the disk ones with uncached_weights; unknown
+    names raise with the list of known ones."""
+    names = names or [n for n in (default or WORKLOADS) if WORKLOADS[n].cold_disk or not uncached_weights]
     unknown = [n for n in names if n not in WORKLOADS]
     if unknown:
         raise SystemExit(f"error: unknown workload(s) {', '.join(unknown)}; known: {', '.join(WORKLOADS)}")
