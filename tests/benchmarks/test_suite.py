@@ -112,6 +112,24 @@ def test_search_down_uses_the_planner_and_the_probe_cap():
     assert search_batch([Candidate(1, 1, predicted_bytes=9 * GIB)], probe, GIB).best is None
 
 
+def test_search_down_probes_the_planners_edge_and_the_measurement_decides():
+    budget = 2 * GIB
+    edge = int(budget * 1.05)             # the planner's estimate runs ~5 % high on the disk shapes
+    cands = [Candidate(2, 2, predicted_bytes=GIB), Candidate(4, 4, predicted_bytes=int(1.8 * GIB)),
+             Candidate(5, 5, predicted_bytes=edge)]
+    probe, calls = _fake_probe({5: (7.0, int(1.95 * GIB)), 4: (6.0, int(1.7 * GIB)), 2: (4.0, GIB)})
+    res = search_batch(cands, probe, budget, order="down")
+    assert calls[0] == 5 and res.best.batch == 5                   # measured under the budget: it wins
+    probe, calls = _fake_probe({5: (7.0, int(2.1 * GIB)), 4: (6.0, int(1.7 * GIB)), 2: (4.0, GIB)})
+    res = search_batch(cands, probe, budget, order="down")
+    assert res.best.batch == 4
+    assert ("over budget (measured)", 5) in [(s.status, s.candidate.batch) for s in res.steps]
+    far = [*cands[:2], Candidate(5, 5, predicted_bytes=int(budget * 1.2))]
+    probe, calls = _fake_probe({4: (6.0, int(1.7 * GIB)), 2: (4.0, GIB)})
+    res = search_batch(far, probe, budget, order="down")
+    assert 5 not in calls and ("over budget (planner)", 5) in [(s.status, s.candidate.batch) for s in res.steps]
+
+
 def test_project_probe_and_flexgen_rates():
     row = {"batch": 4, "gen_len": 5, "prefill_s": 2.0, "decode_s": 1.0, "step_times_s": [0.4, 0.2, 0.2, 0.2],
            "peak_rss_bytes": 100}
