@@ -4,8 +4,9 @@ keeping that share of the prompt: half heavy hitters, half recent, `--hh-ratio` 
 Each case is `python -m flexgen_h2o.run` in benchmark mode (FlexGen's runner on real corpus text) with
 `--metrics-json`. The batch search uses the engine's own planner (`flexgen_h2o.planner.estimate`, the numbers
 its preflight checks) instead of a second memory model: the largest batch whose compute + host tiers, plus the
-process runtime, fit the budget, in one GPU batch. Only candidates the planner admits are probed, from the
-largest down, because more sequences per weight pass is what offloading lives on.
+process runtime, fit the budget, in one GPU batch. Only candidates the planner admits are probed (and the first
+one it refuses, when that is within the suite's PLANNER_EDGE), from the largest down, because more sequences per
+weight pass is what offloading lives on.
 """
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ def predicted_bytes(w: Workload, hh_ratio: float | None, batch: int) -> int:
 def plan_candidates(predict: Callable[[int], int], budget: int, max_batch: int) -> list[Candidate]:
     """The largest batch the planner admits and the powers of two below it, ascending, each one GPU batch (on
     a CPU splitting a block saves no transfer; the engine prefills in chunks, so the batch is bounded by the
-    KV); then the first batch over budget, shown as such."""
+    KV); then the first batch over budget (the search probes it if it is within its edge margin)."""
     best, seen = largest_batch(predict, budget, max_batch)
     pred = dict(seen)
     keep = sorted({b for b in pred if b & (b - 1) == 0 and b < best} | ({best} if best else set()))
