@@ -78,11 +78,12 @@ def search_batch(cands: list[Candidate], probe: Callable[[Candidate], tuple[floa
     CaseFailed. "up": ascending until over budget, slower, or failed. "down": the planner's admitted candidates
     from the largest, skipping measured over-budget ones, until one is slower than the best so far.
     A candidate the planner puts within PLANNER_EDGE of the budget is probed too; its measured peak decides.
-    A lone admissible candidate is taken without a probe."""
+    A lone candidate the planner fits within the budget is taken without a probe."""
     res = SearchResult(None)
     admitted = [c for c in cands if c.predicted_bytes is None or c.predicted_bytes <= budget * PLANNER_EDGE]
     rejected = [Step(c, "over budget (planner)", c.predicted_bytes) for c in cands if c not in admitted]
-    if len(admitted) == 1:
+    # only a candidate the planner fits may skip the probe: one at its edge is over budget until measured
+    if len(admitted) == 1 and (admitted[0].predicted_bytes or 0) <= budget:
         res.best = admitted[0]
         res.steps = [Step(admitted[0], "best (only candidate, not probed)", admitted[0].predicted_bytes)] + rejected
         return res

@@ -13,7 +13,7 @@ import pytest
 
 from benchmarks import machine as mach
 from benchmarks.common import CaseFailed
-from benchmarks.suite import project_probe, run_workload, search_batch, summarize, validate_row
+from benchmarks.suite import PLANNER_EDGE, project_probe, run_workload, search_batch, summarize, validate_row
 from benchmarks.suite_report import CAPPED_BEST, drift_table, write_report
 from benchmarks.systems import RESULT_KEYS, Candidate, all_systems, rates, select_systems
 from benchmarks.workloads import GIB, WORKLOADS, select_workloads, smoke
@@ -124,10 +124,14 @@ def test_search_down_probes_the_planners_edge_and_the_measurement_decides():
     res = search_batch(cands, probe, budget, order="down")
     assert res.best.batch == 4
     assert ("over budget (measured)", 5) in [(s.status, s.candidate.batch) for s in res.steps]
-    far = [*cands[:2], Candidate(5, 5, predicted_bytes=int(budget * 1.2))]
+    far = [*cands[:2], Candidate(5, 5, predicted_bytes=int(budget * (PLANNER_EDGE + 0.1)))]
     probe, calls = _fake_probe({4: (6.0, int(1.7 * GIB)), 2: (4.0, GIB)})
     res = search_batch(far, probe, budget, order="down")
     assert 5 not in calls and ("over budget (planner)", 5) in [(s.status, s.candidate.batch) for s in res.steps]
+    # an edge candidate alone is still probed (it is over budget until measured), and its measurement decides
+    probe, calls = _fake_probe({5: (7.0, int(2.1 * GIB))})
+    res = search_batch(cands[2:], probe, budget, order="down")
+    assert calls == [5] and res.best is None and res.steps[0].status == "over budget (measured)"
 
 
 def test_project_probe_and_flexgen_rates():
