@@ -5,6 +5,10 @@ Everything but the attention function is the working tree's: the same engine, pr
 cache rules as benchmarks/profile_decode.py. The old function gets only the keyword arguments its signature has.
 
     python -m benchmarks.attention_ab --old-rev ff410d4 --out benchmarks/results/attention_ab
+    # the disk512 shape: OPT-1.3B dummy weights from files, one prefill chunk of 8 x 512
+    python -m benchmarks.attention_ab --old-rev e51059a --model opt-1.3b --dummy-weights \
+        --percent 0 0 100 0 100 0 --batch 8 --prompt-len 512 --hh-size 51 --recent-size 51 \
+        --out benchmarks/results/attention_ab_disk512
 """
 from __future__ import annotations
 
@@ -47,6 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hh-size", type=int, default=204)
     p.add_argument("--recent-size", type=int, default=204)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--dummy-weights", action="store_true", help="as profile_decode's (the OPT shapes)")
+    p.add_argument("--percent", type=int, nargs=6, metavar="P", help="as profile_decode's (placement)")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/attention_ab"))
     a = p.parse_args(argv)
     from benchmarks.profile_decode import setup

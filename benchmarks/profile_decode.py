@@ -119,9 +119,8 @@ def timed_call(engine, prompts, rule, prefilled, a: argparse.Namespace):
 def offload_policy(a: argparse.Namespace):
     """One GPU batch of `a.batch`: everything resident unless --percent places it."""
     from flexgen_h2o.config import OffloadPolicy
-    percent = getattr(a, "percent", None)
-    if percent:
-        return OffloadPolicy.from_percent(percent, gpu_batch_size=a.batch, num_gpu_batches=1)
+    if a.percent:
+        return OffloadPolicy.from_percent(a.percent, gpu_batch_size=a.batch, num_gpu_batches=1)
     return OffloadPolicy(gpu_batch_size=a.batch, num_gpu_batches=1)
 
 
@@ -137,7 +136,7 @@ def setup(a: argparse.Namespace, offload_dir: str | None = None):
     from benchmarks.step_scaling import prompts_for
     torch.set_num_threads(a.threads)
     offload = offload_policy(a)
-    dummy = getattr(a, "dummy_weights", False)            # attention_ab shares this setup without these options
+    dummy = a.dummy_weights
     model = load_model(a.model, dummy_weights=dummy, dummy_on_disk=offload.tier_fractions("weights")[2] > 0,
                        progress=False)
     rules = {"full": EvictionConfig(),

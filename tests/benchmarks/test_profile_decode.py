@@ -36,7 +36,7 @@ def test_percent_places_the_weights_and_the_bound_counts_the_disk_share():
     from benchmarks.profile_decode import offload_policy, step_bound
     from flexgen_h2o.models import resolve_model
     from benchmarks.profile_decode import build_parser
-    resident = offload_policy(argparse.Namespace(batch=8))                 # attention_ab's namespace: no --percent
+    resident = offload_policy(argparse.Namespace(batch=8, percent=None))   # no --percent: all resident
     args = build_parser().parse_args(["--dummy-weights", "--batch", "8", "--percent", "0", "0", "100", "0", "100", "0"])
     on_disk = offload_policy(args)
     assert args.dummy_weights and offload_policy(build_parser().parse_args([])).tier_fractions("weights")[2] == 0
