@@ -35,6 +35,7 @@ def prompt_attention(q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor | None, 
     want_scores, the fp32 mass per key (b, g, s) summed over the valid queries. The mask and the fp32
     probabilities exist for one chunk at a time: memory ~ b * h * chunk * s, never s * s."""
     t, s = q.shape[2], k.shape[2]
+    k, v = k.contiguous(), v.contiguous()    # as in ops.grouped_attention: a head view is copied by every chunk
     key_index = torch.arange(s, device=q.device)
     outs = []
     scores = torch.zeros(k.shape[0], k.shape[1], s, dtype=torch.float32, device=q.device) if want_scores else None
