@@ -136,12 +136,11 @@ def setup(a: argparse.Namespace, offload_dir: str | None = None):
     from benchmarks.step_scaling import prompts_for
     torch.set_num_threads(a.threads)
     offload = offload_policy(a)
-    dummy = a.dummy_weights
-    model = load_model(a.model, dummy_weights=dummy, dummy_on_disk=offload.tier_fractions("weights")[2] > 0,
+    model = load_model(a.model, dummy_weights=a.dummy_weights, dummy_on_disk=offload.tier_fractions("weights")[2] > 0,
                        progress=False)
     rules = {"full": EvictionConfig(),
              "h2o": EvictionConfig(policy="h2o", hh_size=a.hh_size, recent_size=a.recent_size)}
-    if dummy:
+    if a.dummy_weights:
         gen = torch.Generator().manual_seed(0)
         prompts = torch.randint(0, model.config.vocab_size, (a.batch, a.prompt_len), generator=gen).tolist()
     else:
