@@ -142,7 +142,15 @@ def measure_h2d(smoke: bool) -> dict[str, float] | None:
     sync = torch.cuda.synchronize
     h2d = _best(lambda: dev.copy_(host, non_blocking=True), 0.2, sync)
     d2h = _best(lambda: host.copy_(dev, non_blocking=True), 0.2, sync)
-    return {"h2d_GBps": n / h2d / 1e9, "d2h_GBps": n / d2h / 1e9}
+    other = torch.empty_like(dev)
+    d2d = _best(lambda: other.copy_(dev), 0.2, sync)
+    # the compute side of a GPU roofline: an fp16 GEMM at a prefill-like shape (the engine computes in fp16)
+    m = 2048 if smoke else 8192
+    a, b = (torch.randn(m, m, dtype=torch.float16, device="cuda") for _ in range(2))
+    gemm = _best(lambda: a @ b, 0.2, sync)
+    return {"name": torch.cuda.get_device_name(0), "h2d_GBps": n / h2d / 1e9, "d2h_GBps": n / d2h / 1e9,
+            "device_read_GBps": n / d2d / 1e9, "gemm_fp16_TFLOPs": 2 * m ** 3 / gemm / 1e12,
+            "memory_bytes": torch.cuda.get_device_properties(0).total_memory}
 
 
 def measure(threads: int = 2, smoke: bool = False, disk_dir: Path | None = None) -> dict[str, Any]:
@@ -171,7 +179,10 @@ def _cpu_model() -> str:
 # --- the roofline (pure arithmetic) ---
 
 def peak_flops(machine: dict[str, Any]) -> float:
-    """The best fp32 GEMM rate measured at any shape (the prefill shape in practice), in FLOP/s."""
+    """The best GEMM rate measured: the GPU's fp16 one where there is a GPU, else the CPU's best fp32 rate at any
+    shape (the prefill shape in practice), in FLOP/s."""
+    if machine.get("gpu"):
+        return machine["gpu"]["gemm_fp16_TFLOPs"] * 1e12
     return max([machine["gemm_prefill_GFLOPs"], *machine["gemm_decode_GFLOPs"].values()]) * 1e9
 
 
@@ -190,7 +201,7 @@ def model_flops(cfg: Any, batch: int, prompt_len: int, kv_tokens: float) -> tupl
 
 def bound(machine: dict[str, Any], cfg: Any, *, batch: int, prompt_len: int, gen_len: int,
           kv_read_bytes_per_seq: float, offloaded_weight_bytes: float, resident_weight_bytes: float,
-          kv_tokens: float, page_cache: bool = True) -> dict[str, Any]:
+          kv_tokens: float, page_cache: bool = True, host_weight_bytes: float = 0.0) -> dict[str, Any]:
     """The fastest this run could be on this machine: per phase max(bytes that must move / bandwidth,
     FLOPs / peak GEMM rate), i.e. transfers and compute perfectly overlapped.
     - bytes, prefill: one pass of the offloaded (disk-homed) weights at the cold disk read rate;
@@ -199,7 +210,9 @@ def bound(machine: dict[str, Any], cfg: Any, *, batch: int, prompt_len: int, gen
       when the compute device is the CPU, the resident weights streamed once from DRAM (a decode GEMM has too
       few rows to reuse them from cache: the decode-height GEMM rates in machine.json show it);
     kv_read_bytes_per_seq and kv_tokens are averages over the decode steps; page_cache=False: the run drops the
-    weights from the page cache after every read, so every pass is bounded by the disk."""
+    weights from the page cache after every read, so every pass is bounded by the disk.
+    With a GPU: the peak is its fp16 GEMM rate, the weights homed in host RAM (host_weight_bytes) cross the
+    host->device link once per pass, and the kept KV is read from device memory."""
     disk = machine["disk_read_GBps"] * 1e9
     mem = machine["mem_read_GBps"] * 1e9
     # after the first (cold) pass, offloaded weights that fit the free RAM come back from the page cache: the
@@ -208,11 +221,14 @@ def bound(machine: dict[str, Any], cfg: Any, *, batch: int, prompt_len: int, gen
               and "page_cache_read_GBps" in machine)
     again = machine["page_cache_read_GBps"] * 1e9 if cached else disk
     peak = peak_flops(machine)
-    dram_weights = resident_weight_bytes if machine.get("gpu") is None else 0.0
+    gpu = machine.get("gpu")
+    dram_weights = resident_weight_bytes if gpu is None else 0.0
+    link = host_weight_bytes / (gpu["h2d_GBps"] * 1e9) if gpu else 0.0
+    kv_mem = gpu["device_read_GBps"] * 1e9 if gpu else mem
     f_pre, f_step = model_flops(cfg, batch, prompt_len, kv_tokens)
-    t_pre = {"compute": f_pre / peak, "io": offloaded_weight_bytes / disk}
-    t_step = {"compute": f_step / peak,
-              "io": offloaded_weight_bytes / again + (batch * kv_read_bytes_per_seq + dram_weights) / mem}
+    t_pre = {"compute": f_pre / peak, "io": offloaded_weight_bytes / disk + link}
+    t_step = {"compute": f_step / peak, "io": offloaded_weight_bytes / again + link
+              + batch * kv_read_bytes_per_seq / kv_mem + dram_weights / mem}
     pre_s, step_s = max(t_pre.values()), max(t_step.values())
     dec_s = step_s * max(gen_len - 1, 0)
     return {"prefill_s": pre_s, "decode_step_s": step_s, "decode_s": dec_s, "decode_weights_from":

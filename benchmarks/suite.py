@@ -26,7 +26,7 @@ import shlex  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
-from dataclasses import asdict, dataclass, field  # noqa: E402
+from dataclasses import asdict, dataclass, field, replace  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any, Callable  # noqa: E402
 
@@ -181,6 +181,9 @@ class Runner:
                 self.full_probes[(s.name, c.label)] = row
             return project_probe(row, w.gen_len, s.kv_growth_bytes(w, c.batch, w.gen_len - w.probe_gen_len),
                                  w.peak_bytes(row))
+        fixed = self.a.batch.get(s.name)
+        if fixed is not None:                   # --batch: no search, the batch the user named
+            return SearchResult(fixed, [Step(fixed, "best (fixed by --batch)")])
         cands = s.candidates(w, w.max_batch)
         return search_batch(cands, probe, w.budget_bytes, order=s.search_order(), max_probes=self.a.max_probes)
 
@@ -218,7 +221,8 @@ def roofline(machine: dict[str, Any], w: Workload, s: System, summ: dict[str, An
     resident = max(cfg.n_params() - off / 2, 0) * 4
     b = bound(machine, cfg, batch=summ["batch"], prompt_len=summ["prompt_len"], gen_len=g,
               kv_read_bytes_per_seq=per_seq * avg_tokens / tokens_end, offloaded_weight_bytes=off,
-              resident_weight_bytes=resident, kv_tokens=avg_tokens, page_cache=not w.uncached)
+              resident_weight_bytes=resident, kv_tokens=avg_tokens, page_cache=not w.uncached,
+              host_weight_bytes=cfg.n_params() * 2 if w.weights == "host" else 0.0)
     for k in ("prefill_tok_s", "decode_tok_s", "total_tok_s"):
         b[k.replace("tok_s", "pct")] = 100 * summ[k] / b[k] if b[k] > 0 else float("nan")
     # total can never beat the prefill rate times gen/prompt: the time to read the prompt alone
@@ -299,6 +303,26 @@ def run_workload(w: Workload, names: list[str], systems: dict[str, System], runn
     return {"workload": asdict(w), "systems": list(entries.values())}
 
 
+def parse_batches(specs: list[str]) -> dict[str, Candidate]:
+    """--batch values: SYSTEM=B (one batch of B) or SYSTEM=GBSxN (N GPU batches of GBS)."""
+    out = {}
+    for spec in specs:
+        name, _, b = spec.partition("=")
+        gbs, _, nb = b.partition("x")
+        if not (name and gbs.isdigit() and int(gbs) > 0 and (nb == "" or (nb.isdigit() and int(nb) > 0))):
+            raise SystemExit(f"error: --batch {spec!r}: expected SYSTEM=B or SYSTEM=GBSxN, e.g. flexgen=32x8")
+        n = int(nb or 1)
+        out[name] = Candidate(int(gbs) * n, int(gbs), n)
+    return out
+
+
+def overridden(w: Workload, model: str | None, gen_len: int | None) -> Workload:
+    """The workload with another model or generation length (a shortened run), under a name that says so."""
+    model, gen_len = model or w.model, gen_len or w.gen_len
+    return replace(w, name=f"{w.name}--{model}-gen{gen_len}", model=model, gen_len=gen_len,
+                   probe_gen_len=min(w.probe_gen_len, gen_len))
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m benchmarks.suite", description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
@@ -313,6 +337,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, help="final runs per system, interleaved (default 2; smoke 1)")
     p.add_argument("--max-probes", type=int, help="search probes per system (default 6; smoke 1)")
     p.add_argument("--budget-gib", type=float, help="override every workload's RAM budget")
+    p.add_argument("--model", help="override the workloads' model (a flexgen_h2o preset, e.g. opt-6.7b)")
+    p.add_argument("--gen-len", type=int, help="override the workloads' generation length")
+    p.add_argument("--batch", nargs="+", default=[], metavar="SYSTEM=B",
+                   help="skip a system's batch search: B sequences, or GBSxN (N GPU batches of GBS)")
     p.add_argument("--threads", type=int, default=2, help="OMP/MKL/torch threads, the same for every system")
     p.add_argument("--timeout", type=float, help="seconds per case (smoke: 600)")
     p.add_argument("--machine-json", type=Path, help="reuse constants measured earlier instead of measuring")
@@ -330,12 +358,22 @@ def main(argv: list[str] | None = None) -> int:
     try:                                          # bad names: one line and exit 2, before anything is measured
         workloads = select_workloads(a.workload, a.smoke, a.uncached_weights, SMOKE_WORKLOADS if a.smoke else None)
         plans = [(w, select_systems(a.systems, w.systems, list(systems))) for w in workloads]
+        a.batch = parse_batches(a.batch)
+        if a.model:
+            from flexgen_h2o.models import ModelNameError, resolve_model
+            try:
+                resolve_model(a.model)
+            except ModelNameError as err:
+                raise SystemExit(f"error: --model: {err}") from err
+        if a.gen_len is not None and a.gen_len < 2:
+            raise SystemExit(f"error: --gen-len {a.gen_len}: needs at least 2 tokens (a prefill and a decode step)")
     except SystemExit as err:
         print(err.code, file=sys.stderr)
         return 2
     if a.budget_gib:
-        from dataclasses import replace
         plans = [(replace(w, budget_bytes=int(a.budget_gib * (1 << 30))), names) for w, names in plans]
+    if a.model or a.gen_len is not None:
+        plans = [(overridden(w, a.model, a.gen_len), names) for w, names in plans]
     a.out.mkdir(parents=True, exist_ok=True)
     a.work = a.work or a.out / "work"
     a.work.mkdir(parents=True, exist_ok=True)

@@ -24,7 +24,9 @@ def _f(x: Any, nd: int = 1) -> str:
 def machine_line(m: dict[str, Any]) -> str:
     dec = m["gemm_decode_GFLOPs"]
     gpu = m.get("gpu")
-    link = f"host->device {gpu['h2d_GBps']:.1f} GB/s, device->host {gpu['d2h_GBps']:.1f} GB/s" if gpu else "no GPU"
+    link = (f"{gpu.get('name', 'GPU')}: host->device {gpu['h2d_GBps']:.1f} GB/s, device->host "
+            f"{gpu['d2h_GBps']:.1f} GB/s, device copy {gpu.get('device_read_GBps', 0):.0f} GB/s, fp16 GEMM "
+            f"{gpu.get('gemm_fp16_TFLOPs', 0):.0f} TFLOP/s") if gpu else "no GPU"
     cold = m.get("disk_read_cold_fraction", -1)
     return (f"Machine ({m['date']}, {m['cpu']}, {m['threads']} threads, torch {m['torch']}): fp32 GEMM "
             f"{dec.get('1', 0):.1f} / {dec.get('8', 0):.1f} / {dec.get('64', 0):.1f} GFLOP/s at decode heights "

@@ -67,16 +67,17 @@ class Engine:
                  offload: OffloadPolicy | None = None, eviction: EvictionConfig | None = None,
                  device: str | None = None, offload_dir: str | None = None,
                  decode: Callable[[list[int]], str] | None = None, locate: Callable | None = None,
-                 check_context: bool = True):
+                 check_context: bool = True, compute_dtype: torch.dtype | None = None):
         """read_weight: name -> fp16 array; locate: a store's name -> (file, offset, bytes), so disk-homed
         weights are streamed with plain reads instead of through a memmap. eviction: the default KV rule
         (generate can take another per call). check_context=False lets a run go past the model's context
-        window without position rolling (the accuracy harness measures exactly that collapse)."""
+        window without position rolling (the accuracy harness measures exactly that collapse). compute_dtype:
+        CUDA's, fp16 unless given (the CPU computes in fp32)."""
         self.model = model
         self.offload = (offload or OffloadPolicy()).validate()
         self.eviction = self._checked(eviction or EvictionConfig(policy="full"))
         self.check_context = check_context
-        self.backend = get_backend(device)
+        self.backend = get_backend(device, compute_dtype)
         self.device, self.compute_dtype = self.backend.compute_device, self.backend.compute_dtype
         self.kv_dtype = getattr(torch, self.offload.kv_dtype)
         # CPU: staged KV windows reuse buffers (CUDA's caching allocator already recycles device memory)

@@ -1,6 +1,8 @@
 """Test helpers: tiny random transformers models, their weights as an engine source, HF greedy references."""
 from __future__ import annotations
 
+import os
+
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalLM
 
@@ -11,6 +13,9 @@ from flexgen_h2o.models import build_layers, from_hf_config
 from flexgen_h2o.models.transformer import all_specs
 
 VOCAB = 128
+# The engine under test runs on the CPU. FLEXGEN_H2O_TEST_DEVICE=cuda runs the same tests on a GPU, computing in
+# fp32 so that they hold it to the same references (tests/test_cuda.py checks the fp16 path users run there).
+TEST_DEVICE = os.environ.get("FLEXGEN_H2O_TEST_DEVICE", "cpu")
 
 
 def tiny_hf(kind: str, seed: int = 0):
@@ -55,13 +60,14 @@ def make_engine(model, *, offload: OffloadPolicy | None = None, eviction: Evicti
                 offload_dir=None, record: bool = True) -> Engine:
     cfg, read = weight_reader(model)
     offload = offload or OffloadPolicy(kv_dtype="float32", gpu_batch_size=8)
-    engine = Engine(cfg, read, offload=offload, eviction=eviction, offload_dir=offload_dir)
+    engine = Engine(cfg, read, offload=offload, eviction=eviction, offload_dir=offload_dir, device=TEST_DEVICE,
+                    compute_dtype=torch.float32)
     if record:
         engine.step_logits = {}
 
         def keep(token, seq_ids, logits):
             for row, s in enumerate(seq_ids):
-                engine.step_logits.setdefault(s, []).append(logits[row].clone())
+                engine.step_logits.setdefault(s, []).append(logits[row].to("cpu", torch.float32, copy=True))
         engine.on_step_logits = keep
     return engine
 

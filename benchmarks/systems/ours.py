@@ -66,7 +66,8 @@ class Ours(System):
     _prepared: dict[str, str | None] = {}          # model -> failure reason, shared by the four variants
 
     def prepare(self, w: Workload, env: dict[str, str], out: Path) -> str | None:
-        if w.dummy and w.model not in Ours._prepared:   # write the dummy store once, outside every timed run
+        # a disk workload's dummy store is written once, outside every timed run (elsewhere weights are made in RAM)
+        if w.dummy and w.cold_disk and w.model not in Ours._prepared:
             from benchmarks.h2o_throughput import prepare_store
             try:
                 prepare_store(w.model, env)

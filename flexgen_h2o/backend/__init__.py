@@ -10,13 +10,15 @@ from .cuda import CUDABackend, is_available as cuda_is_available
 __all__ = ["LANES", "Backend", "CPUBackend", "CUDABackend", "get_backend"]
 
 
-def get_backend(device: str | torch.device | None = None) -> Backend:
-    """"cuda", "cuda:N" → CUDABackend; "cpu" → CPUBackend; None → CUDA if a GPU is visible, else CPU."""
+def get_backend(device: str | torch.device | None = None, compute_dtype: torch.dtype | None = None) -> Backend:
+    """"cuda", "cuda:N" → CUDABackend; "cpu" → CPUBackend; None → CUDA if a GPU is visible, else CPU.
+    compute_dtype overrides CUDA's fp16 (fp32 on a GPU lets tests hold it to the CPU's references); the CPU
+    always computes in fp32."""
     if device is None:
-        return CUDABackend() if cuda_is_available() else CPUBackend()
+        device = "cuda" if cuda_is_available() else "cpu"
     dev = str(device)
     if dev.startswith("cuda"):
-        return CUDABackend(dev)
+        return CUDABackend(dev, compute_dtype or torch.float16)
     if dev == "cpu":
         return CPUBackend()
     raise ValueError(f"unknown device {device!r}: expected 'cpu', 'cuda' or 'cuda:N'")

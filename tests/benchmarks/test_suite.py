@@ -13,7 +13,8 @@ import pytest
 
 from benchmarks import machine as mach
 from benchmarks.common import CaseFailed
-from benchmarks.suite import PLANNER_EDGE, project_probe, run_workload, search_batch, summarize, validate_row
+from benchmarks.suite import (PLANNER_EDGE, overridden, parse_batches, project_probe, run_workload, search_batch,
+                              summarize, validate_row)
 from benchmarks.suite_report import CAPPED_BEST, drift_table, write_report
 from benchmarks.systems import RESULT_KEYS, Candidate, all_systems, rates, select_systems
 from benchmarks.workloads import GIB, WORKLOADS, select_workloads, smoke
@@ -163,10 +164,17 @@ def test_roofline_arithmetic():
                     resident_weight_bytes=0.0, kv_tokens=100)
     assert pc["decode_step_s"] == pytest.approx(0.2 + 2e7 / 1e10) and pc["decode_weights_from"] == "page cache"
     assert pc["prefill_s"] == b["prefill_s"] and b["decode_weights_from"] == "disk"
-    # compute-bound when nothing moves; a GPU machine drops the DRAM weight stream
-    c = mach.bound({**MACHINE, "gpu": {"h2d_GBps": 20, "d2h_GBps": 20}}, cfg, batch=2, prompt_len=512, gen_len=33,
+    # a GPU machine: its fp16 GEMM peak, no DRAM weight stream; compute-bound when nothing moves
+    gpu = {"h2d_GBps": 20, "d2h_GBps": 20, "device_read_GBps": 1000, "gemm_fp16_TFLOPs": 0.2}
+    c = mach.bound({**MACHINE, "gpu": gpu}, cfg, batch=2, prompt_len=512, gen_len=33,
                    kv_read_bytes_per_seq=0, offloaded_weight_bytes=0, resident_weight_bytes=5e8, kv_tokens=100)
-    assert c["decode_limit"] == "compute" and c["decode_step_s"] == pytest.approx(f_step / 100e9)
+    assert mach.peak_flops({**MACHINE, "gpu": gpu}) == 0.2e12
+    assert c["decode_limit"] == "compute" and c["decode_step_s"] == pytest.approx(f_step / 0.2e12)
+    # weights homed in host RAM cross the link at every pass; the KV is read from device memory
+    h = mach.bound({**MACHINE, "gpu": gpu}, cfg, batch=2, prompt_len=512, gen_len=33, kv_read_bytes_per_seq=1e9,
+                   offloaded_weight_bytes=0, resident_weight_bytes=0, kv_tokens=100, host_weight_bytes=4e9)
+    assert h["decode_limit"] == "io" and h["decode_step_s"] == pytest.approx(4e9 / 20e9 + 2e9 / 1000e9)
+    assert h["prefill_s"] == pytest.approx(max(f_pre / 0.2e12, 4e9 / 20e9))
 
 
 def _ours_raw(block=2):
@@ -343,7 +351,7 @@ def test_uncached_disk_workloads_read_the_weights_from_disk_every_step(tmp_path)
 
 def test_final_run_reuses_a_probe_only_when_it_ran_the_whole_length(tmp_path):
     from benchmarks.suite import Runner
-    a = SimpleNamespace(out=tmp_path, work=tmp_path, threads=2, timeout=None, max_probes=1)
+    a = SimpleNamespace(out=tmp_path, work=tmp_path, threads=2, timeout=None, max_probes=1, batch={})
     runner = Runner(a, {})
     ran = []
     runner.case = lambda s, w, c, gen_len, probe, repeat: ran.append((c.batch, gen_len, probe)) or {
@@ -361,11 +369,25 @@ def test_final_run_reuses_a_probe_only_when_it_ran_the_whole_length(tmp_path):
     runner.search(s, full)
     runner.final(s, full, Candidate(1, 1), 0)
     assert ran[-1] == (1, full.gen_len, False) and not runner.full_probes
+    a.batch = parse_batches(["hf=4", "flexgen=32x8"])                # --batch: no search, no probe
+    assert a.batch["flexgen"] == Candidate(256, 32, 8)
+    n = len(ran)
+    fixed = runner.search(s, full)
+    assert fixed.best == Candidate(4, 4) and fixed.steps[0].status.startswith("best") and len(ran) == n
+
+
+def test_overrides_rename_the_workload():
+    w = overridden(WORKLOADS["gpu-opt30b-512+512"], "opt-6.7b", 64)
+    assert (w.model, w.gen_len, w.prompt_len, w.probe_gen_len) == ("opt-6.7b", 64, 512, 16)
+    assert w.name == "gpu-opt30b-512+512--opt-6.7b-gen64" and w.needs_gpu
 
 
 @pytest.mark.parametrize("args, says", [(["--workload", "nope"], "unknown workload"),
                                         (["--systems", "vllm"], "no system matches"),
-                                        (["--uncached-weights", "--workload", "s512+32"], "needs a disk workload")])
+                                        (["--uncached-weights", "--workload", "s512+32"], "needs a disk workload"),
+                                        (["--batch", "flexgen=8y"], "expected SYSTEM=B"),
+                                        (["--model", "opt-999"], "unknown model"),
+                                        (["--gen-len", "1"], "at least 2 tokens")])
 def test_bad_suite_input_is_one_line_and_exit_2(tmp_path, capsys, args, says):
     from benchmarks.suite import main
     assert main([*args, "--out", str(tmp_path / "out")]) == 2

@@ -1,0 +1,112 @@
+"""The fp16 CUDA path (what a GPU user runs) against the fp32 CPU engine, and the CLI on a GPU with weights, KV
+and activations offloaded. Marked gpu: skipped where torch sees no CUDA device (CI). On a GPU:
+`pytest -m gpu tests`; the rest of the suite runs there too, in fp32, with FLEXGEN_H2O_TEST_DEVICE=cuda."""
+from __future__ import annotations
+
+import functools
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from flexgen_h2o.config import OffloadPolicy
+from flexgen_h2o.engine import Engine
+from flexgen_h2o.kv import EvictionConfig
+from tests.helpers import greedy, random_prompts, tiny_hf, weight_reader
+
+pytestmark = pytest.mark.gpu
+
+PROMPTS = random_prompts([9, 14, 5, 12, 11], seed=5)
+N_NEW = 8
+PLACEMENTS = {"compute": [100, 0, 100, 0, 100, 0], "host": [0, 100, 0, 100, 0, 100],
+              "mixed": [30, 40, 20, 30, 34, 33], "disk": [0, 0, 0, 0, 0, 0]}
+H2O = EvictionConfig(policy="h2o", hh_size=3, recent_size=3)
+# fp16 compute against fp32: the logits of tiny random models agree to ~1e-3 of their range; 2 % leaves room
+# for accumulation order and still catches a wrong scale, mask or position (those move logits by their range)
+REL_TOL = 0.02
+
+
+def run_engine(kind: str, device: str, dtype: torch.dtype, placement: str, ev: EvictionConfig | None,
+               offload_dir: Path, **policy) -> tuple[list[list[int]], dict[int, list[torch.Tensor]], Engine]:
+    cfg, read = weight_reader(tiny_hf(kind))
+    pol = OffloadPolicy.from_percent(PLACEMENTS[placement], gpu_batch_size=2, num_gpu_batches=3,
+                                     kv_dtype="float16", **policy)
+    engine = Engine(cfg, read, offload=pol, eviction=ev, device=device, compute_dtype=dtype,
+                    offload_dir=str(offload_dir))
+    logits: dict[int, list[torch.Tensor]] = {}
+
+    def keep(token, seq_ids, step_logits):
+        for row, s in enumerate(seq_ids):
+            logits.setdefault(s, []).append(step_logits[row].to("cpu", torch.float32, copy=True))
+    engine.on_step_logits = keep
+    with engine:
+        out = engine.generate(PROMPTS, greedy(N_NEW))
+    return out.token_ids, logits, engine
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_reference(kind: str, h2o: bool, tmp: str) -> tuple:
+    return run_engine(kind, "cpu", torch.float32, "compute", H2O if h2o else None, Path(tmp))
+
+
+def assert_close_run(got: tuple, want: tuple) -> None:
+    tokens, logits, _ = got
+    ref_tokens, ref_logits, _ = want
+    assert tokens == ref_tokens
+    for s, ref in ref_logits.items():
+        for step, (a, b) in enumerate(zip(logits[s], ref)):
+            scale = float(b.abs().max())
+            err = float((a - b).abs().max())
+            assert err <= REL_TOL * scale, f"sequence {s} step {step}: |fp16 - fp32| {err:.4f} vs range {scale:.2f}"
+
+
+@pytest.mark.parametrize("placement", list(PLACEMENTS))
+@pytest.mark.parametrize("kind", ["opt", "llama-gqa"])
+def test_fp16_cuda_matches_fp32_cpu(kind, placement, tmp_path_factory):
+    ref = cpu_reference(kind, False, str(tmp_path_factory.mktemp("ref")))
+    got = run_engine(kind, "cuda", torch.float16, placement, None, tmp_path_factory.mktemp("run"))
+    assert_close_run(got, ref)
+    assert got[2].backend.device_memory()["peak_bytes"] > 0
+
+
+@pytest.mark.parametrize("placement", ["compute", "mixed"])
+@pytest.mark.parametrize("kind", ["opt", "llama-gqa"])
+def test_h2o_on_cuda_keeps_what_the_cpu_keeps(kind, placement, tmp_path_factory):
+    """Scores accumulate in fp32 on both sides, so the same tokens are kept; the cache stays at its budget."""
+    ref = cpu_reference(kind, True, str(tmp_path_factory.mktemp("ref")))
+    got = run_engine(kind, "cuda", torch.float16, placement, H2O, tmp_path_factory.mktemp("run"))
+    assert_close_run(got, ref)
+    kept = [c.kept_positions() for caches in got[2].last_caches for split in caches.values() for c in split.caches]
+    want = [c.kept_positions() for caches in ref[2].last_caches for split in caches.values() for c in split.caches]
+    flat = [heads for part in kept for seq in part for heads in seq]
+    assert flat == [heads for part in want for seq in part for heads in seq]
+    assert max(len(h) for h in flat) == H2O.hh_size + H2O.recent_size
+
+
+def test_cpu_cache_compute_on_cuda(tmp_path_factory):
+    """Decode attention where the KV lives (host), FlexGen's cpu_cache_compute, on a GPU run."""
+    ref = cpu_reference("opt", False, str(tmp_path_factory.mktemp("ref")))
+    got = run_engine("opt", "cuda", torch.float16, "host", None, tmp_path_factory.mktemp("run"),
+                     cpu_cache_compute=True)
+    assert_close_run(got, ref)
+
+
+@pytest.mark.parametrize("eviction", [["--full-cache"], ["--hh-ratio", "0.1"]])
+def test_cli_on_cuda_with_everything_offloaded(eviction, tmp_path):
+    """The CLI on a GPU, weights half on the host, KV half on disk: the measured device peak stays within the
+    engine's own compute-tier accounting (plus CUDA's allocator slack), and no offload file outlives the run."""
+    metrics, offload = tmp_path / "m.json", tmp_path / "offload"
+    cmd = [sys.executable, "-m", "flexgen_h2o.run", "--model", "opt-125m", "--dummy-weights", "--device", "cuda",
+           "--prompt-len", "64", "--gen-len", "16", "--gpu-batch-size", "4", "--num-gpu-batches", "2",
+           "--percent", "50", "50", "50", "0", "100", "0", "--offload-dir", str(offload),
+           "--metrics-json", str(metrics), "--no-progress", *eviction]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_WAIT_POLICY="PASSIVE"))
+    assert r.returncode == 0, r.stderr[-2000:]
+    m = json.loads(metrics.read_text())
+    assert m["generated_tokens"] == 8 * 16 and m["decode_tok_s"] > 0
+    assert 0 < m["device_peak_bytes"] <= 1.5 * m["peak_compute_bytes"] + (64 << 20), m
+    assert not offload.exists() or not any(offload.iterdir())
