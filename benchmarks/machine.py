@@ -212,7 +212,7 @@ def bound(machine: dict[str, Any], cfg: Any, *, batch: int, prompt_len: int, gen
     kv_read_bytes_per_seq and kv_tokens are averages over the decode steps; page_cache=False: the run drops the
     weights from the page cache after every read, so every pass is bounded by the disk.
     With a GPU: the peak is its fp16 GEMM rate, the weights homed in host RAM (host_weight_bytes) cross the
-    host->device link once per pass, and the kept KV is read from device memory."""
+    host->device link once per pass, and the kept KV is read from device memory, beside the link."""
     disk = machine["disk_read_GBps"] * 1e9
     mem = machine["mem_read_GBps"] * 1e9
     # after the first (cold) pass, offloaded weights that fit the free RAM come back from the page cache: the
@@ -227,8 +227,12 @@ def bound(machine: dict[str, Any], cfg: Any, *, batch: int, prompt_len: int, gen
     kv_mem = gpu["device_read_GBps"] * 1e9 if gpu else mem
     f_pre, f_step = model_flops(cfg, batch, prompt_len, kv_tokens)
     t_pre = {"compute": f_pre / peak, "io": offloaded_weight_bytes / disk + link}
-    t_step = {"compute": f_step / peak, "io": offloaded_weight_bytes / again + link
-              + batch * kv_read_bytes_per_seq / kv_mem + dram_weights / mem}
+    kv_s = batch * kv_read_bytes_per_seq / kv_mem
+    t_step = {"compute": f_step / peak, "io": offloaded_weight_bytes / again + link + dram_weights / mem}
+    if gpu:         # the link and the device's memory are separate resources: their transfers overlap
+        t_step["device memory"] = kv_s
+    else:           # on a CPU the KV and the streamed weights come through the same DRAM
+        t_step["io"] += kv_s
     pre_s, step_s = max(t_pre.values()), max(t_step.values())
     dec_s = step_s * max(gen_len - 1, 0)
     return {"prefill_s": pre_s, "decode_step_s": step_s, "decode_s": dec_s, "decode_weights_from":

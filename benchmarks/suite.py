@@ -291,6 +291,7 @@ def run_workload(w: Workload, names: list[str], systems: dict[str, System], runn
                 e["runs"].append(runner.final(systems[n], w, e["best"], rep))
             except CaseFailed as err:
                 e.update(status="failed", reason=str(err).strip().splitlines()[-1][:300])
+                print(f"  {n:22s} failed: {e['reason']}", flush=True)
     for n in live:
         e = entries[n]
         if e["runs"]:

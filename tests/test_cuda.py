@@ -87,6 +87,15 @@ def test_h2o_on_cuda_keeps_what_the_cpu_keeps(kind, placement, tmp_path_factory)
     assert max(len(h) for h in flat) == H2O.hh_size + H2O.recent_size
 
 
+def test_chunked_prefill_on_cuda(tmp_path_factory):
+    """One sequence per prefill chunk, every tier in use: the case that aborted a test worker on an H200 in fp32
+    (2026-11-26, tests/test_equivalence.py::test_chunked_prefill_gives_transformers_tokens[opt-pct0-1])."""
+    ref = cpu_reference("opt", False, str(tmp_path_factory.mktemp("ref")))
+    got = run_engine("opt", "cuda", torch.float16, "mixed", None, tmp_path_factory.mktemp("run"),
+                     prefill_batch_size=1)
+    assert_close_run(got, ref)
+
+
 def test_cpu_cache_compute_on_cuda(tmp_path_factory):
     """Decode attention where the KV lives (host), FlexGen's cpu_cache_compute, on a GPU run."""
     ref = cpu_reference("opt", False, str(tmp_path_factory.mktemp("ref")))

@@ -58,6 +58,10 @@ class Backend(ABC):
     def reset_peak_memory(self) -> None:
         """Start a new peak-memory window."""
 
+    def record_use(self, *tensors: object) -> None:
+        """The work just enqueued on the current lane reads or writes these tensors: their device memory must
+        not be handed to another stream before it completes (nothing to do on CPU; non-tensors are ignored)."""
+
     def bind_thread(self) -> None:
         """Prepare a worker thread to enqueue work for this backend (copy workers call it at start).
 

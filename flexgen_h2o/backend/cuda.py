@@ -70,6 +70,13 @@ class CUDABackend(Backend):
         else:
             self._stream(lane).synchronize()
 
+    def record_use(self, *tensors: object) -> None:
+        # A copy lane's source or destination may be dropped by the compute side while the copy is still queued;
+        # without this the caching allocator could give its block to the compute stream's next kernel.
+        for t in tensors:
+            if isinstance(t, Tensor) and t.is_cuda:
+                t.record_stream(torch.cuda.current_stream(t.device))
+
     # --- memory ---
     def pin(self, t: Tensor) -> Tensor:
         return t if t.is_pinned() else t.pin_memory()

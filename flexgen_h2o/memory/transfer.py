@@ -88,6 +88,11 @@ def _write(x: Endpoint, index: Index, value: Tensor, non_blocking: bool) -> None
     x.tier.write(x, index, value, non_blocking=non_blocking)
 
 
+def _payload(x: Endpoint) -> object:
+    """The tensor behind an endpoint (a disk tier's payload is a file, which record_use ignores)."""
+    return x if isinstance(x, Tensor) else x.payload
+
+
 class Transfer:
     """Asynchronous copies between tiers, on named lanes, with per-link byte counts."""
 
@@ -207,7 +212,9 @@ class Transfer:
         return CopyHandle()
 
     def _inline_job(self, dst: Endpoint, src: Endpoint, di: Index, si: Index) -> None:
-        _write(dst, di, _read(src, si), non_blocking=self.backend.is_cuda)
+        value = _read(src, si)
+        _write(dst, di, value, non_blocking=self.backend.is_cuda)
+        self.backend.record_use(value, _payload(dst))
 
     def _copy_worker(self, dst: Endpoint, src: Endpoint, di: Index, si: Index, lane: str) -> CopyHandle:
         shape = self._account(dst, src, di, si)
@@ -246,7 +253,9 @@ class Transfer:
 
     def _disk_piece(self, dst: Endpoint, src: Endpoint, di: Index, si: Index, lane: str) -> None:
         try:
-            _write(dst, di, _read(src, si), non_blocking=False)
+            value = _read(src, si)
+            _write(dst, di, value, non_blocking=False)
+            self.backend.record_use(value, _payload(dst))
         except Exception as e:
             if isinstance(e, OSError) and e.errno == errno.ENOSPC and not isinstance(e, DiskFullError):
                 path = getattr(getattr(dst, "payload", None), "path", "?")

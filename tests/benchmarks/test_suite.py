@@ -173,7 +173,10 @@ def test_roofline_arithmetic():
     # weights homed in host RAM cross the link at every pass; the KV is read from device memory
     h = mach.bound({**MACHINE, "gpu": gpu}, cfg, batch=2, prompt_len=512, gen_len=33, kv_read_bytes_per_seq=1e9,
                    offloaded_weight_bytes=0, resident_weight_bytes=0, kv_tokens=100, host_weight_bytes=4e9)
-    assert h["decode_limit"] == "io" and h["decode_step_s"] == pytest.approx(4e9 / 20e9 + 2e9 / 1000e9)
+    assert h["decode_limit"] == "io" and h["decode_step_s"] == pytest.approx(4e9 / 20e9)     # KV read beside it
+    big_kv = mach.bound({**MACHINE, "gpu": gpu}, cfg, batch=2, prompt_len=512, gen_len=33, kv_read_bytes_per_seq=2e11,
+                        offloaded_weight_bytes=0, resident_weight_bytes=0, kv_tokens=100, host_weight_bytes=4e9)
+    assert big_kv["decode_limit"] == "device memory" and big_kv["decode_step_s"] == pytest.approx(4e11 / 1000e9)
     assert h["prefill_s"] == pytest.approx(max(f_pre / 0.2e12, 4e9 / 20e9))
 
 
