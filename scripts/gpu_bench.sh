@@ -7,6 +7,11 @@
 #   bash scripts/gpu_bench.sh                       # results in benchmarks/results/gpu/ (results.md, PNGs, JSON)
 #   REPEATS=2 OUT=/tmp/gpu bash scripts/gpu_bench.sh --max-probes 3
 #
+# Time: each of ours' processes builds OPT-30B's dummy weights in host RAM first (about 8 minutes: OPT-6.7B took
+# 110 s on an H200 machine), and a decode step moves 60 GB over the link (>= 1.1 s at 55 GB/s): plan for hours,
+# or shorten it: --model opt-6.7b --gen-len 32 --batch ours-full=256 ours-h2o-20=1024 flexgen=32x8 deepspeed=128.
+# A 15-minute lease holds scripts/gpu_check.sh instead.
+#
 # Needs: a CUDA GPU (80 GB class for OPT-30B's KV at useful batches), ~70 GB of free host RAM, this repo's
 # environment with a CUDA build of torch, and `pip install flexgen==0.1.8 deepspeed` (a peer that is missing is
 # a row in the table with the reason, never dropped). Extra arguments go to `python -m benchmarks.suite`.
