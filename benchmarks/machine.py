@@ -132,7 +132,8 @@ def _mem_available() -> int:
         return 0
 
 
-def measure_h2d(smoke: bool) -> dict[str, float] | None:
+def measure_gpu(smoke: bool) -> dict[str, Any] | None:
+    """The GPU side of the roofline: pinned host<->device copies, a device copy, an fp16 GEMM (None: no GPU)."""
     import torch
     if not torch.cuda.is_available():
         return None
@@ -163,7 +164,7 @@ def measure(threads: int = 2, smoke: bool = False, disk_dir: Path | None = None)
     res.update(measure_gemm(threads, smoke))
     res.update(measure_memory(threads, smoke))
     res.update(measure_disk(disk_dir or store_root() / "suite-scratch", 64 if smoke else 1024))
-    res["gpu"] = measure_h2d(smoke)
+    res["gpu"] = measure_gpu(smoke)
     res["measure_s"] = time.perf_counter() - t0
     return res
 
