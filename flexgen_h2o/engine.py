@@ -309,7 +309,7 @@ class Engine:
 
         def on_logits(token: int, batch: int, logits: Tensor) -> None:
             b = batches[batch]
-            b.next_ids = sampler(logits.to("cpu"), rows=range(b.seq_index[0], b.seq_index[-1] + 1))
+            b.next_ids = sampler(logits, rows=range(b.seq_index[0], b.seq_index[-1] + 1))
             if forced is not None:
                 for row, s in enumerate(b.seq_index):
                     entry = forced[s][token] if token < len(forced[s]) else SAMPLE
