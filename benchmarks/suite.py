@@ -33,8 +33,9 @@ from typing import Any, Callable  # noqa: E402
 from benchmarks.common import REPO_ROOT, CaseFailed, bench_env, drop_page_cache, median  # noqa: E402
 from benchmarks.suite_report import CAPPED_BEST  # noqa: E402
 from benchmarks.systems import RESULT_KEYS, Candidate, System, all_systems, select_systems  # noqa: E402
+from benchmarks.systems.base import parse_batches  # noqa: E402
 from benchmarks.systems.gpu_check import NEEDS_GPU, cuda_available  # noqa: E402
-from benchmarks.workloads import WORKLOADS, Workload, select_workloads  # noqa: E402
+from benchmarks.workloads import WORKLOADS, Workload, overridden, select_workloads  # noqa: E402
 
 SMOKE_WORKLOADS = ["s512+128", "disk512+128"]
 # a probe this much below the best so far ends the search. Two probes of one system drift by 10-15 % on this VM:
@@ -302,26 +303,6 @@ def run_workload(w: Workload, names: list[str], systems: dict[str, System], runn
     for e in entries.values():
         e["best"] = asdict(e["best"]) if e.get("best") else None
     return {"workload": asdict(w), "systems": list(entries.values())}
-
-
-def parse_batches(specs: list[str]) -> dict[str, Candidate]:
-    """--batch values: SYSTEM=B (one batch of B) or SYSTEM=GBSxN (N GPU batches of GBS)."""
-    out = {}
-    for spec in specs:
-        name, _, b = spec.partition("=")
-        gbs, _, nb = b.partition("x")
-        if not (name and gbs.isdigit() and int(gbs) > 0 and (nb == "" or (nb.isdigit() and int(nb) > 0))):
-            raise SystemExit(f"error: --batch {spec!r}: expected SYSTEM=B or SYSTEM=GBSxN, e.g. flexgen=32x8")
-        n = int(nb or 1)
-        out[name] = Candidate(int(gbs) * n, int(gbs), n)
-    return out
-
-
-def overridden(w: Workload, model: str | None, gen_len: int | None) -> Workload:
-    """The workload with another model or generation length (a shortened run), under a name that says so."""
-    model, gen_len = model or w.model, gen_len or w.gen_len
-    return replace(w, name=f"{w.name}--{model}-gen{gen_len}", model=model, gen_len=gen_len,
-                   probe_gen_len=min(w.probe_gen_len, gen_len))
 
 
 def build_parser() -> argparse.ArgumentParser:

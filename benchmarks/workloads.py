@@ -122,6 +122,13 @@ def uncached(w: Workload) -> Workload:
     return replace(w, name=w.name + "-uncached", uncached=True)
 
 
+def overridden(w: Workload, model: str | None, gen_len: int | None) -> Workload:
+    """The workload with another model or generation length (a shortened run), under a name that says so."""
+    model, gen_len = model or w.model, gen_len or w.gen_len
+    return replace(w, name=f"{w.name}--{model}-gen{gen_len}", model=model, gen_len=gen_len,
+                   probe_gen_len=min(w.probe_gen_len, gen_len))
+
+
 def select_workloads(names: list[str] | None, smoke_mode: bool, uncached_weights: bool = False,
                      default: list[str] | None = None) -> list[Workload]:
     """Workloads by name, else `default` (else all), of which only the disk ones with uncached_weights; unknown

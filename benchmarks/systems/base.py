@@ -34,6 +34,19 @@ class Candidate:
         return f"{self.gbs}x{self.num_batches}" if self.num_batches > 1 else str(self.batch)
 
 
+def parse_batches(specs: list[str]) -> dict[str, Candidate]:
+    """--batch values: SYSTEM=B (one batch of B) or SYSTEM=GBSxN (N GPU batches of GBS)."""
+    out = {}
+    for spec in specs:
+        name, _, b = spec.partition("=")
+        gbs, _, nb = b.partition("x")
+        if not (name and gbs.isdigit() and int(gbs) > 0 and (nb == "" or (nb.isdigit() and int(nb) > 0))):
+            raise SystemExit(f"error: --batch {spec!r}: expected SYSTEM=B or SYSTEM=GBSxN, e.g. flexgen=32x8")
+        n = int(nb or 1)
+        out[name] = Candidate(int(gbs) * n, int(gbs), n)
+    return out
+
+
 def rates(batch: int, prompt_len: int, gen_len: int, prefill_s: float, decode_s: float) -> dict[str, float]:
     """FlexGen's definitions (ANCHORS §1.10): prefill = B*P/t_prefill, decode = B*(G-1)/t_decode,
     total = B*G/(t_prefill + t_decode)."""
