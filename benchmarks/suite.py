@@ -341,6 +341,10 @@ def main(argv: list[str] | None = None) -> int:
         workloads = select_workloads(a.workload, a.smoke, a.uncached_weights, SMOKE_WORKLOADS if a.smoke else None)
         plans = [(w, select_systems(a.systems, w.systems, list(systems))) for w in workloads]
         a.batch = parse_batches(a.batch)
+        unknown = sorted(set(a.batch) - {n for _, names in plans for n in names})
+        if unknown:
+            raise SystemExit(f"error: --batch names {', '.join(unknown)}, which this run does not include; "
+                             "use the systems' full names (e.g. ours-h2o-20=64)")
         if a.model:
             from flexgen_h2o.models import ModelNameError, resolve_model
             try:

@@ -389,6 +389,7 @@ def test_overrides_rename_the_workload():
                                         (["--systems", "vllm"], "no system matches"),
                                         (["--uncached-weights", "--workload", "s512+32"], "needs a disk workload"),
                                         (["--batch", "flexgen=8y"], "expected SYSTEM=B"),
+                                        (["--workload", "s512+32", "--batch", "ours-h2o=8"], "does not include"),
                                         (["--model", "opt-999"], "unknown model"),
                                         (["--gen-len", "1"], "at least 2 tokens")])
 def test_bad_suite_input_is_one_line_and_exit_2(tmp_path, capsys, args, says):
