@@ -7,8 +7,9 @@
 #   bash scripts/gpu_bench.sh                       # results in benchmarks/results/gpu/ (results.md, PNGs, JSON)
 #   REPEATS=2 OUT=/tmp/gpu bash scripts/gpu_bench.sh --max-probes 3
 #
-# Time: each of ours' processes builds OPT-30B's dummy weights in host RAM first (about 8 minutes: OPT-6.7B took
-# 110 s on an H200 machine), and a decode step moves 60 GB over the link (>= 1.1 s at 55 GB/s): plan for hours,
+# Time: each of ours' processes builds its dummy weights in host RAM first (an OPT-6.7B process ran 118 s on an H200
+# machine for 3 s of measured run; projected for OPT-30B, x4.5: about 8 minutes), and a decode step moves 60 GB
+# over the link (>= 1.1 s at the measured 55 GB/s): plan for hours,
 # or shorten it: --model opt-6.7b --gen-len 32 --batch ours-full=256 ours-h2o-20=1024 flexgen=32x8 deepspeed=128.
 # A 15-minute lease holds scripts/gpu_check.sh instead.
 #

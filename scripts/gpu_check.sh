@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The short GPU check (about 5 minutes on an H200): what a 15-minute GPU lease can hold, run on 2026-11-26.
+# The short GPU check: what a 15-minute GPU lease can hold. Written after the 2026-11-26 lease from the steps run
+# there as separate commands (about 5 minutes on an H200); the script itself has not run on a GPU yet.
 #   1. the CUDA tests: the fp16 path against the fp32 CPU engine (tests/test_cuda.py, the backend round trip),
 #      then the placement and H2O suites on the GPU in fp32 (FLEXGEN_H2O_TEST_DEVICE=cuda);
 #   2. the machine's constants (benchmarks.machine: host->device link, device memory, fp16 GEMM);

@@ -61,11 +61,12 @@ def weight_reader(model):
 
 
 def make_engine(model, *, offload: OffloadPolicy | None = None, eviction: EvictionConfig | None = None,
-                offload_dir=None, record: bool = True) -> Engine:
+                offload_dir=None, record: bool = True, device: str = TEST_DEVICE,
+                compute_dtype: torch.dtype = torch.float32) -> Engine:
     cfg, read = weight_reader(model)
     offload = offload or OffloadPolicy(kv_dtype="float32", gpu_batch_size=8)
-    engine = Engine(cfg, read, offload=offload, eviction=eviction, offload_dir=offload_dir, device=TEST_DEVICE,
-                    compute_dtype=torch.float32)
+    engine = Engine(cfg, read, offload=offload, eviction=eviction, offload_dir=offload_dir, device=device,
+                    compute_dtype=compute_dtype)
     if record:
         engine.step_logits = {}
 

@@ -16,7 +16,8 @@ import torch
 from flexgen_h2o.config import OffloadPolicy
 from flexgen_h2o.engine import Engine
 from flexgen_h2o.kv import EvictionConfig
-from tests.helpers import greedy, random_prompts, tiny_hf, weight_reader
+from tests.helpers import greedy, make_engine, random_prompts, tiny_hf
+from tests.test_h2o_engine import engine_kept
 
 pytestmark = pytest.mark.gpu
 
@@ -31,32 +32,27 @@ REL_TOL = 0.02
 
 
 def run_engine(kind: str, device: str, dtype: torch.dtype, placement: str, ev: EvictionConfig | None,
-               offload_dir: Path, **policy) -> tuple[list[list[int]], dict[int, list[torch.Tensor]], Engine]:
-    cfg, read = weight_reader(tiny_hf(kind))
+               offload_dir: Path | None = None, **policy) -> tuple[list[list[int]], dict, Engine]:
     pol = OffloadPolicy.from_percent(PLACEMENTS[placement], gpu_batch_size=2, num_gpu_batches=3,
                                      kv_dtype="float16", **policy)
-    engine = Engine(cfg, read, offload=pol, eviction=ev, device=device, compute_dtype=dtype,
-                    offload_dir=str(offload_dir))
-    logits: dict[int, list[torch.Tensor]] = {}
-
-    def keep(token, seq_ids, step_logits):
-        for row, s in enumerate(seq_ids):
-            logits.setdefault(s, []).append(step_logits[row].to("cpu", torch.float32, copy=True))
-    engine.on_step_logits = keep
+    engine = make_engine(tiny_hf(kind), offload=pol, eviction=ev, offload_dir=offload_dir, device=device,
+                         compute_dtype=dtype)
     with engine:
         out = engine.generate(PROMPTS, greedy(N_NEW))
-    return out.token_ids, logits, engine
+    return out.token_ids, engine.step_logits, engine
 
 
 @functools.lru_cache(maxsize=None)
-def cpu_reference(kind: str, h2o: bool, tmp: str) -> tuple:
-    return run_engine(kind, "cpu", torch.float32, "compute", H2O if h2o else None, Path(tmp))
+def cpu_reference(kind: str, h2o: bool) -> tuple:
+    """The fp32 CPU run, everything on the compute tier (no offload folder needed), once per (kind, policy)."""
+    return run_engine(kind, "cpu", torch.float32, "compute", H2O if h2o else None)
 
 
 def assert_close_run(got: tuple, want: tuple) -> None:
     tokens, logits, _ = got
     ref_tokens, ref_logits, _ = want
     assert tokens == ref_tokens
+    assert {s: len(x) for s, x in logits.items()} == {s: len(x) for s, x in ref_logits.items()}
     for s, ref in ref_logits.items():
         for step, (a, b) in enumerate(zip(logits[s], ref)):
             scale = float(b.abs().max())
@@ -66,40 +62,38 @@ def assert_close_run(got: tuple, want: tuple) -> None:
 
 @pytest.mark.parametrize("placement", list(PLACEMENTS))
 @pytest.mark.parametrize("kind", ["opt", "llama-gqa"])
-def test_fp16_cuda_matches_fp32_cpu(kind, placement, tmp_path_factory):
-    ref = cpu_reference(kind, False, str(tmp_path_factory.mktemp("ref")))
-    got = run_engine(kind, "cuda", torch.float16, placement, None, tmp_path_factory.mktemp("run"))
+def test_fp16_cuda_matches_fp32_cpu(kind, placement, tmp_path):
+    ref = cpu_reference(kind, False)
+    got = run_engine(kind, "cuda", torch.float16, placement, None, tmp_path)
     assert_close_run(got, ref)
     assert got[2].backend.device_memory()["peak_bytes"] > 0
 
 
 @pytest.mark.parametrize("placement", ["compute", "mixed"])
 @pytest.mark.parametrize("kind", ["opt", "llama-gqa"])
-def test_h2o_on_cuda_keeps_what_the_cpu_keeps(kind, placement, tmp_path_factory):
+def test_h2o_on_cuda_keeps_what_the_cpu_keeps(kind, placement, tmp_path):
     """Scores accumulate in fp32 on both sides, so the same tokens are kept; the cache stays at its budget."""
-    ref = cpu_reference(kind, True, str(tmp_path_factory.mktemp("ref")))
-    got = run_engine(kind, "cuda", torch.float16, placement, H2O, tmp_path_factory.mktemp("run"))
+    ref = cpu_reference(kind, True)
+    got = run_engine(kind, "cuda", torch.float16, placement, H2O, tmp_path)
     assert_close_run(got, ref)
-    kept = [c.kept_positions() for caches in got[2].last_caches for split in caches.values() for c in split.caches]
-    want = [c.kept_positions() for caches in ref[2].last_caches for split in caches.values() for c in split.caches]
-    flat = [heads for part in kept for seq in part for heads in seq]
-    assert flat == [heads for part in want for seq in part for heads in seq]
-    assert max(len(h) for h in flat) == H2O.hh_size + H2O.recent_size
+    kept = engine_kept(got[2])
+    assert kept == engine_kept(ref[2])
+    assert max(len(heads) for layer in kept for seq in layer for heads in seq) == H2O.hh_size + H2O.recent_size
 
 
-def test_chunked_prefill_on_cuda(tmp_path_factory):
+def test_chunked_prefill_on_cuda(tmp_path):
     """One sequence per prefill chunk, every tier in use: the case that aborted a test worker on an H200 in fp32
     (2026-11-26, tests/test_equivalence.py::test_chunked_prefill_gives_transformers_tokens[opt-pct0-1])."""
-    ref = cpu_reference("opt", False, str(tmp_path_factory.mktemp("ref")))
-    got = run_engine("opt", "cuda", torch.float16, "mixed", None, tmp_path_factory.mktemp("run"),
+    ref = cpu_reference("opt", False)
+    got = run_engine("opt", "cuda", torch.float16, "mixed", None, tmp_path,
                      prefill_batch_size=1)
     assert_close_run(got, ref)
 
 
-def test_cpu_cache_compute_on_cuda(tmp_path_factory):
+def test_cpu_cache_compute_on_cuda(tmp_path):
     """Decode attention where the KV lives (host), FlexGen's cpu_cache_compute, on a GPU run."""
-    ref = cpu_reference("opt", False, str(tmp_path_factory.mktemp("ref")))
-    got = run_engine("opt", "cuda", torch.float16, "host", None, tmp_path_factory.mktemp("run"),
+    ref = cpu_reference("opt", False)
+    got = run_engine("opt", "cuda", torch.float16, "host", None, tmp_path,
                      cpu_cache_compute=True)
     assert_close_run(got, ref)
 

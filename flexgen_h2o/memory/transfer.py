@@ -253,9 +253,7 @@ class Transfer:
 
     def _disk_piece(self, dst: Endpoint, src: Endpoint, di: Index, si: Index, lane: str) -> None:
         try:
-            value = _read(src, si)
-            _write(dst, di, value, non_blocking=False)
-            self.backend.record_use(value, _payload(dst))
+            _write(dst, di, _read(src, si), non_blocking=False)     # synchronous: nothing is left queued
         except Exception as e:
             if isinstance(e, OSError) and e.errno == errno.ENOSPC and not isinstance(e, DiskFullError):
                 path = getattr(getattr(dst, "payload", None), "path", "?")
