@@ -92,7 +92,7 @@ def _disk(gen: int, with_accelerate: bool) -> Workload:
 
 WORKLOADS: dict[str, Workload] = {w.name: w for w in (
     _smollm2(512, 32, 128), _smollm2(512, 128, 128), _smollm2(512, 512, 128), _smollm2(512, 1024, 128),
-    _smollm2(2048, 512, 64),
+    _smollm2(2048, 512, 128),
     # Accelerate reads ~0.4 GB/s cold (ANCHORS §6.7): 512+512 would take hours per run, so it runs at 512+128
     _disk(128, True), _disk(512, False), _disk(1024, False),
     # scripts/gpu_bench.sh: FlexGen's headline shape on one GPU, weights (60 GB fp16) streamed from host RAM; the

@@ -96,6 +96,14 @@ class OffloadPolicy:
         rows = self.prefill_batch_size or max(1, PREFILL_TOKENS // max(1, prompt_len))
         return max(1, min(batch, rows))
 
+    def prefill_by_rows(self, device_type: str) -> bool:
+        """Whether a prompt goes through every layer one prefill chunk at a time, instead of every chunk through
+        one layer at a time. On a CPU with no disk-homed weight, staging a layer copies nothing (resident matrices
+        are used where they lie), so the zig-zag's one weight pass per block saves nothing at prefill, while
+        resting the whole GPU batch's prompt hidden state between layers costs batch x prompt x width in fp32
+        (SmolLM2 at 54 x 2048: 243 MiB). Chunk by chunk, only one chunk's hidden state exists at a time."""
+        return device_type == "cpu" and self.tier_fractions("weights")[2] == 0
+
     def replace(self, **changes) -> "OffloadPolicy":
         return dataclasses.replace(self, **changes)
 

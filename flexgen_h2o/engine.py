@@ -328,6 +328,7 @@ class Engine:
                          device=self.device, compute_dtype=self.compute_dtype, needs_scores=policy.needs_scores,
                          rolling=ev.position_rolling, score_reduce=ev.score_reduce,
                          budget=budget.budget, prefill_rows=prefill_rows, async_lanes=self._async_lanes(),
+                         prefill_by_rows=self.offload.prefill_by_rows(self.device.type),
                          on_logits=on_logits,
                          should_stop=lambda token: stops.all_done or token + 1 >= n_new)
         t0 = time.perf_counter()

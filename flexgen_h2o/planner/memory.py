@@ -2,13 +2,14 @@
 
 The numbers follow what the engine really allocates, so a preflight refusal is about real bytes:
 - weights: FlexGen's midpoint rule per model layer (`weights.placement.choose_home`, the function the engine
-  uses). Compute-homed weights are converted once to the compute dtype (fp32 on CPU: twice their fp16 size);
-  host-homed weights stay fp16 in RAM; disk-homed weights stay in the store's files.
+  uses). Compute-homed weights are kept in `placement.resident_dtype` (on a CPU, matrices fp16 and vectors fp32;
+  on a GPU the compute dtype); host-homed weights stay fp16 in RAM; disk-homed weights stay in the store's files.
 - KV: every (attention layer, GPU batch) cache holds `Budget.capacity` slots per sequence and KV head, each slot
   K + V in the KV dtype plus an fp32 score and an int32 position (`KVCache`); its sequences are split across
   tiers by the cache percents, by whole sequences (`config.split_by_fraction`, the split the engine uses).
 - activations: the hidden state of every GPU batch rests between layers; off-compute parts get a prefill-sized
-  and a decode-sized buffer.
+  and a decode-sized buffer; plus the batch's step-0 logits. Prefilled by rows (`OffloadPolicy.prefill_by_rows`),
+  the prompt's hidden state is one chunk's (counted in the workspace), so only the decode-sized buffers rest.
 - workspace: transients on the compute tier: staged weights (the current and, with overlap, the next schedule
   layer), staged KV windows, and the largest intermediate of one GPU batch at prefill.
 Imports: config, models, kv budgets and the placement rule only (level 4, LAYOUT.md §8.3).
@@ -88,10 +89,13 @@ def estimate(model: ModelConfig, offload: OffloadPolicy, eviction: EvictionConfi
 
     # --- activations: hidden states resting between layers, in compute dtype ---
     m = model.hidden_size
+    device_type = "cpu" if c == 4 else "cuda"       # the backends compute in fp32 only on a CPU
+    by_rows = offload.prefill_by_rows(device_type)
     for b in batch_sizes(n, offload.gpu_batch_size):
+        est.add("compute", "activations", b * model.vocab_size * 4)      # the batch's fp32 step-0 logits
         for k, tier in _sizes(split_by_fraction(b, offload.tier_fractions("act"))):
-            # off-compute parts keep a prefill buffer and a decode buffer until the block ends
-            rows = prompt_len if tier == "compute" else prompt_len + 1
+            # off-compute parts keep a prefill buffer (unless prefilled by rows) and a decode buffer
+            rows = 1 if by_rows else prompt_len if tier == "compute" else prompt_len + 1
             est.add(tier, "activations", k * rows * m * c)
 
     # --- workspace on the compute tier ---
@@ -101,8 +105,6 @@ def estimate(model: ModelConfig, offload: OffloadPolicy, eviction: EvictionConfi
     est.add("compute", "workspace", windows * gbs * model.n_kv_heads * budget.capacity
             * (2 * model.head_dim * c + 16))
     rows = offload.prefill_rows(gbs, prompt_len)
-    # the backends compute in fp32 only on a CPU, where the scored blocks are capped
-    device_type = "cpu" if c == 4 else "cuda"
     block = (ops.score_block_bytes(rows, model.n_heads, prompt_len, StepContext.query_chunk, device_type)
              if eviction.needs_scores else 0)
     est.add("compute", "workspace", model.workspace_bytes(rows, prompt_len, c, block))
@@ -123,7 +125,8 @@ def _weights(est: Estimate, layers: list, offload: OffloadPolicy, c: int) -> Non
             else:
                 home_of[spec.name] = home
                 if home == "compute":
-                    est.add("compute", "weights", spec.numel * c)
+                    # the backends compute in fp32 only on a CPU, where resident matrices stay fp16
+                    est.add("compute", "weights", spec.numel * (2 if c == 4 and len(spec.shape) > 1 else c))
                 elif home == "host":
                     est.add("host", "weights", spec.numel * 2)
                 else:

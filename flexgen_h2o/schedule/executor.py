@@ -56,6 +56,7 @@ class RunParts:
     on_logits: Callable[[int, int, Tensor], None]   # (token, batch, logits (b, V)) -> stores next ids
     should_stop: Callable[[int], bool]   # after token i: every sequence finished?
     async_lanes: frozenset = frozenset({"weights", "kv"})   # lanes that get a worker thread when overlapping
+    prefill_by_rows: bool = False        # token 0 chunk by chunk through every layer (OffloadPolicy.prefill_by_rows)
 
 
 class BlockExecutor:
@@ -79,9 +80,15 @@ class BlockExecutor:
     def run(self) -> list[float]:
         """Execute every step; returns the wall time at the end of each token step."""
         p = self.p
-        steps = block_schedule(self.n_tokens - self.first, len(p.groups), len(self.batches), overlap=self.overlap)
         last_batch, last_group = len(self.batches) - 1, len(p.groups) - 1
         try:
+            if self.first == 0 and p.prefill_by_rows:
+                self._prefill_by_rows()
+                self.token_times.append(time.perf_counter())
+                if p.should_stop(0):
+                    return self.token_times
+                self.first = 1
+            steps = block_schedule(self.n_tokens - self.first, len(p.groups), len(self.batches), overlap=self.overlap)
             for step in steps:
                 if self.first:
                     step = Step(step.op, step.token + self.first, step.layer, step.batch)
@@ -210,22 +217,44 @@ class BlockExecutor:
         else:
             b.activations.store(x)
 
+    def _prompt_chunk(self, b: BatchState, layer_ids: list[int], weights: dict, h: Tensor, ctx, lo: int) -> Tensor:
+        """Sequences [lo, lo + len(h)) of the prompt through `layer_ids`; each attention layer's prompt KV is
+        committed before the chunk moves on, so the transients are one chunk's, whatever the GPU batch."""
+        sub = ctx.rows(lo, lo + h.shape[0])
+        for l in layer_ids:
+            layer = self.p.layers[l]
+            out = layer.forward(h, weights[l], None, sub)
+            if layer.kind == "attn":
+                b.caches[l].commit_prefill(out.k_new, out.v_new, out.scores, sub.positions, first_row=lo)
+            h = out.hidden
+        return h
+
+    def _prefill_by_rows(self) -> None:
+        """Token 0 with every weight resident: each chunk of `prefill_rows` sequences goes through all layers
+        before the next starts, so no GPU batch's prompt hidden state rests between layers."""
+        p = self.p
+        staged = [self._stage_weights(j) for j in range(len(p.groups))]
+        try:
+            weights = {l: w for group in staged for l, w in group.items()}
+            every_layer = [l for group in p.groups for l in group]
+            for k, b in enumerate(self.batches):
+                ctx = self._context(b, 0)
+                ids = b.prompt_ids.to(p.device)
+                logits = [self._prompt_chunk(b, every_layer, weights, ids[lo:lo + p.prefill_rows], ctx, lo)
+                          for lo in range(0, ids.shape[0], p.prefill_rows)]
+                p.on_logits(0, k, logits[0] if len(logits) == 1 else torch.cat(logits))
+        finally:
+            for group in staged:
+                p.weights.release(group)
+
     def _prefill(self, b: BatchState, group: int, weights: dict, x: Tensor, ctx) -> Tensor:
-        """The prompt through one schedule layer, `prefill_rows` sequences at a time; each chunk's prompt KV is
-        committed before the next chunk runs, so the transients are one chunk's, whatever the GPU batch.
+        """The prompt through one schedule layer, `prefill_rows` sequences at a time (_prompt_chunk).
         Residual layers write their output back into x's rows; the embed and head layers fill a new tensor."""
         n = x.shape[0]
         result = None
         for lo in range(0, n, self.p.prefill_rows):
             hi = min(n, lo + self.p.prefill_rows)
-            sub = ctx.rows(lo, hi)
-            h = x[lo:hi]
-            for l in self.p.groups[group]:
-                layer = self.p.layers[l]
-                out = layer.forward(h, weights[l], None, sub)
-                if layer.kind == "attn":
-                    b.caches[l].commit_prefill(out.k_new, out.v_new, out.scores, sub.positions, first_row=lo)
-                h = out.hidden
+            h = self._prompt_chunk(b, self.p.groups[group], weights, x[lo:hi], ctx, lo)
             if hi - lo == n:
                 return h                             # one chunk: nothing to assemble
             if result is None:

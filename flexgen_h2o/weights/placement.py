@@ -5,7 +5,7 @@ cumulative byte range falls in a band ordered disk, host, compute, and that band
 puts about 20 % of each layer's bytes on the compute tier, by whole tensors.
 
 Homes:
-- compute: converted once to the compute dtype (fp32 on CPU, where fp16 matmul is ~500x slower) and kept;
+- compute: kept in the compute dtype; on a CPU matrices stay fp16 (`resident_dtype`), as host-homed ones do;
 - host: fp16 in RAM (pinned on CUDA when pin_weight);
 - disk: the store's own .npy files, read with plain positioned reads at every stage (the path that streams).
   Not through a long-lived memmap: every page touched through a mapping stays in the process's RSS, so a
@@ -39,6 +39,14 @@ def choose_home(sizes: list[int], fractions: tuple[float, float, float]) -> list
         cum += size
         homes.append(next(t for t, b in zip(TIERS, bounds) if mid < b))
     return homes
+
+
+def resident_dtype(shape: tuple[int, ...], device: torch.device, compute_dtype: torch.dtype) -> torch.dtype:
+    """The dtype a compute-homed weight is kept in. On a CPU a matrix stays fp16: ops.linear upcasts it a few MB
+    of rows at a time, which on 2 cores was no slower than an fp32 copy (SmolLM2 decode at batch 54, prompt 2048:
+    336 ms a step with fp16 matrices against 353 ms with fp32 ones, docs/suite.md) and halves the weights' RAM,
+    which the KV of more sequences can use. Vectors (norms, biases) and every weight on a GPU: the compute dtype."""
+    return torch.float16 if device.type == "cpu" and len(shape) > 1 else compute_dtype
 
 
 def is_lookup_table(layer, spec: WeightSpec) -> bool:
@@ -82,7 +90,8 @@ class WeightPlacement:
                 if tuple(array.shape) != tuple(spec.shape):
                     raise ValueError(f"weight {spec.name}: shape {tuple(array.shape)} != expected {spec.shape}")
                 if home == "compute":
-                    t = self._resident(tiers, "compute", spec, compute_dtype, pinned=False)
+                    t = self._resident(tiers, "compute", spec, resident_dtype(spec.shape, device, compute_dtype),
+                                       pinned=False)
                     self._compute[spec.name] = t.copy_(torch.from_numpy(np.ascontiguousarray(array)))
                     self.resident_bytes["compute"] += t.nbytes
                 elif home == "host":
