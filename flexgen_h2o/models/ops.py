@@ -123,8 +123,6 @@ def grouped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: floa
     b, h, t, d = q.shape
     g, s = k.shape[1], k.shape[2]
     r = h // g
-    if t == 1:
-        return _one_query_attention(q, k, v, mask, scale, want_scores, score_reduce)
     no_pads = causal_only and t == s and t > 1
     if not want_scores and t > 1:
         # fused kernel for the prompt when nobody needs the probabilities. is_causal lets the kernel skip the
@@ -170,27 +168,6 @@ def grouped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: floa
     if want_scores and score_reduce == "mean":
         scores /= r
     return out.reshape(b, h, t, d), scores
-
-
-def _one_query_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float, want_scores: bool,
-                         score_reduce: str) -> tuple[Tensor, Tensor | None]:
-    """A decode step: one query per head, the r = h / g query heads of a KV head side by side. The keys are the
-    tall operand, (s x d) @ (d x r), and the output is p^T @ v: with 3 query rows per KV head the usual
-    (r x d) @ (d x s) batched matmul was the slower of the two on a CPU (docs/suite.md, "Run 5")."""
-    b, h, _, d = q.shape
-    g = k.shape[1]
-    r = h // g
-    qg = (q * scale).reshape(b, g, r, d)
-    logits = torch.matmul(k, qg.transpose(-1, -2)).float()                        # (b, g, s, r)
-    logits.masked_fill_(~mask[:, :, 0, :, None], float("-inf"))
-    probs = torch.softmax(logits, dim=-2)
-    out = torch.matmul(probs.transpose(-1, -2).to(v.dtype), v)                     # (b, g, r, d)
-    scores = None
-    if want_scores:
-        scores = probs.sum(dim=-1)                                                 # (b, g, s)
-        if score_reduce == "mean":
-            scores /= r
-    return out.reshape(b, h, 1, d), scores
 
 
 def split_heads(x: Tensor, n_heads: int) -> Tensor:
