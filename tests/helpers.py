@@ -101,3 +101,14 @@ def greedy(n: int) -> GenerationConfig:
 
 def max_logit_diff(a: list, b: list) -> float:
     return max(float((x - y).abs().max()) for x, y in zip(a, b))
+
+
+def engine_kept(engine) -> list[list[list[list[int]]]]:
+    """[attention layer in order][sequence][KV head] -> sorted kept positions, across GPU batches and tiers."""
+    per_layer: dict[int, list] = {}
+    for caches in engine.last_caches:
+        for layer, split in caches.items():
+            per_layer.setdefault(layer, [])
+            for cache in split.caches:
+                per_layer[layer] += cache.kept_positions()
+    return [per_layer[layer] for layer in sorted(per_layer)]

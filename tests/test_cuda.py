@@ -16,8 +16,7 @@ import torch
 from flexgen_h2o.config import OffloadPolicy
 from flexgen_h2o.engine import Engine
 from flexgen_h2o.kv import EvictionConfig
-from tests.helpers import greedy, make_engine, random_prompts, tiny_hf
-from tests.test_h2o_engine import engine_kept
+from tests.helpers import engine_kept, greedy, make_engine, random_prompts, tiny_hf
 
 pytestmark = pytest.mark.gpu
 

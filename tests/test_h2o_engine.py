@@ -8,7 +8,7 @@ import torch
 
 from flexgen_h2o.config import OffloadPolicy
 from flexgen_h2o.kv import EvictionConfig, get_policy
-from tests.helpers import greedy, make_engine, max_logit_diff, random_prompts, tiny_hf
+from tests.helpers import engine_kept, greedy, make_engine, max_logit_diff, random_prompts, tiny_hf
 from tests.reference.h2o_masked import RULE_FOR_POLICY, reference_generate
 
 KINDS = ["opt", "llama-mha", "llama-gqa"]
@@ -40,17 +40,6 @@ def run_engine(model, prompts, ev, n_new: int = N_NEW, **kw):
     engine = make_engine(model, eviction=ev, **kw)
     out = engine.generate(prompts, greedy(n_new))
     return engine, out
-
-
-def engine_kept(engine) -> list[list[list[list[int]]]]:
-    """[attention layer in order][sequence][KV head] -> sorted kept positions, across GPU batches and tiers."""
-    per_layer: dict[int, list] = {}
-    for caches in engine.last_caches:
-        for layer, split in caches.items():
-            per_layer.setdefault(layer, [])
-            for cache in split.caches:
-                per_layer[layer] += cache.kept_positions()
-    return [per_layer[layer] for layer in sorted(per_layer)]
 
 
 def check_against_reference(kind: str, ev: EvictionConfig, **engine_kw) -> list:

@@ -18,10 +18,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from flexgen_h2o.config import OffloadPolicy, split_by_fraction
 from flexgen_h2o.kv import Budget, EvictionConfig
 from flexgen_h2o.models import KVSpec, ModelConfig, StepContext, build_layers, ops, schedule_groups
-from flexgen_h2o.weights.placement import choose_home, is_lookup_table
+from flexgen_h2o.weights.placement import choose_home, is_lookup_table, resident_dtype
 
 TIERS = ("compute", "host", "disk")
 PARTS = ("weights", "kv", "activations", "workspace")
@@ -74,7 +76,8 @@ def estimate(model: ModelConfig, offload: OffloadPolicy, eviction: EvictionConfi
     budget = eviction.resolve(prompt_len, gen_len)
     est = Estimate(budget=budget, n_seqs=n, prompt_len=prompt_len, gen_len=gen_len)
     layers = build_layers(model)
-    _weights(est, layers, offload, c)
+    device_type = "cpu" if c == 4 else "cuda"       # the backends compute in fp32 only on a CPU
+    _weights(est, layers, offload, c, device_type)
     est.add("disk", "weights", dummy_store_bytes)
     est.model_bytes = model.n_params() * 2
 
@@ -89,7 +92,6 @@ def estimate(model: ModelConfig, offload: OffloadPolicy, eviction: EvictionConfi
 
     # --- activations: hidden states resting between layers, in compute dtype ---
     m = model.hidden_size
-    device_type = "cpu" if c == 4 else "cuda"       # the backends compute in fp32 only on a CPU
     by_rows = offload.prefill_by_rows(device_type)
     for b in batch_sizes(n, offload.gpu_batch_size):
         est.add("compute", "activations", b * model.vocab_size * 4)      # the batch's fp32 step-0 logits
@@ -111,8 +113,10 @@ def estimate(model: ModelConfig, offload: OffloadPolicy, eviction: EvictionConfi
     return est
 
 
-def _weights(est: Estimate, layers: list, offload: OffloadPolicy, c: int) -> None:
+def _weights(est: Estimate, layers: list, offload: OffloadPolicy, c: int, device_type: str) -> None:
     """Homes by FlexGen's midpoint rule; staged copies of the two largest-staging schedule layers."""
+    device, dtype = torch.device(device_type), torch.float32 if c == 4 else torch.float16
+    on_cpu = device.type == "cpu"
     home_of: dict[str, str] = {}
     staged_per_layer: list[int] = []
     for layer in layers:
@@ -125,8 +129,7 @@ def _weights(est: Estimate, layers: list, offload: OffloadPolicy, c: int) -> Non
             else:
                 home_of[spec.name] = home
                 if home == "compute":
-                    # the backends compute in fp32 only on a CPU, where resident matrices stay fp16
-                    est.add("compute", "weights", spec.numel * (2 if c == 4 and len(spec.shape) > 1 else c))
+                    est.add("compute", "weights", spec.numel * resident_dtype(spec.shape, device, dtype).itemsize)
                 elif home == "host":
                     est.add("host", "weights", spec.numel * 2)
                 else:
@@ -134,7 +137,6 @@ def _weights(est: Estimate, layers: list, offload: OffloadPolicy, c: int) -> Non
             if home != "compute" and not is_lookup_table(layer, spec):
                 # placement._stage_one: matrices stay fp16 (a host one on a CPU is used in place); vectors
                 # take the compute dtype; offloaded embedding tables are read by row, never staged
-                on_cpu = c == 4                         # the backends compute in fp32 only on a CPU
                 matrix = len(spec.shape) > 1
                 staged += 0 if (matrix and home == "host" and on_cpu) else spec.numel * (2 if matrix else c)
         staged_per_layer.append(staged)

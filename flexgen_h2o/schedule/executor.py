@@ -233,8 +233,10 @@ class BlockExecutor:
         """Token 0 with every weight resident: each chunk of `prefill_rows` sequences goes through all layers
         before the next starts, so no GPU batch's prompt hidden state rests between layers."""
         p = self.p
-        staged = [self._stage_weights(j) for j in range(len(p.groups))]
+        staged: list[dict] = []
         try:
+            for j in range(len(p.groups)):       # inside the try: a failed stage still gives back the earlier ones
+                staged.append(self._stage_weights(j))
             weights = {l: w for group in staged for l, w in group.items()}
             every_layer = [l for group in p.groups for l in group]
             for k, b in enumerate(self.batches):

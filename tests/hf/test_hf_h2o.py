@@ -10,8 +10,8 @@ from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList
 
 from flexgen_h2o.hf import H2OCache, H2OLayer, enable_h2o
 from flexgen_h2o.kv import EvictionConfig
-from tests.helpers import max_logit_diff, random_prompts, tiny_hf
-from tests.test_h2o_engine import engine_kept, left_padded, run_engine, run_reference
+from tests.helpers import engine_kept, max_logit_diff, random_prompts, tiny_hf
+from tests.test_h2o_engine import left_padded, run_engine, run_reference
 
 LENGTHS = [20, 13, 24]           # every prompt is longer than the budgets below: eviction starts in prefill
 N_NEW = 16

@@ -9,9 +9,8 @@ from transformers import DynamicCache
 from flexgen_h2o.config import GenerationConfig
 from flexgen_h2o.hf import H2OCache, enable_h2o
 from flexgen_h2o.kv import EvictionConfig
-from tests.helpers import max_logit_diff
+from tests.helpers import engine_kept, max_logit_diff
 from tests.reference.h2o_masked import reference_generate
-from tests.test_h2o_engine import engine_kept
 from tests.test_smollm2 import _engine, _padded, smol  # noqa: F401  (smol is the shared module fixture)
 
 pytestmark = pytest.mark.slow
