@@ -137,13 +137,21 @@ class KVCache:
         """(b, g) the lowest free slot of each (sequence, KV head); one always exists (capacity = budget + 1)."""
         return (self.pos < 0).int().argmax(dim=-1)
 
-    def stage(self, device: torch.device, dtype: torch.dtype, new_rank: Tensor | None = None) -> KVView:
+    def stage(self, device: torch.device, dtype: torch.dtype, new_rank: Tensor | None = None,
+              narrow_ok: bool = False) -> KVView:
         """Read the used window into compute dtype on `device` and pick each (b, g)'s write slot.
-        new_rank (b,): with position rolling, the rank the new token will have among the kept tokens."""
+        new_rank (b,): with position rolling, the rank the new token will have among the kept tokens.
+        narrow_ok: the caller attends over a narrow view (KVView.compute_dtype), so a RAM-homed fp16 cache on a
+        CPU hands out its own window instead of an upcast copy. Not for rolling (every key is re-rotated anyway)
+        nor for a disk-homed cache, whose copy is the read that a worker thread overlaps with compute."""
         write_slot = self.free_slots()
         s = max(self.n_used, int(write_slot.max().item()) + 1)
         pos = self.pos[:, :, :s].to(device)
         windows = (self.k[:, :, :s], self.v[:, :, :s])
+        self.bytes_read[self.tier_kind] += self._slot_bytes(s)
+        if (narrow_ok and device.type == "cpu" and self.k.device.type == "cpu" and self.k.dtype != dtype
+                and not self.rolling and self.tier_kind != "disk"):
+            return KVView(k=windows[0], v=windows[1], valid=pos >= 0, write_slot=write_slot, compute_dtype=dtype)
         release = None
         if self.staging is not None and device.type == "cpu":
             # capacity-sized buffers: one pool key per cache, however wide the window
@@ -155,7 +163,6 @@ class KVCache:
         view = KVView(k=k, v=v, valid=pos >= 0, write_slot=write_slot.to(device), release=release)
         if self.rolling:
             view.key_positions = self._ranks(pos.long(), view.write_slot, new_rank.to(device))
-        self.bytes_read[self.tier_kind] += self._slot_bytes(s)
         return view
 
     @staticmethod

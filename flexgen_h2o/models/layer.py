@@ -67,6 +67,9 @@ class KVView:
     write_slot: Tensor           # (b, g) long: the free slot the new token is written into before attending
     key_positions: Tensor | None = None   # (b, g, s) long: rolling only, positions to rotate cached keys at
     release: Callable[[], None] | None = None   # gives pooled staging buffers back once the step is committed
+    # set when k and v are the cache's own narrower window (fp16 on a CPU), read only: attention upcasts them to
+    # this dtype a block of sequences at a time (ops.narrow_decode_attention) and never writes into them
+    compute_dtype: torch.dtype | None = None
 
 
 @dataclass

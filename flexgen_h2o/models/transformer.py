@@ -89,9 +89,14 @@ class AttentionLayer(_Base):
             keys, values = k, v
             mask = ops.causal_pad_mask(ctx.token_valid)                       # (b, 1, t, t)
         else:
+            att_dtype = kv.compute_dtype or kv.k.dtype
             if kv.k.device != q.device:          # attention where the KV was staged (cpu_cache_compute)
-                home_device, home_dtype = q.device, q.dtype
-                q, k_store, v = (t.to(kv.k.device, kv.k.dtype) for t in (q, k_store, v))
+                q, k_store, v = (t.to(kv.k.device, att_dtype) for t in (q, k_store, v))
+            if kv.compute_dtype is not None:     # the cache's own fp16 window: upcast by blocks, never written
+                kv.valid.scatter_(2, kv.write_slot.unsqueeze(-1), True)
+                out, scores = ops.narrow_decode_attention(q, kv.k, kv.v, kv.valid, kv.write_slot, k_store, v, scale,
+                                                          want_scores=ctx.want_scores, score_reduce=ctx.score_reduce)
+                return self._finish(x, out, w, k_store, v, scores)
             # one new token: it goes into its free slot first, so it attends to itself like any other row
             ops.write_slot(kv.k, kv.write_slot, k_store)
             ops.write_slot(kv.v, kv.write_slot, v)
@@ -105,12 +110,16 @@ class AttentionLayer(_Base):
                                             query_valid=ctx.token_valid if kv is None else None,
                                             score_reduce=ctx.score_reduce, query_chunk=ctx.query_chunk,
                                             causal_only=kv is None and ctx.unpadded)
-        if out.device != x.device:               # only the attention output crosses back; k/v rows go home
-            out = out.to(home_device, home_dtype)
+        return self._finish(x, out, w, k_store, v, scores)
+
+    def _finish(self, x: Tensor, out: Tensor, w: Mapping[str, Tensor], k_store: Tensor, v: Tensor,
+                scores: Tensor | None) -> LayerOutput:
+        """Output projection and residual; only the attention output crosses back to x's device."""
+        out = out.to(x.device, x.dtype)
         out = ops.linear(ops.merge_heads(out), w[f"self_attn.{self.out_proj}.weight"],
-                       w.get(f"self_attn.{self.out_proj}.bias"))
+                         w.get(f"self_attn.{self.out_proj}.bias"))
         x = x + out
-        if not cfg.pre_norm:
+        if not self.cfg.pre_norm:
             x = self._norm(x, w, self.norm_prefix)
         return LayerOutput(hidden=x, k_new=k_store, v_new=v, scores=scores)
 

@@ -1,5 +1,7 @@
 """KV windows staged on a CPU reuse pooled buffers: allocations stop growing with the number of decode steps, and
-the output is the same as with a fresh copy per step."""
+the output is the same as with a fresh copy per step. A cache that is one RAM-homed part without rolling hands
+out its own fp16 window instead (tests/kv/test_narrow_window.py), so the staged cases here are a split across
+two tiers and a rolling cache."""
 from __future__ import annotations
 
 import pytest
@@ -11,6 +13,7 @@ from flexgen_h2o.kv.cache import StagingBuffers
 from tests.helpers import greedy, make_engine, max_logit_diff, random_prompts, tiny_hf
 
 H2O = EvictionConfig(policy="h2o", hh_size=4, recent_size=3)
+ROLLING = EvictionConfig(policy="h2o", hh_size=4, recent_size=3, position_rolling=True)
 
 
 def test_buffers_come_back_and_are_reused():
@@ -22,8 +25,8 @@ def test_buffers_come_back_and_are_reused():
     assert pool.take(12, torch.float64).dtype == torch.float64
 
 
-@pytest.mark.parametrize("cache_percent", [(100, 0), (50, 50)])     # one cache, and a split across two tiers
-def test_allocations_do_not_grow_with_steps_and_output_is_unchanged(monkeypatch, cache_percent):
+@pytest.mark.parametrize("cache_percent, eviction", [((50, 50), H2O), ((100, 0), ROLLING)])
+def test_allocations_do_not_grow_with_steps_and_output_is_unchanged(monkeypatch, cache_percent, eviction):
     misses, hits = [], []
     take = StagingBuffers.take
 
@@ -39,12 +42,12 @@ def test_allocations_do_not_grow_with_steps_and_output_is_unchanged(monkeypatch,
     for n_new in (8, 40):
         misses.clear()
         hits.clear()
-        engine = make_engine(model, eviction=H2O, offload=offload)
+        engine = make_engine(model, eviction=eviction, offload=offload)
         pooled = engine.generate(prompts, greedy(n_new))
         allocated.append(len(misses))
         assert len(hits) > len(misses)                               # most windows reuse a buffer
     assert allocated[0] == allocated[1]                              # 5x the steps, no new buffers
-    plain = make_engine(model, eviction=H2O, offload=offload)
+    plain = make_engine(model, eviction=eviction, offload=offload)
     plain.kv_staging = None                                          # a fresh copy per (layer, step)
     ref = plain.generate(prompts, greedy(40))
     assert pooled.token_ids == ref.token_ids
