@@ -56,6 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="random policy's generator and pass keys")
     p.add_argument("--fresh", action="store_true", help="discard the tasks' checkpoints and start over")
     p.add_argument("--report-only", action="store_true", help="only rebuild report.md and plots from the JSON")
+    p.add_argument("--merge", nargs="+", metavar="DIR",
+                   help="with --report-only: first union the finished points of these output folders into --out "
+                        "(one experiment run as several processes)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     g = p.add_argument_group("perplexity")
     g.add_argument("--ppl-corpora", default="wiki,lee")
@@ -117,8 +120,13 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         tasks = check_args(args)
+        if args.merge and not args.report_only:
+            raise ConfigError("--merge goes with --report-only: it rebuilds --out from finished runs")
         if args.report_only:
             from flexgen_h2o.eval.report import write_report
+            from flexgen_h2o.eval.results import merge_results
+            if args.merge:
+                print(f"merged: {', '.join(merge_results(args.out, args.merge))}")
             print(f"report: {write_report(args.out)}")
             return 0
         return run_tasks(args, tasks)

@@ -76,3 +76,32 @@ class BlockCheckpoint:
 def load_results(out_dir: str | Path, task: str) -> dict | None:
     path = Path(out_dir) / f"{task}.json"
     return json.loads(path.read_text()) if path.is_file() else None
+
+
+def merge_results(out_dir: str | Path, sources: list[str | Path]) -> list[str]:
+    """Union the finished records of every task file in `sources` into <out_dir>/<task>.json, e.g. the points
+    of one grid run as two processes side by side. A task's files must share their settings (meta), and a
+    point measured in two files must hold the same record; unfinished points (partials) are not carried over.
+    Returns the tasks written."""
+    merged: dict[str, tuple[dict, dict]] = {}                   # task -> (meta, records)
+    for src in sources:
+        files = sorted(Path(src).glob("*.json"))
+        if not files:
+            raise FileNotFoundError(f"--merge: no task JSON in {src}")
+        for path in files:
+            saved = json.loads(path.read_text())
+            if "task" not in saved or "records" not in saved:
+                continue                                        # not a task checkpoint
+            meta, records = merged.setdefault(saved["task"], (saved["meta"], {}))
+            if saved["meta"] != meta:
+                raise ConfigError(f"--merge: {path} was made with other settings than the first "
+                                  f"{saved['task']} file; only runs of one experiment can be merged")
+            for key, record in saved["records"].items():
+                if key in records and records[key] != record:
+                    raise ConfigError(f"--merge: point {key!r} differs between two {saved['task']} files")
+                records[key] = record
+    for task, (meta, records) in merged.items():
+        store = ResultStore(out_dir, task, meta, fresh=True)
+        store.records = records
+        store.save()
+    return sorted(merged)
