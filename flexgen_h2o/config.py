@@ -104,6 +104,15 @@ class OffloadPolicy:
         (SmolLM2 at 54 x 2048: 243 MiB). Chunk by chunk, only one chunk's hidden state exists at a time."""
         return device_type == "cpu" and self.tier_fractions("weights")[2] == 0
 
+    def kv_read_in_place(self, attention_device_type: str, rolling: bool, batch: int) -> bool:
+        """Whether decode attention reads a GPU batch's fp16 cache where it lies instead of an upcast copy
+        (ops.narrow_decode_attention): attention on a CPU, the batch's cache one part homed in RAM, no position
+        rolling. A split cache's parts are joined into one copy; rolling re-rotates every key anyway; a disk-homed
+        cache's copy is the read that the KV lane's worker thread overlaps with compute."""
+        parts = split_by_fraction(batch, self.tier_fractions("cache"))
+        return (attention_device_type == "cpu" and self.kv_dtype != "float32" and not rolling and len(parts) == 1
+                and parts[0][2] != "disk")
+
     def replace(self, **changes) -> "OffloadPolicy":
         return dataclasses.replace(self, **changes)
 

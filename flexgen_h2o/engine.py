@@ -146,14 +146,15 @@ class Engine:
     def _make_cache(self, layer, batch: int, budget, policy, generator, rolling: bool) -> SplitKVCache:
         parts = []
         split = split_by_fraction(batch, self.offload.tier_fractions("cache"))
-        for lo, hi, kind in split:
-            # attention reads the window on the compute device, or where the KV lives with cpu_cache_compute
-            cache = KVCache(layer.kv_spec(), hi - lo, budget.capacity, policy, budget, dtype=self.kv_dtype,
-                            alloc=lambda shape, dtype, kind=kind: self._alloc(kind, shape, dtype), tier_kind=kind,
-                            rolling=rolling, generator=generator, staging=self.kv_staging)
-            parts.append((lo, hi, cache))
+        # attention reads the window on the compute device, or where the KV lives with cpu_cache_compute
         off_device = any(kind != "compute" for _, _, kind in split)
         host_attention = self.offload.cpu_cache_compute and off_device and self.device.type != "cpu"
+        in_place = self.offload.kv_read_in_place("cpu" if host_attention else self.device.type, rolling, batch)
+        for lo, hi, kind in split:
+            cache = KVCache(layer.kv_spec(), hi - lo, budget.capacity, policy, budget, dtype=self.kv_dtype,
+                            alloc=lambda shape, dtype, kind=kind: self._alloc(kind, shape, dtype), tier_kind=kind,
+                            rolling=rolling, generator=generator, staging=self.kv_staging, read_in_place=in_place)
+            parts.append((lo, hi, cache))
         return SplitKVCache(parts, attention_device=torch.device("cpu") if host_attention else None)
 
     def _disk_bytes(self, n_seqs: int, prompt_len: int, n_new: int, ev: EvictionConfig) -> int:

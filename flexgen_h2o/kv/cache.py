@@ -76,10 +76,11 @@ class KVCache:
     def __init__(self, spec: KVSpec, batch: int, capacity: int, policy, budget, *,
                  dtype: torch.dtype = torch.float16, alloc: Allocator = _plain_alloc, tier_kind: str = "compute",
                  rolling: bool = False, generator: torch.Generator | None = None,
-                 staging: StagingBuffers | None = None):
-        """staging: reuse buffers for the compute-dtype windows staged on a CPU (None: a fresh copy each time)."""
+                 staging: StagingBuffers | None = None, read_in_place: bool = False):
+        """staging: reuse buffers for the compute-dtype windows staged on a CPU (None: a fresh copy each time).
+        read_in_place: stage hands out the cache's own window (OffloadPolicy.kv_read_in_place decides)."""
         self.spec, self.batch, self.capacity = spec, batch, capacity
-        self.staging = staging
+        self.staging, self.read_in_place = staging, read_in_place
         self.policy, self.budget, self.rolling, self.generator = policy, budget, rolling, generator
         self.tier_kind = tier_kind
         g, d = spec.n_kv_heads, spec.head_dim
@@ -137,20 +138,16 @@ class KVCache:
         """(b, g) the lowest free slot of each (sequence, KV head); one always exists (capacity = budget + 1)."""
         return (self.pos < 0).int().argmax(dim=-1)
 
-    def stage(self, device: torch.device, dtype: torch.dtype, new_rank: Tensor | None = None,
-              narrow_ok: bool = False) -> KVView:
-        """Read the used window into compute dtype on `device` and pick each (b, g)'s write slot.
-        new_rank (b,): with position rolling, the rank the new token will have among the kept tokens.
-        narrow_ok: the caller attends over a narrow view (KVView.compute_dtype), so a RAM-homed fp16 cache on a
-        CPU hands out its own window instead of an upcast copy. Not for rolling (every key is re-rotated anyway)
-        nor for a disk-homed cache, whose copy is the read that a worker thread overlaps with compute."""
+    def stage(self, device: torch.device, dtype: torch.dtype, new_rank: Tensor | None = None) -> KVView:
+        """Read the used window into compute dtype on `device` and pick each (b, g)'s write slot; a cache read in
+        place hands out its own window instead (a narrow view: KVView.compute_dtype).
+        new_rank (b,): with position rolling, the rank the new token will have among the kept tokens."""
         write_slot = self.free_slots()
         s = max(self.n_used, int(write_slot.max().item()) + 1)
         pos = self.pos[:, :, :s].to(device)
         windows = (self.k[:, :, :s], self.v[:, :, :s])
         self.bytes_read[self.tier_kind] += self._slot_bytes(s)
-        if (narrow_ok and device.type == "cpu" and self.k.device.type == "cpu" and self.k.dtype != dtype
-                and not self.rolling and self.tier_kind != "disk"):
+        if self.read_in_place:
             return KVView(k=windows[0], v=windows[1], valid=pos >= 0, write_slot=write_slot, compute_dtype=dtype)
         release = None
         if self.staging is not None and device.type == "cpu":

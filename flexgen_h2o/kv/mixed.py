@@ -57,10 +57,7 @@ class SplitKVCache:
     def stage(self, device: torch.device, dtype: torch.dtype, new_rank: Tensor | None = None) -> KVView:
         if self.attention_device is not None:
             device, dtype = self.attention_device, torch.float32
-        # one part: its view is the batch's, so it may be the cache's own narrow window; parts are concatenated
-        narrow_ok = len(self.parts) == 1
-        views = [c.stage(device, dtype, None if new_rank is None else new_rank[lo:hi], narrow_ok=narrow_ok)
-                 for lo, hi, c in self.parts]
+        views = [c.stage(device, dtype, None if new_rank is None else new_rank[lo:hi]) for lo, hi, c in self.parts]
         self._widths = [v.k.shape[2] for v in views]
         if len(views) == 1:
             return views[0]

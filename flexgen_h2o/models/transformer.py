@@ -92,15 +92,14 @@ class AttentionLayer(_Base):
             att_dtype = kv.compute_dtype or kv.k.dtype
             if kv.k.device != q.device:          # attention where the KV was staged (cpu_cache_compute)
                 q, k_store, v = (t.to(kv.k.device, att_dtype) for t in (q, k_store, v))
+            # one new token: it goes into its free slot first, so it attends to itself like any other row
+            kv.valid.scatter_(2, kv.write_slot.unsqueeze(-1), True)
             if kv.compute_dtype is not None:     # the cache's own fp16 window: upcast by blocks, never written
-                kv.valid.scatter_(2, kv.write_slot.unsqueeze(-1), True)
                 out, scores = ops.narrow_decode_attention(q, kv.k, kv.v, kv.valid, kv.write_slot, k_store, v, scale,
                                                           want_scores=ctx.want_scores, score_reduce=ctx.score_reduce)
                 return self._finish(x, out, w, k_store, v, scores)
-            # one new token: it goes into its free slot first, so it attends to itself like any other row
             ops.write_slot(kv.k, kv.write_slot, k_store)
             ops.write_slot(kv.v, kv.write_slot, v)
-            kv.valid.scatter_(2, kv.write_slot.unsqueeze(-1), True)
             keys, values = kv.k, kv.v
             if kv.key_positions is not None:     # rolling: re-rotate every kept key by its rank
                 kcos, ksin = ops.rope_cos_sin(kv.key_positions, self.inv_freq.to(q.device), q.dtype)  # (b, g, s, d)

@@ -64,14 +64,6 @@ def kv_slot_bytes(model: ModelConfig, kv_dtype_bytes: int) -> int:
     return KVSpec(model.n_kv_heads, model.head_dim).row_bytes(kv_dtype_bytes)
 
 
-def kv_read_in_place(offload: OffloadPolicy, eviction: EvictionConfig, device_type: str, gbs: int) -> bool:
-    """Whether decode attention reads a GPU batch's fp16 cache in place rather than an upcast copy: on a CPU,
-    with the cache one RAM-homed part and no position rolling (KVCache.stage's narrow_ok rule)."""
-    parts = split_by_fraction(gbs, offload.tier_fractions("cache"))
-    return (device_type == "cpu" and offload.kv_dtype != "float32" and not eviction.position_rolling
-            and len(parts) == 1 and parts[0][2] != "disk")
-
-
 def estimate(model: ModelConfig, offload: OffloadPolicy, eviction: EvictionConfig, *, prompt_len: int,
              gen_len: int, n_seqs: int | None = None, compute_dtype_bytes: int = 4,
              dummy_store_bytes: int = 0) -> Estimate:
@@ -113,9 +105,9 @@ def estimate(model: ModelConfig, offload: OffloadPolicy, eviction: EvictionConfi
     gbs = min(offload.gpu_batch_size, n)
     windows = 2 if offload.overlap else 1
     # staged KV window of the current and the next batch: k and v upcast to compute dtype, plus masks and
-    # positions. A CPU reads a one-part, RAM-homed, narrower cache in place (KVCache.stage's narrow_ok) and
-    # upcasts a few MB at a time into the linear layers' scratch: only its fp32 logits and probabilities remain
-    in_place = kv_read_in_place(offload, eviction, device_type, gbs)
+    # positions. Where the cache is read in place (OffloadPolicy.kv_read_in_place, the engine's rule), it is
+    # upcast a few MB at a time into the linear layers' scratch: only the fp32 logits and probabilities remain
+    in_place = offload.kv_read_in_place(device_type, eviction.position_rolling, gbs)
     per_slot = 2 * (model.n_heads // model.n_kv_heads) * 4 if in_place else 2 * model.head_dim * c
     est.add("compute", "workspace", windows * gbs * model.n_kv_heads * budget.capacity * (per_slot + 16))
     rows = offload.prefill_rows(gbs, prompt_len)

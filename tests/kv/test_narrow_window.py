@@ -8,7 +8,6 @@ import torch
 
 from flexgen_h2o.config import OffloadPolicy
 from flexgen_h2o.kv import EvictionConfig
-from flexgen_h2o.kv.cache import KVCache
 from flexgen_h2o.models import ops
 from tests.helpers import engine_kept, greedy, make_engine, max_logit_diff, random_prompts, tiny_hf
 
@@ -50,9 +49,7 @@ def test_narrow_attention_equals_attention_over_the_upcast_copy(monkeypatch, row
 
 
 def _staged_copies_only(monkeypatch) -> None:
-    real = KVCache.stage
-    monkeypatch.setattr(KVCache, "stage", lambda self, device, dtype, new_rank=None, narrow_ok=False:
-                        real(self, device, dtype, new_rank, narrow_ok=False))
+    monkeypatch.setattr(OffloadPolicy, "kv_read_in_place", lambda self, *a: False)
 
 
 @pytest.mark.parametrize("kind", ["llama-gqa", "opt"])
@@ -101,15 +98,27 @@ def test_split_and_rolling_caches_still_stage_a_copy(monkeypatch, cache_percent,
     ((50, 50), "float16", False),           # split across tiers: the parts' windows are joined
     ((0, 0), "float16", False),             # disk-homed: the copy is the read a worker overlaps
 ])
-def test_planner_charges_the_window_the_engine_stages(monkeypatch, tmp_path, cache_percent, kv_dtype, rolling):
-    """The planner's workspace follows the engine: no upcast window where decode reads the cache in place."""
-    from flexgen_h2o.planner.memory import kv_read_in_place
+def test_in_place_rule_is_what_the_engine_does_and_what_the_planner_charges(monkeypatch, tmp_path, cache_percent,
+                                                                            kv_dtype, rolling):
+    """OffloadPolicy.kv_read_in_place says where the engine attends over the cache's own window, and the
+    planner's workspace then holds no upcast window: it is smaller than for the same run with a staged copy."""
+    from flexgen_h2o.planner import estimate
+    from tests.helpers import weight_reader
     calls = []
     real = ops.narrow_decode_attention
     monkeypatch.setattr(ops, "narrow_decode_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     eviction = EvictionConfig(policy="h2o", hh_size=4, recent_size=3, position_rolling=rolling)
     offload = OffloadPolicy.from_percent([100, 0, *cache_percent, 100, 0], gpu_batch_size=2, kv_dtype=kv_dtype)
-    make_engine(tiny_hf("llama-gqa"), eviction=eviction, offload=offload,
-                offload_dir=tmp_path).generate(random_prompts([12, 7]), greedy(3))
-    assert kv_read_in_place(offload, eviction, "cpu", 2) == bool(calls)
-    assert not kv_read_in_place(offload, eviction, "cuda", 2)
+    model = tiny_hf("llama-gqa")
+    make_engine(model, eviction=eviction, offload=offload, offload_dir=tmp_path).generate(random_prompts([12, 7]),
+                                                                                          greedy(3))
+    in_place = offload.kv_read_in_place("cpu", rolling, 2)
+    assert in_place == bool(calls)
+    assert not offload.kv_read_in_place("cuda", rolling, 2)
+    cfg, _ = weight_reader(model)
+    workspace = {}
+    for rule in (True, False):
+        monkeypatch.setattr(OffloadPolicy, "kv_read_in_place", lambda self, *a, rule=rule: rule)
+        est = estimate(cfg, offload, eviction, prompt_len=12, gen_len=3, n_seqs=2)
+        workspace[rule] = est.bytes["compute"]["workspace"]
+    assert workspace[True] < workspace[False]
