@@ -9,7 +9,9 @@ setup(
     python_requires=">=3.10",
     # transformers 5.24 warns that generate's and forward's past_key_values goes in 5.40; the hf cache and its
     # tests pass caches that way, so a clean install must not pick up the release that removes it
-    install_requires=["torch", "numpy", "transformers>=5.0,<5.40", "safetensors", "psutil", "tqdm"],
+    install_requires=["torch", "numpy", "transformers>=5.0,<5.40", "safetensors", "psutil", "tqdm",
+                      "ninja"],             # builds the compiled prompt attention (models/fused.py)
+    package_data={"flexgen_h2o.models": ["csrc/*.cpp"]},
     extras_require={
         "test": ["pytest", "pytest-timeout"],
         "eval": ["rouge-score", "matplotlib"],

@@ -3,8 +3,12 @@ interleaved in one process (old, new, then new, old, ...), so the VM's drift lan
 
 Everything but the attention function is the working tree's: the same engine, prompts (Wikipedia windows) and
 cache rules as benchmarks/profile_decode.py. The old function gets only the keyword arguments its signature has.
+With --old-rev both sides run the torch-op path (the compiled prompt attention is switched off); with --compiled
+the two sides are the working tree's torch-op path and its compiled kernel.
 
     python -m benchmarks.attention_ab --old-rev ff410d4 --out benchmarks/results/attention_ab
+    # the torch-op path (old) against the compiled prompt attention (new, models/fused.py) of the working tree
+    python -m benchmarks.attention_ab --compiled --out benchmarks/results/attention_ab_compiled
     # the disk512 shape: OPT-1.3B dummy weights from files, one prefill chunk of 8 x 512
     python -m benchmarks.attention_ab --old-rev e51059a --model opt-1.3b --dummy-weights \
         --percent 0 0 100 0 100 0 --batch 8 --prompt-len 512 --hh-size 51 --recent-size 51 \
@@ -43,7 +47,10 @@ def ratios(times: dict[str, list[float]]) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.attention_ab", description=__doc__.split("\n\n")[0])
-    p.add_argument("--old-rev", required=True, help="git revision whose grouped_attention is the baseline")
+    side = p.add_mutually_exclusive_group(required=True)
+    side.add_argument("--old-rev", help="git revision whose grouped_attention is the baseline")
+    side.add_argument("--compiled", action="store_true",
+                      help="baseline: the torch-op path; new: the compiled prompt attention")
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--prompt-len", type=int, default=2048)
@@ -57,8 +64,17 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     from benchmarks.profile_decode import setup
     from flexgen_h2o.config import GenerationConfig
-    from flexgen_h2o.models import ops
-    versions = {"old": old_attention(a.old_rev), "new": ops.grouped_attention}
+    from flexgen_h2o.models import fused, ops
+    plain = ops.grouped_attention
+    if a.compiled:
+        if fused.module() is None:
+            print(f"the compiled prompt attention is unavailable: {fused.unavailable_reason()}", file=sys.stderr)
+            return 2
+        versions = {"old": plain, "new": plain}
+        switch = {"old": "0", "new": "1"}
+    else:
+        versions = {"old": old_attention(a.old_rev), "new": plain}
+        switch = {"old": "0", "new": "0"}
     _, engine, prompts, rules = setup(a)
     gen = GenerationConfig(max_new_tokens=1, stop_at_eos=False)
     times: dict[str, list[float]] = {}
@@ -69,11 +85,13 @@ def main(argv: list[str] | None = None) -> int:
             for case in rules:
                 for ver in order:
                     ops.grouped_attention = versions[ver]
+                    os.environ[fused.ENV_SWITCH] = switch[ver]
                     s = engine.generate(prompts, gen, eviction=rules[case]).metrics["prefill_s"]
                     times.setdefault(f"{case}-{ver}", []).append(s)
                     print(f"{case:5s} {ver}: prompt pass {s:.2f} s", flush=True)
     finally:
-        ops.grouped_attention = versions["new"]
+        ops.grouped_attention = plain
+        os.environ.pop(fused.ENV_SWITCH, None)
         engine.close()
     result = {"args": {k: str(v) for k, v in vars(a).items()}, "prefill_s": times, "old_over_new": ratios(times)}
     a.out.mkdir(parents=True, exist_ok=True)

@@ -21,7 +21,7 @@ from flexgen_h2o.kv import EvictionConfig, get_policy, policy_for
 from flexgen_h2o.kv.cache import KVCache, StagingBuffers, gather_slots
 from flexgen_h2o.kv.mixed import SplitKVCache
 from flexgen_h2o.memory import ComputeTier, DiskTier, HostTier, OffloadDir, check_space
-from flexgen_h2o.models import ModelConfig, StepContext, build_layers, ops, schedule_groups
+from flexgen_h2o.models import ModelConfig, StepContext, build_layers, fused, ops, schedule_groups
 from flexgen_h2o.planner import estimate
 from flexgen_h2o.sampling import Sampler, StopTracker
 from flexgen_h2o.schedule.activations import ActivationHome
@@ -82,6 +82,8 @@ class Engine:
         self.kv_dtype = getattr(torch, self.offload.kv_dtype)
         # CPU: staged KV windows reuse buffers (CUDA's caching allocator already recycles device memory)
         self.kv_staging = None if self.backend.is_cuda else StagingBuffers()
+        if not self.backend.is_cuda:
+            fused.module()        # load (or build) the compiled prompt attention here, not in a timed prompt pass
         self.layers = build_layers(model)
         self.groups = schedule_groups([layer.kind for layer in self.layers], self.offload.sep_layer)
         self.decode = decode

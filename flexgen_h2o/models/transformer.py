@@ -10,7 +10,7 @@ from typing import Mapping
 
 from torch import Tensor
 
-from flexgen_h2o.models import ops
+from flexgen_h2o.models import fused, ops
 from flexgen_h2o.models.config import ModelConfig
 from flexgen_h2o.models.layer import KVSpec, KVView, LayerOutput, StepContext, WeightSpec
 
@@ -84,6 +84,11 @@ class AttentionLayer(_Base):
             if not ctx.keys_pre_rope:
                 k_store = k                      # cache holds keys rotated at their true positions
         scale = cfg.head_dim ** -0.5
+        if kv is None and ctx.want_scores and fused.usable(q):
+            # H2O's prompt pass on a CPU: output and key mass in one compiled pass (models/fused.py)
+            out, scores = fused.scored_prompt_attention(q, k, v, None if ctx.unpadded else ctx.token_valid, scale,
+                                                        ctx.score_reduce)
+            return self._finish(x, out, w, k_store, v, scores)
         if kv is None:
             # prompt: attend among the new tokens only (real positions in both position modes)
             keys, values = k, v

@@ -1,0 +1,124 @@
+// H2O's prompt attention on a CPU: the attention output and, in the same pass, the attention mass each key
+// received (column sums of the probabilities over the valid queries, summed over a KV group's query heads).
+//
+// Torch's fused SDPA kernel cannot return the column sums, and the same math written as torch ops materialises
+// blocks of logits too large for L2, so every pass over them (the QK product's write, softmax, the PV product
+// and the column sum) goes to L3 or DRAM. Here each thread owns one (sequence, KV group, query block) at a
+// time, and the block's logits stay in its L2 from the QK product to the column sum. Products are ATen GEMMs,
+// single-threaded inside the parallel region, so the FLOPs run at the BLAS's rate.
+//
+// Masking follows models/ops.causal_pad_mask: query i sees key j iff j <= i and key j is valid, and always
+// sees itself. Pad queries add nothing to the column sums.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <limits>
+#include <vector>
+
+namespace {
+
+// rows of one block are (head j of the group, query i); a pair of blocks (p, last - p) is one task, so every
+// task has the same causal work and a static split over threads is balanced
+struct Shape {
+  int64_t b, h, t, d, g, r, q_block, blocks, pairs;
+};
+
+void attend_block(const Shape& s, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out,
+                  const std::vector<std::vector<int64_t>>& pads, const bool* valid, double scale, int64_t bi,
+                  int64_t gi, int64_t block, at::Tensor& qbuf, at::Tensor& logits, at::Tensor& weights,
+                  float* mass) {
+  const int64_t start = block * s.q_block, stop = std::min(s.t, start + s.q_block);
+  const int64_t tq = stop - start, rows = s.r * tq;
+  for (int64_t j = 0; j < s.r; ++j) {
+    at::Tensor dst = qbuf.narrow(0, j * tq, tq);
+    at::mul_out(dst, q[bi][gi * s.r + j].narrow(0, start, tq), scale);
+  }
+  at::Tensor block_logits = logits.narrow(0, 0, rows * stop).view({rows, stop});
+  at::mm_out(block_logits, qbuf.narrow(0, 0, rows), k[bi][gi].narrow(0, 0, stop).t());
+  float* data = block_logits.data_ptr<float>();
+  float* w = weights.data_ptr<float>();
+  const float hidden = -std::numeric_limits<float>::infinity();
+  const std::vector<int64_t>& seq_pads = pads[bi];
+  for (int64_t row = 0; row < rows; ++row) {
+    const int64_t i = start + row % tq;
+    float* line = data + row * stop;
+    std::fill(line + i + 1, line + stop, hidden);             // keys after the query
+    for (int64_t p : seq_pads) {                              // pad keys before it (pads are few)
+      if (p >= i) break;
+      line[p] = hidden;
+    }
+    w[row] = (valid == nullptr || valid[bi * s.t + i]) ? 1.0f : 0.0f;
+  }
+  // in place: each row is read whole (its max, then its exponentials) before its values are overwritten
+  at::_softmax_out(block_logits, block_logits, 1, false);
+  for (int64_t j = 0; j < s.r; ++j) {
+    at::Tensor dst = out[bi][gi * s.r + j].narrow(0, start, tq);
+    at::mm_out(dst, block_logits.narrow(0, j * tq, tq), v[bi][gi].narrow(0, 0, stop));
+  }
+  at::Tensor mass_row = at::from_blob(mass, {1, stop}, logits.options());
+  mass_row.addmm_(weights.narrow(1, 0, rows), block_logits);   // += valid-weighted column sums
+}
+
+}  // namespace
+
+// q (b, h, t, d) fp32, any strides; k, v (b, g, t, d) fp32 contiguous; token_valid (b, t) bool, or an empty
+// tensor for a prompt without pads. Returns out (b, h, t, d) and mass (b, g, t) fp32.
+std::vector<at::Tensor> scored_prompt_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                const at::Tensor& token_valid, double scale, int64_t q_block) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "q, k, v must be 4-d");
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
+              "q, k, v must be float32");
+  TORCH_CHECK(k.is_contiguous() && v.is_contiguous(), "k and v must be contiguous");
+  TORCH_CHECK(q.size(2) == k.size(2) && k.sizes() == v.sizes(), "a prompt attends to its own keys");
+  TORCH_CHECK(q.size(1) % k.size(1) == 0, "query heads must be a multiple of KV heads");
+  TORCH_CHECK(q_block >= 1, "q_block must be >= 1");
+  Shape s;
+  s.b = q.size(0); s.h = q.size(1); s.t = q.size(2); s.d = q.size(3); s.g = k.size(1); s.r = s.h / s.g;
+  s.q_block = q_block; s.blocks = (s.t + q_block - 1) / q_block; s.pairs = (s.blocks + 1) / 2;
+
+  at::Tensor valid_c;
+  const bool* valid = nullptr;
+  std::vector<std::vector<int64_t>> pads(s.b);
+  if (token_valid.numel() > 0) {
+    TORCH_CHECK(token_valid.scalar_type() == at::kBool && token_valid.dim() == 2 && token_valid.size(0) == s.b &&
+                token_valid.size(1) == s.t, "token_valid must be a (b, t) bool tensor");
+    valid_c = token_valid.contiguous();
+    valid = valid_c.data_ptr<bool>();
+    for (int64_t bi = 0; bi < s.b; ++bi)
+      for (int64_t i = 0; i < s.t; ++i)
+        if (!valid[bi * s.t + i]) pads[bi].push_back(i);
+  }
+  at::Tensor out = at::empty({s.b, s.h, s.t, s.d}, q.options());
+  const int threads = at::get_num_threads();
+  at::Tensor partial = at::zeros({threads, s.b, s.g, s.t}, q.options());   // one column-sum row set per thread
+  const int64_t tasks = s.b * s.g * s.pairs;
+  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+    // this thread's GEMMs run alone: left at the team's size, MKL wakes a nested team on every call, and under
+    // OMP_WAIT_POLICY=PASSIVE those wake-ups made the kernel slower in the engine than the torch ops it replaces.
+    // parallel_for runs a single task on the caller itself, so the caller's setting is put back at the end
+    const int team = omp_get_max_threads();
+    omp_set_num_threads(1);
+    at::Tensor qbuf = at::empty({s.r * s.q_block, s.d}, q.options());
+    at::Tensor logits = at::empty({s.r * s.q_block * s.t}, q.options());
+    at::Tensor weights = at::empty({1, s.r * s.q_block}, q.options());
+    float* mine = partial[at::get_thread_num()].data_ptr<float>();
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t bg = task / s.pairs, pair = task % s.pairs;
+      const int64_t bi = bg / s.g, gi = bg % s.g;
+      attend_block(s, q, k, v, out, pads, valid, scale, bi, gi, pair, qbuf, logits, weights, mine + bg * s.t);
+      const int64_t mirror = s.blocks - 1 - pair;
+      if (mirror != pair)
+        attend_block(s, q, k, v, out, pads, valid, scale, bi, gi, mirror, qbuf, logits, weights,
+                     mine + bg * s.t);
+    }
+    omp_set_num_threads(team);
+  });
+  return {out, partial.sum(0)};
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  // the GIL is released: the engine's copy lanes are Python threads that must run while this computes
+  m.def("scored_prompt_attention", &scored_prompt_attention, pybind11::call_guard<pybind11::gil_scoped_release>());
+}

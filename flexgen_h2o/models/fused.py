@@ -1,0 +1,89 @@
+"""The compiled CPU kernel for H2O's prompt attention (csrc/scored_attention.cpp), built on first use.
+
+The kernel gives the attention output and every key's attention mass in one pass whose logits stay in L2; the
+same math as torch ops (ops.grouped_attention) spills each block's logits to L3 or DRAM. It is built with torch's
+C++ extension loader (a C++ compiler and ninja) and cached in TORCH_EXTENSIONS_DIR (default
+~/.cache/torch_extensions), so only the first process after a change pays the build (~20-60 s on 2 cores);
+`build_ahead()` builds it before any timed run (`make install` calls it). Where it cannot be built, the
+torch-op path is used and the reason is printed once. FLEXGEN_H2O_FUSED_ATTENTION=0 turns it off (A/B runs).
+"""
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from pathlib import Path
+from types import ModuleType
+
+import torch
+from torch import Tensor
+
+SOURCE = Path(__file__).parent / "csrc" / "scored_attention.cpp"
+ENV_SWITCH = "FLEXGEN_H2O_FUSED_ATTENTION"
+# queries per block: 3 heads x 128 queries x 2,048 keys of fp32 logits is 3 MB, about one core's L2 plus its
+# share of L3 (a sweep of 64-256 at SmolLM2's 2,048-token prompts moved the kernel's time by a few % at most)
+Q_BLOCK = 128
+
+_lock = threading.Lock()
+_state: dict[str, object] = {}          # "module" once built; "reason" once it could not be
+
+
+def _build() -> ModuleType:
+    from torch.utils.cpp_extension import load     # imported late: it pulls in setuptools
+    # -fopenmp: the kernel sets its threads' OpenMP team size (the libgomp torch has loaded is the one used)
+    return load(name="flexgen_h2o_scored_attention", sources=[str(SOURCE)], extra_cflags=["-O3", "-fopenmp"],
+                extra_ldflags=["-fopenmp"], verbose=False)
+
+
+def module() -> ModuleType | None:
+    """The built kernel, or None where it is switched off or cannot be built (reason printed once)."""
+    if os.environ.get(ENV_SWITCH, "1") == "0":
+        return None
+    if "module" in _state:                     # every attention layer asks: no lock once it is built
+        return _state["module"]                                          # type: ignore[return-value]
+    with _lock:
+        if "module" in _state or "reason" in _state:
+            return _state.get("module")                                  # type: ignore[return-value]
+        try:
+            _state["module"] = _build()
+        except Exception as exc:                   # no compiler, no ninja, no Python headers: run without it
+            reason = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+            _state["reason"] = reason
+            print(f"flexgen_h2o: compiled prompt attention unavailable ({reason}); using torch ops "
+                  f"(needs a C++ compiler and ninja; {ENV_SWITCH}=0 hides this)", file=sys.stderr)
+        return _state.get("module")                                      # type: ignore[return-value]
+
+
+def unavailable_reason() -> str | None:
+    """Why module() gave None, after it was called (None when it is built or switched off)."""
+    return _state.get("reason")                                          # type: ignore[return-value]
+
+
+def usable(q: Tensor) -> bool:
+    """Whether this prompt's attention can go to the kernel: fp32 on a CPU, kernel built."""
+    return q.device.type == "cpu" and q.dtype == torch.float32 and module() is not None
+
+
+def scored_prompt_attention(q: Tensor, k: Tensor, v: Tensor, token_valid: Tensor | None, scale: float,
+                            score_reduce: str = "sum") -> tuple[Tensor, Tensor]:
+    """out (b, h, t, d) and the mass (b, g, t) each key received from the valid queries, pooled over its
+    group's query heads (sum, or mean over the group), for a prompt attending to itself under
+    ops.causal_pad_mask(token_valid) (None: no pads). The same values as ops.grouped_attention's scored path,
+    to fp32 rounding (the sums run in another order)."""
+    ext = module()
+    assert ext is not None, "call usable() first"
+    valid = torch.empty(0, dtype=torch.bool) if token_valid is None else token_valid
+    out, mass = ext.scored_prompt_attention(q, k.contiguous(), v.contiguous(), valid, float(scale), Q_BLOCK)
+    if score_reduce == "mean":
+        mass /= q.shape[1] // k.shape[1]
+    return out, mass
+
+
+def build_ahead() -> int:
+    """Build (or find cached) the kernel before any timed run; `make install` calls it. 0 when ready."""
+    if module() is None:
+        print(f"flexgen_h2o: compiled prompt attention not built: {unavailable_reason() or 'switched off'}",
+              file=sys.stderr)
+        return 1
+    print(f"flexgen_h2o: compiled prompt attention ready ({SOURCE.name})")
+    return 0

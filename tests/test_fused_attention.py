@@ -1,0 +1,151 @@
+"""The compiled prompt attention (models/fused.py, csrc/scored_attention.cpp) against the torch-op path it
+replaces on a CPU (ops.grouped_attention with want_scores), and the engine with it against the engine without."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from flexgen_h2o.kv import EvictionConfig
+from flexgen_h2o.models import fused, ops
+from tests.helpers import engine_kept, greedy, make_engine, max_logit_diff, random_prompts, tiny_hf
+
+
+@pytest.fixture
+def kernel():
+    if fused.module() is None:
+        if os.environ.get("CI"):
+            pytest.fail(f"CI must build the compiled prompt attention: {fused.unavailable_reason()}")
+        pytest.skip(f"compiled prompt attention unavailable: {fused.unavailable_reason() or 'switched off'}")
+    return fused
+
+
+def _reference(q, k, v, token_valid, scale, score_reduce="sum"):
+    b, t = q.shape[0], q.shape[2]
+    valid = torch.ones(b, t, dtype=torch.bool) if token_valid is None else token_valid
+    return ops.grouped_attention(q, k, v, ops.causal_pad_mask(valid), scale, want_scores=True,
+                                 query_valid=token_valid, score_reduce=score_reduce,
+                                 causal_only=token_valid is None)
+
+
+def _inputs(b, h, g, t, d, pads=()):
+    torch.manual_seed(0)
+    q = torch.randn(b, t, h, d).transpose(1, 2)           # a head view, as split_heads gives it
+    k, v = torch.randn(b, g, t, d), torch.randn(b, g, t, d)
+    valid = None
+    if pads:
+        valid = torch.ones(b, t, dtype=torch.bool)
+        for row, n in enumerate(pads):
+            valid[row, :n] = False
+    return q, k, v, valid
+
+
+@pytest.mark.parametrize("b, h, g, t, pads", [
+    (2, 6, 2, 23, ()),             # GQA, no pads
+    (3, 4, 4, 17, (0, 5, 16)),     # MHA, left pads up to all but one token
+    (1, 6, 3, 30, ()),             # one sequence, an odd number of groups: tasks split unevenly
+    (2, 3, 1, 9, (2, 0)),          # one KV head
+])
+@pytest.mark.parametrize("q_block", [1, 4, 64])
+@pytest.mark.parametrize("score_reduce", ["sum", "mean"])
+def test_kernel_gives_the_torch_paths_output_and_key_mass(kernel, monkeypatch, b, h, g, t, pads, q_block,
+                                                         score_reduce):
+    monkeypatch.setattr(fused, "Q_BLOCK", q_block)        # 1 and 4: many blocks, odd counts, mirror pairs
+    q, k, v, valid = _inputs(b, h, g, t, 8, pads)
+    ref_out, ref_mass = _reference(q, k, v, valid, 0.4, score_reduce)
+    out, mass = kernel.scored_prompt_attention(q, k, v, valid, 0.4, score_reduce)
+    assert out.shape == ref_out.shape and mass.shape == ref_mass.shape == (b, g, t)
+    torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(mass, ref_mass, rtol=1e-5, atol=1e-5)
+    valid_queries = torch.full((b,), float(t)) if valid is None else valid.sum(1).float()
+    heads_pooled = 1 if score_reduce == "mean" else h // g          # every valid query spends a mass of 1
+    torch.testing.assert_close(mass.sum(dim=(1, 2)), g * heads_pooled * valid_queries, rtol=1e-5, atol=1e-4)
+    if valid is not None:
+        assert torch.all(mass.permute(0, 2, 1)[~valid] == 0)   # a pad key is seen only by itself, a pad query
+
+
+def test_kernel_is_the_same_on_one_thread_and_two(kernel, monkeypatch):
+    """Each thread sums its blocks' key mass into its own row, added up at the end."""
+    monkeypatch.setattr(fused, "Q_BLOCK", 4)
+    q, k, v, valid = _inputs(2, 6, 3, 40, 8, pads=(3, 0))
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = kernel.scored_prompt_attention(q, k, v, valid, 0.3)
+        torch.set_num_threads(2)
+        two = kernel.scored_prompt_attention(q, k, v, valid, 0.3)
+        threads_after = torch.get_num_threads()
+    finally:
+        torch.set_num_threads(before)
+    assert threads_after == 2                      # the kernel's one-thread GEMMs do not leak out of it
+    assert torch.equal(one[0], two[0])
+    torch.testing.assert_close(one[1], two[1], rtol=1e-6, atol=1e-6)
+
+
+def test_a_single_task_on_the_calling_thread_leaves_its_thread_count(kernel):
+    """One sequence, one KV head, one query block: parallel_for runs it on the caller, whose OpenMP setting the
+    kernel narrows to one thread while it runs and must put back (else every later torch op runs on one core)."""
+    q, k, v, _ = _inputs(1, 2, 1, 5, 8)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        kernel.scored_prompt_attention(q, k, v, None, 0.3)
+        threads_after = torch.get_num_threads()
+    finally:
+        torch.set_num_threads(before)
+    assert threads_after == 2
+
+
+@pytest.mark.parametrize("kind", ["llama-gqa", "opt"])
+def test_engine_with_the_kernel_keeps_and_generates_what_it_does_without(kernel, monkeypatch, kind):
+    """Every layer's prompt pass goes to the kernel, and the H2O run gives the same tokens and kept positions
+    as the torch path, logits to fp32 rounding; a padded block (prompts of three lengths) included."""
+    calls = []
+    real = fused.scored_prompt_attention
+    monkeypatch.setattr(fused, "scored_prompt_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    model = tiny_hf(kind)
+    prompts = random_prompts([21, 14, 9])
+    eviction = EvictionConfig(policy="h2o", hh_size=4, recent_size=3)
+    compiled = make_engine(model, eviction=eviction)
+    out = compiled.generate(prompts, greedy(8))
+    assert len(calls) == model.config.num_hidden_layers
+    monkeypatch.setenv(fused.ENV_SWITCH, "0")
+    calls.clear()
+    plain = make_engine(model, eviction=eviction)
+    ref = plain.generate(prompts, greedy(8))
+    assert not calls
+    assert out.token_ids == ref.token_ids
+    assert engine_kept(compiled) == engine_kept(plain)
+    assert all(max_logit_diff(compiled.step_logits[i], plain.step_logits[i]) < 1e-4 for i in range(len(prompts)))
+
+
+def test_full_cache_prompt_does_not_use_the_kernel(kernel, monkeypatch):
+    """No scores wanted: the prompt goes to torch's fused SDPA, which is faster still."""
+    calls = []
+    monkeypatch.setattr(fused, "scored_prompt_attention", lambda *a, **kw: calls.append(1))
+    make_engine(tiny_hf("llama-gqa")).generate(random_prompts([12, 7]), greedy(2))
+    assert not calls
+
+
+def test_a_failed_build_falls_back_to_torch_ops_and_says_why_once(monkeypatch, capsys):
+    def no_compiler():
+        raise RuntimeError("Ninja is required to load C++ extensions")
+    monkeypatch.setattr(fused, "_state", {})
+    monkeypatch.setattr(fused, "_build", no_compiler)
+    q = torch.zeros(1, 2, 3, 4)
+    assert not fused.usable(q) and not fused.usable(q)
+    err = capsys.readouterr().err
+    assert err.count("compiled prompt attention unavailable") == 1 and "Ninja is required" in err
+    assert fused.unavailable_reason() == "Ninja is required to load C++ extensions"
+    eviction = EvictionConfig(policy="h2o", hh_size=4, recent_size=3)
+    out = make_engine(tiny_hf("llama-gqa"), eviction=eviction).generate(random_prompts([12, 7]), greedy(3))
+    assert all(len(ids) == 3 for ids in out.token_ids)
+
+
+def test_the_switch_turns_it_off_without_building(monkeypatch):
+    monkeypatch.setattr(fused, "_state", {})
+    monkeypatch.setattr(fused, "_build", lambda: pytest.fail("must not build when switched off"))
+    monkeypatch.setenv(fused.ENV_SWITCH, "0")
+    assert fused.module() is None and fused.unavailable_reason() is None
+    assert not fused.usable(torch.zeros(1, 1, 2, 2))
