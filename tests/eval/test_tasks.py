@@ -13,15 +13,7 @@ from flexgen_h2o.eval.cli import main
 from flexgen_h2o.eval.results import BlockCheckpoint, ResultStore
 from flexgen_h2o.eval.streaming import edge_ratio, window_ppl
 from flexgen_h2o.eval.summarize import first_line, mean_rouge, rouge_scorer
-from flexgen_h2o.loader import fallback_tokenizer
 
-
-@pytest.fixture(scope="module")
-def tok():
-    t = fallback_tokenizer()
-    if t is None:
-        pytest.skip("SmolLM2's tokenizer is not converted yet (make run)")
-    return t
 
 
 def test_perplexity_items_have_exact_lengths(tok):
