@@ -61,6 +61,18 @@ void attend_block(const Shape& s, const at::Tensor& q, const at::Tensor& k, cons
   mass_row.addmm_(weights.narrow(1, 0, rows), block_logits);   // += valid-weighted column sums
 }
 
+// While alive, the calling thread's GEMMs run alone: left at the team's size, MKL wakes a nested team on every
+// call, and under OMP_WAIT_POLICY=PASSIVE those wake-ups made the kernel slower in the engine than the torch ops
+// it replaces. parallel_for runs a single task on the caller itself, so the caller's setting is put back, also
+// when an ATen op throws (left at 1, every later torch op of the process would run on one core).
+struct OneThreadGemms {
+  const int team = omp_get_max_threads();
+  OneThreadGemms() { omp_set_num_threads(1); }
+  ~OneThreadGemms() { omp_set_num_threads(team); }
+  OneThreadGemms(const OneThreadGemms&) = delete;
+  OneThreadGemms& operator=(const OneThreadGemms&) = delete;
+};
+
 }  // namespace
 
 // q (b, h, t, d) fp32, any strides; k, v (b, g, t, d) fp32 contiguous; token_valid (b, t) bool, or an empty
@@ -95,11 +107,7 @@ std::vector<at::Tensor> scored_prompt_attention(const at::Tensor& q, const at::T
   at::Tensor partial = at::zeros({threads, s.b, s.g, s.t}, q.options());   // one column-sum row set per thread
   const int64_t tasks = s.b * s.g * s.pairs;
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
-    // this thread's GEMMs run alone: left at the team's size, MKL wakes a nested team on every call, and under
-    // OMP_WAIT_POLICY=PASSIVE those wake-ups made the kernel slower in the engine than the torch ops it replaces.
-    // parallel_for runs a single task on the caller itself, so the caller's setting is put back at the end
-    const int team = omp_get_max_threads();
-    omp_set_num_threads(1);
+    OneThreadGemms alone;
     at::Tensor qbuf = at::empty({s.r * s.q_block, s.d}, q.options());
     at::Tensor logits = at::empty({s.r * s.q_block * s.t}, q.options());
     at::Tensor weights = at::empty({1, s.r * s.q_block}, q.options());
@@ -113,7 +121,6 @@ std::vector<at::Tensor> scored_prompt_attention(const at::Tensor& q, const at::T
         attend_block(s, q, k, v, out, pads, valid, scale, bi, gi, mirror, qbuf, logits, weights,
                      mine + bg * s.t);
     }
-    omp_set_num_threads(team);
   });
   return {out, partial.sum(0)};
 }
