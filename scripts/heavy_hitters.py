@@ -30,7 +30,8 @@ from torch import Tensor  # noqa: E402
 
 from flexgen_h2o.config import ConfigError  # noqa: E402
 from flexgen_h2o.eval.cli import OneLineParser  # noqa: E402
-from flexgen_h2o.eval.data import SUMMARY_HEADER, SummaryItem, encode, split_lead, summary_items  # noqa: E402
+from flexgen_h2o.eval.data import SummaryItem, encode, split_lead, summary_items, summary_prompt_pieces  # noqa: E402
+from flexgen_h2o.frontends.corpus import lee_articles  # noqa: E402
 from flexgen_h2o.eval.grid import BudgetSpec, GridPoint, parse_budget, parse_heavy_share  # noqa: E402
 from flexgen_h2o.kv import Budget, EvictionPolicy  # noqa: E402
 from flexgen_h2o.kv.select import expand_positions, newest_mask  # noqa: E402
@@ -42,39 +43,19 @@ REDUCES = {"sum": "column sum (the engine's rule)", "mean": "per-query mean (cou
 
 # --- prompt segments ---
 
-def lee_pairs() -> list[tuple[str, str]]:
-    """(lead, rest) of every Lee article summary_items can use."""
-    from flexgen_h2o.frontends.corpus import lee_articles
-    return [p for a in lee_articles() if (p := split_lead(a)) is not None]
+ROLE_SEGMENT = {"template": TEMPLATE, "demo_doc": DEMO_DOC, "demo_summary": DEMO_SUM, "document": DOC_REST}
 
 
-def prompt_pieces(text: str, target: tuple[str, str], pairs: list[tuple[str, str]],
-                  shots: int) -> list[tuple[str, int]]:
-    """Cut a summary prompt's text into (text, segment) pieces by matching it against the header, the
-    demonstrations (any Lee pair, in the format summary_items writes) and the target's query.
-    The target document is labelled DOC_REST; mark_opening relabels its start."""
-    def shot(lead: str, rest: str, last: bool) -> list[tuple[str, int]]:
-        if last:
-            return [("Article: ", TEMPLATE), (rest, DOC_REST), ("\nSummary:", TEMPLATE)]
-        return [("Article: ", TEMPLATE), (rest, DEMO_DOC), ("\nSummary: ", TEMPLATE), (lead, DEMO_SUM),
-                ("\n\n", TEMPLATE)]
-
-    if not text.startswith(SUMMARY_HEADER):
-        raise RuntimeError("the prompt does not start with the summary header")
-    pieces, at = [(SUMMARY_HEADER, TEMPLATE)], len(SUMMARY_HEADER)
-    for _ in range(shots):
-        for lead, rest in pairs:
-            demo = shot(lead, rest, False)
-            if text.startswith("".join(t for t, _ in demo), at):
-                break
-        else:
-            raise RuntimeError(f"no Lee demonstration matches the prompt at character {at}")
-        pieces += demo
-        at += sum(len(t) for t, _ in demo)
-    last = shot(*target, True)
-    if text[at:] != "".join(t for t, _ in last):
-        raise RuntimeError(f"the prompt's text after character {at} is not the target article's query")
-    return pieces + last
+def prompt_pieces(item: SummaryItem) -> list[tuple[str, int]]:
+    """The item's prompt text as (text, segment) pieces, from the harness's own prompt format
+    (data.summary_prompt_pieces) and the examples the item holds. The document is DOC_REST; mark_opening relabels
+    its start."""
+    articles = lee_articles()
+    shots = [split_lead(articles[i]) for i in item.shot_articles]
+    target = split_lead(articles[item.article])
+    if target is None or any(p is None for p in shots):
+        raise RuntimeError(f"item {item.article}: a Lee article in it has no lead sentence")
+    return [(text, ROLE_SEGMENT[role]) for text, role in summary_prompt_pieces(shots, target[1])]
 
 
 def token_segments(tok, pieces: list[tuple[str, int]], ids: list[int]) -> list[int]:
@@ -105,12 +86,8 @@ def mark_opening(segs: list[int], opening: int) -> list[int]:
     return out
 
 
-def item_segments(tok, item: SummaryItem, pairs: list[tuple[str, str]], opening: int) -> list[int]:
-    from flexgen_h2o.frontends.corpus import lee_articles
-    target = split_lead(lee_articles()[item.article])
-    assert target is not None, f"Lee article {item.article} has no lead sentence"
-    pieces = prompt_pieces(tok.decode(item.prompt), target, pairs, item.shots)
-    return mark_opening(token_segments(tok, pieces, item.prompt), opening)
+def item_segments(tok, item: SummaryItem, opening: int) -> list[int]:
+    return mark_opening(token_segments(tok, prompt_pieces(item), item.prompt), opening)
 
 
 # --- the kept set ---
@@ -189,14 +166,14 @@ def measure(runner, tok, items: list[SummaryItem], budget: BudgetSpec, shares: l
     from flexgen_h2o.kv import policy_for
 
     items = sorted(items, key=lambda it: len(it.prompt))
-    pairs, acc, per_item = lee_pairs(), {}, []
+    acc, per_item = {}, []
     bar = tqdm(total=len(items), unit="prompt", desc="prefill", disable=None if progress else True)
     for lo in range(0, len(items), runner.batch_size):
         block = items[lo:lo + runner.batch_size]
         width = max(len(it.prompt) for it in block)
         seg = torch.full((len(block), width), -1, dtype=torch.long)          # left-padded, as the engine pads
         for r, it in enumerate(block):
-            seg[r, width - len(it.prompt):] = torch.tensor(item_segments(tok, it, pairs, opening))
+            seg[r, width - len(it.prompt):] = torch.tensor(item_segments(tok, it, opening))
         (pre,) = runner.engine.prefill([it.prompt for it in block])
         layers = sorted(pre.layers[0])
         score = {lay: torch.cat([g[lay][2] for g in pre.layers]) for lay in layers}
@@ -239,6 +216,11 @@ def render(data: dict) -> str:
              "recent window. Heavy share: of one (prompt, layer, KV head)'s heavy slots, mean over all of them. Keep "
              "rate: heavy slots / the segment's tokens outside the recent window. The mean rows are a "
              "counterfactual (score / queries that saw the key), not what the engine does.", ""]
+    items = data["items"]
+    mean_tokens = {seg: sum(it["tokens"][seg] for it in items) / len(items) for seg in SEGMENTS}
+    lines += [f"Mean prompt: {sum(it['prompt_len'] for it in items) / len(items):.0f} tokens, "
+              f"{sum(it['shots'] for it in items) / len(items):.1f} examples; tokens per segment: "
+              + ", ".join(f"{seg} {n:.0f}" for seg, n in mean_tokens.items()), ""]
     for label, by_reduce in data["results"].items():
         s = by_reduce["sum"]["slots"]
         lines += [f"## {label}: {s['total'][0]}-{s['total'][1]} slots = {s['heavy'][0]}-{s['heavy'][1]} heavy + "

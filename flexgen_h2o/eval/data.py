@@ -77,6 +77,7 @@ class SummaryItem:
     prompt: list[int]
     reference: str          # the lead sentence
     shots: int              # few-shot examples in the prompt
+    shot_articles: tuple[int, ...] = ()    # their indices in the Lee corpus, in prompt order
 
 
 def split_lead(article: str) -> tuple[str, str] | None:
@@ -92,16 +93,33 @@ def split_lead(article: str) -> tuple[str, str] | None:
 SUMMARY_HEADER = "Summarize each news article in one sentence.\n\n"
 
 
+def shot_pieces(lead: str, rest: str) -> list[tuple[str, str]]:
+    """One few-shot example as (text, role) pieces; roles: template, demo_doc, demo_summary."""
+    return [("Article: ", "template"), (rest, "demo_doc"), ("\nSummary: ", "template"), (lead, "demo_summary"),
+            ("\n\n", "template")]
+
+
+def summary_prompt_pieces(shots: list[tuple[str, str]], rest: str) -> list[tuple[str, str]]:
+    """A summary prompt as (text, role) pieces, joined in order: the header, the (lead, rest) examples, and the
+    document to summarize (role "document"). The one place the prompt's format is written."""
+    pieces = [(SUMMARY_HEADER, "template")]
+    for lead, shot_rest in shots:
+        pieces += shot_pieces(lead, shot_rest)
+    return pieces + [("Article: ", "template"), (rest, "document"), ("\nSummary:", "template")]
+
+
+def _joined(pieces: list[tuple[str, str]]) -> str:
+    return "".join(text for text, _ in pieces)
+
+
 def summary_items(tok: Any, n: int, prompt_len: int) -> list[SummaryItem]:
     """n Lee articles as XSUM-style items, each prompt filled with other articles' (document, lead) pairs up to
     about prompt_len tokens, as H2O's XSUM prompts are few-shot prompts of ~2k tokens (seed 000)."""
     pairs = [(i, p) for i, a in enumerate(lee_articles()) if (p := split_lead(a)) is not None]
-    shot_text = [f"Article: {rest}\nSummary: {lead}\n\n" for _, (lead, rest) in pairs]
-    shot_len = [len(encode(tok, t)) for t in shot_text]
+    shot_len = [len(encode(tok, _joined(shot_pieces(*p)))) for _, p in pairs]
     items: list[SummaryItem] = []
     for k, (idx, (lead, rest)) in enumerate(pairs):
-        query = f"Article: {rest}\nSummary:"
-        budget = prompt_len - len(encode(tok, SUMMARY_HEADER + query))
+        budget = prompt_len - len(encode(tok, _joined(summary_prompt_pieces([], rest))))
         if budget < 0:
             continue                                    # the document alone is longer than the prompt
         chosen: list[int] = []
@@ -112,12 +130,13 @@ def summary_items(tok: Any, n: int, prompt_len: int) -> list[SummaryItem]:
                 budget -= shot_len[other]
             if budget < min(shot_len):
                 break
-        text = SUMMARY_HEADER + "".join(shot_text[o] for o in chosen) + query
-        ids = encode(tok, text)
+        def prompt_ids() -> list[int]:
+            return encode(tok, _joined(summary_prompt_pieces([pairs[o][1] for o in chosen], rest)))
+        ids = prompt_ids()
         while len(ids) > prompt_len and chosen:         # token merges at joins can add a few ids
             chosen.pop()
-            ids = encode(tok, SUMMARY_HEADER + "".join(shot_text[o] for o in chosen) + query)
-        items.append(SummaryItem(idx, ids, lead, len(chosen)))
+            ids = prompt_ids()
+        items.append(SummaryItem(idx, ids, lead, len(chosen), tuple(pairs[o][0] for o in chosen)))
         if len(items) == n:
             return items
     raise ConfigError(f"only {len(items)} Lee articles fit a {prompt_len}-token prompt; lower --sum-items or raise "

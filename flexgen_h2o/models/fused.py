@@ -1,11 +1,12 @@
 """The compiled CPU kernel for H2O's prompt attention (csrc/scored_attention.cpp), built on first use.
 
-The kernel gives the attention output and every key's attention mass in one pass whose logits stay in L2; the
-same math as torch ops (ops.grouped_attention) spills each block's logits to L3 or DRAM. It is built with torch's
-C++ extension loader (a C++ compiler and ninja) and cached in TORCH_EXTENSIONS_DIR (default
-~/.cache/torch_extensions), so only the first process after a change pays the build (~20-60 s on 2 cores);
-`build_ahead()` builds it before any timed run (`make install` calls it). Where it cannot be built, the
-torch-op path is used and the reason is printed once. FLEXGEN_H2O_FUSED_ATTENTION=0 turns it off (A/B runs).
+The kernel gives the attention output and every key's attention mass in one pass whose 3 MB blocks of logits
+stay in the core's caches; the same math as torch ops (ops.grouped_attention) makes 16 MB blocks that every pass
+reads from L3 or DRAM. It is built with torch's C++ extension loader (a C++ compiler and ninja) and cached in
+TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions), so only the first process after a change pays the
+build (18 s on this project's 2-core VM; README.md has the command). `build_ahead()` builds it before any timed
+run (`make install` calls it). Where it cannot be built, the torch-op path is used and the reason is printed
+once. FLEXGEN_H2O_FUSED_ATTENTION=0 turns it off (A/B runs).
 """
 from __future__ import annotations
 

@@ -22,16 +22,17 @@ T, D, S, O, R = hh.TEMPLATE, hh.DEMO_DOC, hh.DEMO_SUM, hh.OPENING, hh.DOC_REST
 
 
 
-def test_prompt_pieces_find_the_demonstrations_and_the_target():
-    pairs = [("Lead one.", "Body one here."), ("Lead two.", "Body two here.")]
-    text = data.SUMMARY_HEADER + "Article: Body two here.\nSummary: Lead two.\n\n" + "Article: Body one here.\nSummary:"
-    pieces = hh.prompt_pieces(text, pairs[0], pairs, shots=1)
-    assert "".join(t for t, _ in pieces) == text
-    assert [(t, s) for t, s in pieces if s != T] == [("Body two here.", D), ("Lead two.", S), ("Body one here.", R)]
-    with pytest.raises(RuntimeError, match="target article"):
-        hh.prompt_pieces(text, pairs[1], pairs, shots=1)             # the query is article one's, not two's
-    with pytest.raises(RuntimeError, match="no Lee demonstration"):
-        hh.prompt_pieces(text, pairs[0], pairs[:1], shots=1)
+def test_prompt_pieces_are_the_harness_prompt_with_its_examples_labelled(tok):
+    """The pieces come from the harness's own format and the item's examples: joined, they are the prompt."""
+    articles = lee_articles()
+    for item in data.summary_items(tok, 3, 600):
+        pieces = hh.prompt_pieces(item)
+        assert data.encode(tok, "".join(t for t, _ in pieces)) == item.prompt
+        shots = [data.split_lead(articles[i]) for i in item.shot_articles]
+        assert len(shots) == item.shots >= 1
+        assert [t for t, s in pieces if s == D] == [rest for _, rest in shots]
+        assert [t for t, s in pieces if s == S] == [lead for lead, _ in shots]
+        assert [t for t, s in pieces if s == R] == [data.split_lead(articles[item.article])[1]]
 
 
 def test_token_segments_put_merged_tokens_after_the_cut(tok):
@@ -48,9 +49,8 @@ def test_token_segments_put_merged_tokens_after_the_cut(tok):
 
 
 def test_real_items_segment_back_into_their_texts(tok):
-    pairs = hh.lee_pairs()
     for item in data.summary_items(tok, 2, 320):
-        segs = hh.item_segments(tok, item, pairs, opening=16)
+        segs = hh.item_segments(tok, item, opening=16)
         _, rest = data.split_lead(lee_articles()[item.article])
         doc = [i for i, s in zip(item.prompt, segs) if s in (O, R)]
         assert tok.decode(doc) == " " + rest                         # the target document, every token of it
@@ -128,6 +128,8 @@ def test_small_run_classifies_what_the_engine_keeps():
     assert [it["tokens"]["doc_opening"] for it in out["items"]] == [32, 32]
     lengths = [it["prompt_len"] for it in out["items"]]
     assert lengths == sorted(lengths) == sorted(len(it.prompt) for it in items)    # the harness's block order
-    assert "| 29 |" in hh.render({**out, "meta": {"model": "m", "items": 2, "prompt_len": 320, "gen_len": 8,
-                                                  "budget": "64", "batch_size": 2, "opening": 32, "command": "x"}})
+    md = hh.render({**out, "meta": {"model": "m", "items": 2, "prompt_len": 320, "gen_len": 8, "budget": "64",
+                                    "batch_size": 2, "opening": 32, "command": "x"}})
+    assert "| 29 |" in md
+    assert f"Mean prompt: {sum(lengths) / 2:.0f} tokens" in md and "doc_opening 32," in md
 

@@ -4,7 +4,7 @@
 // Torch's fused SDPA kernel cannot return the column sums, and the same math written as torch ops materialises
 // blocks of logits too large for L2, so every pass over them (the QK product's write, softmax, the PV product
 // and the column sum) goes to L3 or DRAM. Here each thread owns one (sequence, KV group, query block) at a
-// time, and the block's logits stay in its L2 from the QK product to the column sum. Products are ATen GEMMs,
+// time, and the block's logits stay in its caches from the QK product to the column sum. Products are ATen GEMMs,
 // single-threaded inside the parallel region, so the FLOPs run at the BLAS's rate.
 //
 // Masking follows models/ops.causal_pad_mask: query i sees key j iff j <= i and key j is valid, and always
