@@ -38,9 +38,8 @@ def cache_columns(batch: int, heads: int, heavy: int, recent: int, newest: int, 
     return pos, torch.rand(batch, heads, slots, generator=gen)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.eviction_ab", description=__doc__.split("\n\n")[0])
-    p.add_argument("--old-rev", required=True, help="git revision whose select.py is the baseline")
+def add_shape_arguments(p: argparse.ArgumentParser, out: str) -> None:
+    """The cache shape and timing flags this benchmark and benchmarks.policy_cost share."""
     p.add_argument("--batch", type=int, default=54)
     p.add_argument("--heads", type=int, default=3, help="KV heads (SmolLM2: 3)")
     p.add_argument("--heavy", type=int, default=204)
@@ -48,7 +47,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--calls", type=int, default=100, help="calls per timed block")
     p.add_argument("--repeats", type=int, default=6)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--out", type=Path, default=Path("benchmarks/results/eviction_ab"))
+    p.add_argument("--out", type=Path, default=Path(out))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.eviction_ab", description=__doc__.split("\n\n")[0])
+    p.add_argument("--old-rev", required=True, help="git revision whose select.py is the baseline")
+    add_shape_arguments(p, "benchmarks/results/eviction_ab")
     a = p.parse_args(argv)
     import torch
     from benchmarks.common import module_at

@@ -77,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-len", type=int, default=2048)
     p.add_argument("--steps", type=int, default=8, help="decode steps per timed / profiled call")
     p.add_argument("--phase", choices=["decode", "prefill"], default="decode")
-    p.add_argument("--cases", nargs="+", default=["h2o", "full"], choices=["h2o", "full"])
+    p.add_argument("--cases", nargs="+", default=["h2o", "full"], choices=["h2o", "h2o-avg", "full"])
     p.add_argument("--hh-size", type=int, default=204)
     p.add_argument("--recent-size", type=int, default=204)
     p.add_argument("--threads", type=int, default=2)
@@ -126,7 +126,7 @@ def offload_policy(a: argparse.Namespace):
 
 def setup(a: argparse.Namespace, offload_dir: str | None = None):
     """The model, one engine of one GPU batch of `a.batch`, `a.batch` Wikipedia windows of `a.prompt_len` tokens,
-    and the two cache rules (full; h2o at a.hh_size + a.recent_size): what every profiled case shares."""
+    and the cache rules (full; h2o and h2o-avg at a.hh_size + a.recent_size): what every profiled case shares."""
     import torch
 
     from flexgen_h2o.engine import Engine
@@ -138,8 +138,9 @@ def setup(a: argparse.Namespace, offload_dir: str | None = None):
     offload = offload_policy(a)
     model = load_model(a.model, dummy_weights=a.dummy_weights, dummy_on_disk=offload.tier_fractions("weights")[2] > 0,
                        progress=False)
-    rules = {"full": EvictionConfig(),
-             "h2o": EvictionConfig(policy="h2o", hh_size=a.hh_size, recent_size=a.recent_size)}
+    rules = {name: EvictionConfig(policy=name, hh_size=a.hh_size, recent_size=a.recent_size)
+             for name in ("h2o", "h2o-avg")}
+    rules["full"] = EvictionConfig()
     if a.dummy_weights:
         gen = torch.Generator().manual_seed(0)
         prompts = torch.randint(0, model.config.vocab_size, (a.batch, a.prompt_len), generator=gen).tolist()
@@ -172,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
             rows = [(e.key, e.self_cpu_time_total / 1e6, e.count) for e in prof.key_averages()]
             steps = len(profiled)                 # per-unit figures: the whole call's ops over its units
             top = sorted(rows, key=lambda r: -r[1])[:15]
-            kv_tokens = (a.hh_size + a.recent_size + 1) if case == "h2o" else a.prompt_len + a.steps / 2
+            kv_tokens = (a.hh_size + a.recent_size + 1) if case != "full" else a.prompt_len + a.steps / 2
             entry = {"step_ms_median": 1e3 * float(np.median(plain)),
                      "step_ms_profiled_median": 1e3 * float(np.median(profiled[1:] or profiled)),
                      "groups": grouped(rows, steps),

@@ -4,10 +4,9 @@ For the harness's summarization items (flexgen_h2o.eval.data.summary_items) it r
 pass (Engine.prefill), makes the engine's own prefill selection (the policy's select_prefill, as
 KVCache.commit_prefill does) at one budget for each heavy share, and sorts the kept heavy hitters (kept, but not
 in the recent window) of every layer and KV head into prompt segments: the demonstrations' documents and lead
-sentences, the template text, the target document's first --opening tokens and the rest of it. A labelled
-counterfactual ranks the same candidates by the mean score per query that saw the key (column sum / (L - j))
-instead of the sum, which favours early keys. The kept set is the one right after the prompt: decoding goes on
-evicting from it.
+sentences, the template text, the target document's first --opening tokens and the rest of it. It does so for
+`h2o` (the column sum, which favours early keys) and for `h2o-avg` (the same candidates ranked by the average per
+query that saw the key). The kept set is the one right after the prompt: decoding goes on evicting from it.
 
     python scripts/heavy_hitters.py --out benchmarks/results/heavy-hitters         # 100 items of <= 2,048 tokens
     python scripts/heavy_hitters.py --items 4 --prompt-len 512 --out /tmp/hh_try    # a quick look
@@ -38,7 +37,7 @@ from flexgen_h2o.kv.select import expand_positions, newest_mask  # noqa: E402
 
 SEGMENTS = ("demo_doc", "demo_summary", "template", "doc_opening", "doc_rest")
 DEMO_DOC, DEMO_SUM, TEMPLATE, OPENING, DOC_REST = range(len(SEGMENTS))
-REDUCES = {"sum": "column sum (the engine's rule)", "mean": "per-query mean (counterfactual)"}
+RANKINGS = {"h2o": "h2o (column sum)", "h2o-avg": "h2o-avg (per-query average)"}
 
 
 # --- prompt segments ---
@@ -92,15 +91,10 @@ def item_segments(tok, item: SummaryItem, opening: int) -> list[int]:
 
 # --- the kept set ---
 
-def select(policy: EvictionPolicy, score: Tensor, pos: Tensor, budget: Budget,
-           reduce: str = "sum") -> tuple[Tensor, Tensor, Tensor]:
-    """(kept, heavy, recent) (b, g, p) bool for a prefill's scores (b, g, p) and positions (b, p), -1 for pads.
-    reduce "mean": the counterfactual, each key's score divided by the L - j queries that saw it."""
+def select(policy: EvictionPolicy, score: Tensor, pos: Tensor, budget: Budget) -> tuple[Tensor, Tensor, Tensor]:
+    """(kept, heavy, recent) (b, g, p) bool for a prefill's scores (b, g, p) and positions (b, p), -1 for pads."""
     positions = expand_positions(pos, score)
     valid = positions >= 0
-    if reduce == "mean":
-        seen = (valid.sum(-1, keepdim=True) - positions).clamp(min=1)
-        score = torch.where(valid, score.float() / seen, torch.zeros_like(score, dtype=torch.float32))
     kept = policy.select_prefill(score, positions, budget)
     recent = newest_mask(positions, valid, budget.recent)
     evicts = valid.sum(-1, keepdim=True) > budget.budget            # shorter columns keep all: no heavy hitters
@@ -138,14 +132,14 @@ def summarize(heavy: np.ndarray, cand: np.ndarray, open_kept: np.ndarray, fits: 
                 "opening_kept": {"fits": group(fits), "longer": group(~fits), "all": group(np.ones_like(fits))}}
 
 
-def classify_block(policy: EvictionPolicy, bud: Budget, score: dict[int, Tensor], pos: Tensor, seg: Tensor,
-                   reduce: str) -> dict:
+def classify_block(policy: EvictionPolicy, bud: Budget, score: dict[int, Tensor], pos: Tensor,
+                   seg: Tensor) -> dict:
     """One block's kept sets at one budget: heavy slots per (item, layer, head, segment), the segments' tokens
     outside the recent window, the share of the opening kept per (item, layer, head), and which documents fit."""
     heavy_l, open_l = [], []
     is_open = (seg == OPENING)[:, None, :]
     for lay in sorted(score):
-        kept, heavy, _ = select(policy, score[lay], pos, bud, reduce)
+        kept, heavy, _ = select(policy, score[lay], pos, bud)
         heavy_l.append(segment_counts(heavy, seg))
         open_l.append((kept & is_open).sum(-1) / is_open.sum(-1).clamp(min=1))
     # the recent window depends on positions only, the same in every layer and head
@@ -158,7 +152,7 @@ def classify_block(policy: EvictionPolicy, bud: Budget, score: dict[int, Tensor]
 
 def measure(runner, tok, items: list[SummaryItem], budget: BudgetSpec, shares: list[float | None], gen_len: int,
             opening: int, progress: bool = True) -> dict:
-    """Prefill the items in the harness's blocks and classify each share's kept set under both reduces. A %
+    """Prefill the items in the harness's blocks and classify each share's kept set under both rankings. A %
     budget is of a block's longest prompt + gen_len, so the blocks are run_summarization's: items sorted by
     prompt length (a stable sort), runner.batch_size at a time."""
     from tqdm import tqdm
@@ -180,12 +174,12 @@ def measure(runner, tok, items: list[SummaryItem], budget: BudgetSpec, shares: l
         pos = torch.cat([g[layers[0]][3] for g in pre.layers])
         del pre                                                # its K/V: ~0.75 GB a block of 16 x 2,048
         for share in shares:
-            ev = GridPoint("h2o", budget, heavy_share=share).eviction(width + gen_len)
-            bud = ev.resolve(width, gen_len)
-            for reduce in REDUCES:
+            for ranking in RANKINGS:
+                ev = GridPoint(ranking, budget, heavy_share=share).eviction(width + gen_len)
+                bud = ev.resolve(width, gen_len)
                 label = "even" if share is None else f"heavy {share:g}"
-                a = acc.setdefault((label, reduce), {"heavy": [], "cand": [], "open": [], "fits": [], "slots": []})
-                for key, value in classify_block(policy_for(ev, bud), bud, score, pos, seg, reduce).items():
+                a = acc.setdefault((label, ranking), {"heavy": [], "cand": [], "open": [], "fits": [], "slots": []})
+                for key, value in classify_block(policy_for(ev, bud), bud, score, pos, seg).items():
                     a[key] += value if key == "fits" else [value]
                 a["slots"].append((bud.budget, bud.heavy, bud.recent))
         per_item += [{"article": it.article, "prompt_len": len(it.prompt), "shots": it.shots,
@@ -194,13 +188,13 @@ def measure(runner, tok, items: list[SummaryItem], budget: BudgetSpec, shares: l
         bar.update(len(block))
     bar.close()
     results: dict = {}
-    for (label, reduce), a in acc.items():
+    for (label, ranking), a in acc.items():
         slots = np.array(a["slots"])
         out = summarize(*(np.concatenate(a[k]) for k in ("heavy", "cand", "open")), np.array(a["fits"]))
         out["slots"] = {n: [int(slots[:, i].min()), int(slots[:, i].max())]
                         for i, n in enumerate(("total", "heavy", "recent"))}
         out["heavy_slots_per_column"] = float(np.concatenate(a["heavy"]).sum(-1).mean())
-        results.setdefault(label, {})[reduce] = out
+        results.setdefault(label, {})[ranking] = out
     return {"items": per_item, "results": results}
 
 
@@ -214,32 +208,32 @@ def render(data: dict) -> str:
              f"`{m['command']}`", "",
              "The kept set right after the prompt pass (the engine's prefill selection); heavy = kept outside the "
              "recent window. Heavy share: of one (prompt, layer, KV head)'s heavy slots, mean over all of them. Keep "
-             "rate: heavy slots / the segment's tokens outside the recent window. The mean rows are a "
-             "counterfactual (score / queries that saw the key), not what the engine does.", ""]
+             "rate: heavy slots / the segment's tokens outside the recent window. The h2o-avg rows rank the "
+             "same candidates by score / queries that saw the key (the engine's h2o-avg policy).", ""]
     items = data["items"]
     mean_tokens = {seg: sum(it["tokens"][seg] for it in items) / len(items) for seg in SEGMENTS}
     lines += [f"Mean prompt: {sum(it['prompt_len'] for it in items) / len(items):.0f} tokens, "
               f"{sum(it['shots'] for it in items) / len(items):.1f} examples; tokens per segment: "
               + ", ".join(f"{seg} {n:.0f}" for seg, n in mean_tokens.items()), ""]
-    for label, by_reduce in data["results"].items():
-        s = by_reduce["sum"]["slots"]
+    for label, by_ranking in data["results"].items():
+        s = by_ranking["h2o"]["slots"]
         lines += [f"## {label}: {s['total'][0]}-{s['total'][1]} slots = {s['heavy'][0]}-{s['heavy'][1]} heavy + "
                   f"{s['recent'][0]}-{s['recent'][1]} recent", "", f"| | {names} |", "|---" * (len(SEGMENTS) + 1) + "|",
-                  row("tokens outside the window", by_reduce["sum"]["candidate_share"].values())]
-        for reduce, what in REDUCES.items():
-            lines += [row(f"heavy share, {what}", by_reduce[reduce]["heavy_share"].values()),
-                      row(f"keep rate, {what}", by_reduce[reduce]["keep_rate"].values())]
+                  row("tokens outside the window", by_ranking["h2o"]["candidate_share"].values())]
+        for ranking, what in RANKINGS.items():
+            lines += [row(f"heavy share, {what}", by_ranking[ranking]["heavy_share"].values()),
+                      row(f"keep rate, {what}", by_ranking[ranking]["keep_rate"].values())]
         lines.append("")
-        for reduce, what in REDUCES.items():
-            o = by_reduce[reduce]["opening_kept"]
+        for ranking, what in RANKINGS.items():
+            o = by_ranking[ranking]["opening_kept"]
             fmt = lambda g: "n/a" if g["kept"] is None else f"{g['kept']:.3f}"  # noqa: E731
             lines.append(f"- opening ({m['opening']} tokens) kept, {what}: documents inside the recent window "
                          f"{fmt(o['fits'])} (n={o['fits']['n']}), longer {fmt(o['longer'])} (n={o['longer']['n']})")
         lines.append("")
     first = next(iter(data["results"]))
-    r, c = data["results"][first]["sum"], data["results"][first]["mean"]
-    lines += [f"## Per layer, {first}, column sum: heavy share per segment; opening kept (all items)", "",
-              f"| layer | {names} | opening kept | opening kept (mean) |", "|---" * (len(SEGMENTS) + 3) + "|"]
+    r, c = data["results"][first]["h2o"], data["results"][first]["h2o-avg"]
+    lines += [f"## Per layer, {first}, h2o: heavy share per segment; opening kept (all items)", "",
+              f"| layer | {names} | opening kept | opening kept (h2o-avg) |", "|---" * (len(SEGMENTS) + 3) + "|"]
     lines += [row(str(i), [*shares, r["per_layer_opening_kept"][i], c["per_layer_opening_kept"][i]])
               for i, shares in enumerate(r["per_layer_heavy_share"])]
     return "\n".join(lines) + "\n"

@@ -262,3 +262,14 @@ def test_project_decode_formula():
     from flexgen_h2o.frontends.benchmark import project_decode
     # FlexGen: the first two decode steps as measured, the mean of the others for the remaining gen_len - 3
     assert project_decode([5.0, 3.0, 1.0, 2.0], 32) == pytest.approx(8.0 + 1.5 * 29)
+
+
+@pytest.mark.parametrize("flags,policy", [
+    ([], "h2o"), (["--h2o-variant", "port"], "h2o-port"), (["--h2o-variant", "avg"], "h2o-avg"),
+    (["--policy", "sink"], "sink"), (["--policy", "sink", "--h2o-variant", "avg"], "sink"),
+])
+def test_eviction_flags_name_the_policy(flags, policy):
+    from flexgen_h2o.frontends.cli import build_parser, eviction_from_args
+    ev = eviction_from_args(build_parser().parse_args(["--hh-ratio", "0.1"] + flags))
+    assert (ev.policy, ev.hh_ratio) == (policy, 0.1)
+    assert eviction_from_args(build_parser().parse_args(flags)).policy == "full"     # no budget: no eviction

@@ -95,6 +95,33 @@ def test_other_policies_match_reference(kind, ev):
     check_against_reference(kind, ev)
 
 
+# --- 2b. h2o-avg: the exact rule on the per-query average, against the reference's own tally of the mask ---
+
+@pytest.mark.parametrize("ev", [
+    EvictionConfig(policy="h2o-avg", hh_size=4, recent_size=3),
+    EvictionConfig(policy="h2o-avg", hh_size=3, recent_size=2, sink_size=1, score_reduce="mean"),
+], ids=["avg", "avg-sink1-mean"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_h2o_avg_matches_reference(kind, ev):
+    trace = check_against_reference(kind, ev)
+    assert all(len(col) == ev.resolve(max(LENGTHS), N_NEW).budget for layer in trace[-1] for seq in layer
+               for col in seq)                          # eviction really happened
+
+
+def test_h2o_avg_keeps_other_tokens_than_the_sum():
+    """The average must really re-rank: on the same run it keeps other positions than h2o, and newer ones
+    (the sum's bias is toward old keys)."""
+    model = tiny_hf("llama-gqa")
+    prompts = random_prompts(LENGTHS)
+    kept = {}
+    for policy in ("h2o", "h2o-avg"):
+        trace: list = []
+        run_reference(model, prompts, EvictionConfig(policy=policy, hh_size=4, recent_size=3), trace=trace)
+        kept[policy] = [p for layer in trace[0] for seq in layer for col in seq for p in col]
+    assert kept["h2o"] != kept["h2o-avg"]
+    assert sum(kept["h2o-avg"]) > sum(kept["h2o"])
+
+
 # --- 3. score_reduce="mean" ---
 
 @pytest.mark.parametrize("kind", ["llama-mha", "llama-gqa"])
@@ -236,6 +263,16 @@ def test_chunked_prefill_matches_reference(kind, ev, rows):
     check_against_reference(kind, ev, offload=offload)
 
 
+@pytest.mark.parametrize("offload", [dict(prefill_batch_size=1), dict(num_gpu_batches=1, **PLACEMENTS["mixed"])],
+                         ids=["chunked", "three-tiers"])
+def test_h2o_avg_offloaded_matches_reference(offload, tmp_path):
+    """The per-query count comes from positions, so it must hold when the cache is split across tiers and when
+    the prompt pass runs a sequence at a time."""
+    policy = OffloadPolicy(kv_dtype="float32", gpu_batch_size=len(LENGTHS), **offload)
+    ev = EvictionConfig(policy="h2o-avg", hh_size=4, recent_size=3, sink_size=1)
+    check_against_reference("llama-gqa", ev, offload=policy, offload_dir=tmp_path)
+
+
 @pytest.mark.parametrize("rows", [1, 2, 4])
 def test_chunked_prefill_across_tiers_matches_compute(compute_run, tmp_path, rows):
     """Chunks that straddle the compute/host/disk parts of a mixed cache commit to the right rows."""
@@ -267,7 +304,8 @@ def test_rolling_without_eviction_equals_full():
     EvictionConfig(policy="h2o", hh_size=4, recent_size=3, sink_size=1, position_rolling=True),
     EvictionConfig(policy="h2o-port", hh_size=3, recent_size=4, position_rolling=True),
     EvictionConfig(policy="sink", recent_size=5, position_rolling=True),
-], ids=["h2o-sink1", "port", "streamingllm"])
+    EvictionConfig(policy="h2o-avg", hh_size=4, recent_size=3, position_rolling=True),
+], ids=["h2o-sink1", "port", "streamingllm", "avg"])
 @pytest.mark.parametrize("kind", ["llama-mha", "llama-gqa", "llama3"])
 def test_rolling_with_eviction_matches_reference(kind, ev):
     trace = check_against_reference(kind, ev)

@@ -18,12 +18,13 @@ N_NEW = 10
 RULES = {
     "h2o": EvictionConfig(policy="h2o", hh_size=4, recent_size=3, sink_size=1),
     "h2o-port": EvictionConfig(policy="h2o-port", hh_size=4, recent_size=3),
+    "h2o-avg": EvictionConfig(policy="h2o-avg", hh_size=4, recent_size=3),
     "local": EvictionConfig(policy="local", recent_size=7),
     "sink": EvictionConfig(policy="sink", recent_size=5),
     "random": EvictionConfig(policy="random", kv_budget=8, seed=3),
     "full": EvictionConfig(policy="full"),
 }
-SCORED = ("h2o", "h2o-port")
+SCORED = ("h2o", "h2o-port", "h2o-avg")
 
 
 def policy(gbs: int = 1, **kw) -> OffloadPolicy:

@@ -48,8 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--budgets", default=",".join(DEFAULT_BUDGETS),
                    help="%% of the sequence (prompt + new tokens) or slot counts, e.g. 20%%,256")
     p.add_argument("--heavy-share", type=float,
-                   help="h2o/h2o-port: share of each budget for heavy hitters, the rest recent (default: an even "
-                        "split, heavy = budget // 2)")
+                   help="h2o/h2o-port/h2o-avg: share of each budget for heavy hitters, the rest recent (default: "
+                        "an even split, heavy = budget // 2)")
     p.add_argument("--batch-size", type=int, default=8, help="sequences per engine block")
     p.add_argument("--kv-dtype", choices=("float16", "float32"), default="float16")
     p.add_argument("--device", help="cuda, cuda:N or cpu (default: cuda when present)")

@@ -11,11 +11,10 @@ from dataclasses import dataclass
 
 from flexgen_h2o.config import ConfigError
 from flexgen_h2o.kv import EvictionConfig
-from flexgen_h2o.kv.budget import DEFAULT_SINKS, POLICY_NAMES
+from flexgen_h2o.kv.budget import DEFAULT_SINKS, HEAVY_HITTER_POLICIES, POLICY_NAMES
 
-DEFAULT_POLICIES = POLICY_NAMES                       # full, h2o, h2o-port, local, sink, random
+DEFAULT_POLICIES = POLICY_NAMES                       # full, h2o, h2o-port, h2o-avg, local, sink, random
 DEFAULT_BUDGETS = ("5%", "10%", "20%", "40%", "64", "128", "256", "512", "1024")
-HEAVY_HITTER_POLICIES = ("h2o", "h2o-port")
 
 
 @dataclass(frozen=True)

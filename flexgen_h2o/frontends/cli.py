@@ -92,8 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
     kv.add_argument("--recent-size", type=count, help="recent slots (overrides --recent-ratio)")
     kv.add_argument("--sink-size", type=count, help="first tokens always kept (attention sinks)")
     kv.add_argument("--kv-budget", type=positive, help="total slots per sequence, split evenly heavy/recent")
-    kv.add_argument("--h2o-variant", choices=("exact", "port"), default="exact",
-                    help="victim rule: exact H2O, or the FlexGen port's approximation")
+    kv.add_argument("--h2o-variant", choices=("exact", "port", "avg"), default="exact",
+                    help="exact H2O; the FlexGen port's victim rule; or exact H2O ranking by each key's attention "
+                         "averaged over the queries that saw it, not summed (less bias to old tokens)")
     kv.add_argument("--policy", choices=("h2o", "local", "sink", "random"), default="h2o",
                     help="eviction rule when a budget is given (baselines at equal budget)")
     kv.add_argument("--full-cache", action="store_true", help="no eviction (the default when no budget is given)")
@@ -135,7 +136,7 @@ def eviction_from_args(a: argparse.Namespace) -> Any:
         return EvictionConfig(policy="full", position_rolling=a.position_rolling)
     if not given:
         return EvictionConfig(policy="full", position_rolling=a.position_rolling)
-    policy = "h2o-port" if (a.policy == "h2o" and a.h2o_variant == "port") else a.policy
+    policy = f"h2o-{a.h2o_variant}" if (a.policy == "h2o" and a.h2o_variant != "exact") else a.policy
     return EvictionConfig(policy=policy, position_rolling=a.position_rolling, seed=a.seed, **sizes)
 
 

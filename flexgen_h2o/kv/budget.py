@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-POLICY_NAMES = ("full", "h2o", "h2o-port", "local", "sink", "random")
+POLICY_NAMES = ("full", "h2o", "h2o-port", "h2o-avg", "local", "sink", "random")
+HEAVY_HITTER_POLICIES = ("h2o", "h2o-port", "h2o-avg")      # rank prompt tokens by attention
 SCORE_REDUCE = ("sum", "mean")
 DEFAULT_SINKS = {"sink": 4}          # StreamingLLM's start_size; every other policy has no sinks by default
 
@@ -104,7 +105,7 @@ class EvictionConfig:
 
     @property
     def needs_scores(self) -> bool:
-        return self.policy in ("h2o", "h2o-port")
+        return self.policy in HEAVY_HITTER_POLICIES
 
     @property
     def sinks(self) -> int:

@@ -6,7 +6,12 @@ Per (sequence, KV head) column, once the valid slots exceed the budget:
 - exact (default): evict the lowest accumulated score among the candidates (ANCHORS.md §2.5): a leaving
   token that scores below every heavy hitter is simply dropped;
 - port: the leaving token (the newest candidate) is always admitted and the victim is the lowest-scored of
-  the others, as in FMInference/H2O h2o_flexgen, where one heavy slot behaves like an extra recent slot.
+  the others, as in FMInference/H2O h2o_flexgen, where one heavy slot behaves like an extra recent slot;
+- avg: the exact rule on each key's accumulated attention divided by the number of queries that have seen it
+  (kvpress's ObservedAttention score). The sum favours old keys: a key early in a 2k prompt collects from ~2,000
+  queries, one near its end from ~200 (docs/accuracy.md, "Where the heavy hitters sit"). Every key in the cache
+  has been attended by every query since it arrived, so that count is newest position - position + 1 and needs
+  no state of its own.
 Ties go to the smallest position (select.argmin_score). The random policy keeps the H2O shape but evicts a
 uniformly random candidate: the "are scores doing anything" baseline.
 """
@@ -51,6 +56,32 @@ class H2OPolicy:
         positions = expand_positions(positions, scores)
         candidates, over = h2o_candidates(positions, budget)
         return _only_over(argmin_score(scores, positions, candidates), over)
+
+
+def per_query_average(scores: Tensor, positions: Tensor) -> Tensor:
+    """(b, g, s) accumulated scores divided by how many queries saw each key: the queries from the key's own
+    position to the column's newest. Empty slots (-1) sort below every real position, so a plain amax finds the
+    newest; their own quotient is finite and never read (they are not candidates). Four small ops: this runs
+    per layer at every decode step."""
+    seen = (positions.amax(dim=-1, keepdim=True) + 1 - positions).clamp_(min=1)
+    return scores / seen
+
+
+class H2OAveragePolicy(H2OPolicy):
+    """The exact rule, ranking by the per-query average attention instead of the sum."""
+    name = "h2o-avg"
+
+    def select_prefill(self, scores: Tensor | None, positions: Tensor, budget: Budget,
+                       generator: torch.Generator | None = None) -> Tensor:
+        if scores is None:
+            raise ValueError(f"policy {self.name!r} ranks prompt tokens by attention: pass the column sums")
+        positions = expand_positions(positions, scores)
+        return super().select_prefill(per_query_average(scores, positions), positions, budget, generator)
+
+    def choose_victim(self, scores: Tensor, positions: Tensor, budget: Budget,
+                      generator: torch.Generator | None = None) -> Tensor:
+        positions = expand_positions(positions, scores)
+        return super().choose_victim(per_query_average(scores, positions), positions, budget, generator)
 
 
 class H2OPortPolicy(H2OPolicy):

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from flexgen_h2o.kv.budget import POLICY_NAMES, Budget, EvictionConfig
-from flexgen_h2o.kv.h2o import H2OPolicy, H2OPortPolicy, RandomPolicy
+from flexgen_h2o.kv.h2o import H2OAveragePolicy, H2OPolicy, H2OPortPolicy, RandomPolicy
 from flexgen_h2o.kv.window import FullPolicy, SinkPolicy, WindowPolicy
 
 
@@ -33,7 +33,8 @@ class EvictionPolicy(Protocol):
 
 
 _POLICIES: dict[str, EvictionPolicy] = {p.name: p for p in (FullPolicy(), H2OPolicy(), H2OPortPolicy(),
-                                                             WindowPolicy(), SinkPolicy(), RandomPolicy())}
+                                                             H2OAveragePolicy(), WindowPolicy(), SinkPolicy(),
+                                                             RandomPolicy())}
 assert tuple(sorted(_POLICIES)) == tuple(sorted(POLICY_NAMES)), "registry and budget.POLICY_NAMES disagree"
 
 

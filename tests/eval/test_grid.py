@@ -20,7 +20,7 @@ def test_budget_slots(text, slots):
     assert parse_budget(text).slots_for(2048) == slots
 
 
-@pytest.mark.parametrize("policy", ["h2o", "h2o-port", "local", "sink", "random"])
+@pytest.mark.parametrize("policy", ["h2o", "h2o-port", "h2o-avg", "local", "sink", "random"])
 def test_every_policy_gets_the_same_total(policy):
     ev = GridPoint(policy, parse_budget("20%")).eviction(1000)
     budget = ev.resolve(990, 10)
@@ -51,7 +51,7 @@ def test_bad_policies():
         parse_policies("h2o,lru")
 
 
-@pytest.mark.parametrize("policy", ["h2o", "h2o-port"])
+@pytest.mark.parametrize("policy", ["h2o", "h2o-port", "h2o-avg"])
 def test_heavy_share_moves_slots_from_heavy_to_recent_at_the_same_total(policy):
     even = GridPoint(policy, parse_budget("20%")).eviction(1000).resolve(990, 10)
     quarter = make_grid([policy], [parse_budget("20%")], heavy_share=0.25)[0].eviction(1000).resolve(990, 10)

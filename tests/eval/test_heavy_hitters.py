@@ -74,16 +74,16 @@ def test_segment_counts_classify_a_known_kept_set():
     assert out["opening_kept"]["longer"] == {"n": 1, "kept": 0.25} and out["opening_kept"]["fits"]["kept"] is None
 
 
-def test_mean_counterfactual_moves_heavy_hitters_late():
-    # positions 0..7 after one pad; the sum favours 0 and 1, the mean (score / (8 - j)) favours 5 (0.6) and 4 (0.55)
+def test_average_ranking_moves_heavy_hitters_late():
+    # positions 0..7 after one pad; the sum favours 0 and 1, the average (score / (8 - j)) 5 (0.6) and 4 (0.55)
     score = torch.tensor([[[0.0, 4.0, 2.8, 1.8, 1.0, 2.2, 1.8, 0.5, 0.3]]])
     pos = torch.tensor([[-1, 0, 1, 2, 3, 4, 5, 6, 7]])
     budget = Budget(sink=0, heavy=2, recent=2)
     policy = get_policy("h2o")
-    kept, heavy, recent = hh.select(policy, score, pos, budget, "sum")
+    kept, heavy, recent = hh.select(policy, score, pos, budget)
     assert pos[0][heavy[0, 0]].tolist() == [0, 1] and pos[0][recent[0, 0]].tolist() == [6, 7]
     assert kept.sum() == 4
-    _, heavy, _ = hh.select(policy, score, pos, budget, "mean")
+    _, heavy, _ = hh.select(get_policy("h2o-avg"), score, pos, budget)
     assert pos[0][heavy[0, 0]].tolist() == [4, 5]
     # a column within its budget keeps everything and has no heavy hitters
     kept, heavy, _ = hh.select(policy, score, pos, Budget(sink=0, heavy=4, recent=4))
@@ -106,20 +106,21 @@ def test_small_run_classifies_what_the_engine_keeps():
         out = hh.measure(runner, loaded.tokenizer, items, budget, [None, 0.25], gen_len=8, opening=32,
                          progress=False)
         # the engine's own cache after a prefilled decode start holds exactly the set the script classified
-        ev = GridPoint("h2o", budget).eviction(1)
         pre = runner.engine.prefill([it.prompt for it in items])
-        runner.engine.generate([it.prompt for it in items], GenerationConfig(max_new_tokens=1, stop_at_eos=False),
-                               eviction=ev, prefilled=pre)
-        for layer, (_, _, score, pos) in pre[0].layers[0].items():
-            cache_pos = runner.engine.last_caches[0][layer].snapshot()[3]
-            kept, _, _ = hh.select(get_policy("h2o"), score, pos, ev.resolve(pos.shape[1], 1))
-            for b in range(2):
-                for g in range(kept.shape[1]):
-                    want = sorted(pos[b][kept[b, g]].tolist())
-                    assert len(want) == 64 and sorted(p for p in cache_pos[b, g].tolist() if p >= 0) == want
+        for name in hh.RANKINGS:
+            ev = GridPoint(name, budget).eviction(1)
+            runner.engine.generate([it.prompt for it in items], GenerationConfig(max_new_tokens=1, stop_at_eos=False),
+                                   eviction=ev, prefilled=pre)
+            for layer, (_, _, score, pos) in pre[0].layers[0].items():
+                cache_pos = runner.engine.last_caches[0][layer].snapshot()[3]
+                kept, _, _ = hh.select(get_policy(name), score, pos, ev.resolve(pos.shape[1], 1))
+                for b in range(2):
+                    for g in range(kept.shape[1]):
+                        want = sorted(pos[b][kept[b, g]].tolist())
+                        assert len(want) == 64 and sorted(p for p in cache_pos[b, g].tolist() if p >= 0) == want
     for label, heavy in (("even", 32), ("heavy 0.25", 16)):
-        for reduce in ("sum", "mean"):
-            r = out["results"][label][reduce]
+        for ranking in hh.RANKINGS:
+            r = out["results"][label][ranking]
             assert sum(r["heavy_share"].values()) == pytest.approx(1.0)
             assert r["heavy_slots_per_column"] == heavy                # every column evicts at 64 slots
             assert r["slots"]["heavy"] == [heavy, heavy] and r["slots"]["recent"] == [64 - heavy, 64 - heavy]

@@ -15,7 +15,7 @@ from flexgen_h2o.eval.runner import Runner
 from flexgen_h2o.loader import LoadedModel
 from tests.helpers import random_prompts, tiny_hf, weight_reader
 
-POLICIES = ["h2o", "h2o-port", "local", "sink", "random"]
+POLICIES = ["h2o", "h2o-port", "h2o-avg", "local", "sink", "random"]
 
 
 def runner_for(model, **kw) -> Runner:

@@ -43,12 +43,14 @@ CASES = [(k, H2O, LENGTHS, N_NEW) for k in ("llama-mha", "llama-gqa", "opt")]
 CASES += [(k, H2O_SINK, LENGTHS, N_NEW) for k in ("llama-mha", "llama-gqa", "opt")]
 CASES += [(k, ev, LENGTHS, N_NEW) for k in ("llama-gqa", "opt") for ev in (
     EvictionConfig(policy="h2o-port", hh_size=4, recent_size=3),
+    EvictionConfig(policy="h2o-avg", hh_size=4, recent_size=3),
     EvictionConfig(policy="local", recent_size=7),
     EvictionConfig(policy="sink", recent_size=5))]
 SHORT_CASES = [(k, EvictionConfig(policy="h2o", hh_size=6, recent_size=1), SHORT, SHORT_NEW)
                for k in ("llama-mha", "llama-gqa", "opt")]
 SHORT_CASES += [("llama-gqa", EvictionConfig(policy="h2o", hh_size=4, recent_size=2, sink_size=1), SHORT, SHORT_NEW),
                 ("opt", EvictionConfig(policy="h2o-port", hh_size=4, recent_size=3), SHORT, SHORT_NEW),
+                ("llama-gqa", EvictionConfig(policy="h2o-avg", hh_size=6, recent_size=1), SHORT, SHORT_NEW),
                 ("llama-gqa", EvictionConfig(policy="h2o", hh_size=6, recent_size=1, score_reduce="mean"), SHORT,
                  SHORT_NEW)]
 
@@ -128,7 +130,7 @@ def test_ratios_resolve_against_the_padded_prompt_like_the_engine():
 
 # --- 2. a budget that covers the run is DynamicCache ---
 
-@pytest.mark.parametrize("policy", ["h2o", "h2o-port", "local", "sink", "random"])
+@pytest.mark.parametrize("policy", ["h2o", "h2o-port", "h2o-avg", "local", "sink", "random"])
 @pytest.mark.parametrize("kind", ["llama-mha", "llama-gqa", "opt"])
 def test_covering_budget_equals_dynamic_cache(kind, policy):
     model = h2o_model(kind)

@@ -35,6 +35,27 @@ def test_exact_drops_a_weak_leaving_token_port_admits_it():
     assert victim("h2o-port", s, p, Budget(0, 2, 2)) == 1      # the leaving token is always promoted
 
 
+def test_avg_ranks_by_attention_per_query_seen():
+    # newest position 4: positions 0, 1, 2 were seen by 5, 4 and 3 queries -> averages 0.8, 0.375, 0.4
+    s, p = col([4.0, 1.5, 1.2, 0.1, 0.1], [0, 1, 2, 3, 4])
+    assert victim("h2o", s, p, Budget(0, 2, 2)) == 2             # lowest sum
+    assert victim("h2o-avg", s, p, Budget(0, 2, 2)) == 1         # lowest average
+    # the same tokens scattered over slots around an empty one: the count follows positions, not slots
+    s, p = col([0.1, 1.2, 0.0, 4.0, 1.5, 0.1], [3, 2, -1, 0, 1, 4])
+    assert victim("h2o-avg", s, p, Budget(0, 2, 2)) == 4
+
+
+def test_avg_prefill_counts_real_queries_only():
+    # 2 pads, 4 real tokens (newest 3): positions 0, 1, 2 were seen by 4, 3 and 2 real queries
+    s, p = col([100.0, 0.0, 2.0, 1.4, 1.1, 0.3], [-1, -1, 0, 1, 2, 3])
+    assert get_policy("h2o").select_prefill(s, p, Budget(0, 1, 1))[0, 0].tolist() == \
+        [False, False, True, False, False, True]                 # sum: position 0 (2.0)
+    assert get_policy("h2o-avg").select_prefill(s, p, Budget(0, 1, 1))[0, 0].tolist() == \
+        [False, False, False, False, True, True]                 # average: position 2 (0.55 > 0.5 > 0.47)
+    with pytest.raises(ValueError, match="column sums"):
+        get_policy("h2o-avg").select_prefill(None, p, Budget(0, 1, 1))
+
+
 def test_slot_order_is_irrelevant():
     # same tokens as above, scattered over slots with an empty slot in the middle
     s, p = col([0.3, 5.0, 0.0, 0.1, 3.0, 0.2], [4, 0, -1, 2, 1, 3])
@@ -61,7 +82,7 @@ def test_pads_are_never_kept_or_chosen():
 
 def test_fill_first():
     s, p = col([1.0, 0.1, 2.0, 3.0, 0.0], [0, 1, 2, 3, -1])
-    for name in ("h2o", "h2o-port", "local", "sink", "random"):
+    for name in ("h2o", "h2o-port", "h2o-avg", "local", "sink", "random"):
         assert victim(name, s, p, Budget(0, 2, 2), generator=torch.Generator().manual_seed(0)) == NO_VICTIM
     assert victim("h2o", s, p, Budget(0, 1, 2)) == 1
 
@@ -113,8 +134,10 @@ def test_random_policy_only_evicts_candidates_and_is_seeded():
 def test_full_never_evicts_and_registry_flags():
     s, p = col([0.0] * 4, [0, 1, 2, 3])
     assert victim("full", s, p, Budget(0, 0, 1)) == NO_VICTIM
-    assert {n: get_policy(n).needs_scores for n in ("full", "h2o", "h2o-port", "local", "sink", "random")} == \
-        {"full": False, "h2o": True, "h2o-port": True, "local": False, "sink": False, "random": False}
+    assert {n: get_policy(n).needs_scores for n in ("full", "h2o", "h2o-port", "h2o-avg", "local", "sink",
+                                                     "random")} == \
+        {"full": False, "h2o": True, "h2o-port": True, "h2o-avg": True, "local": False, "sink": False,
+         "random": False}
     with pytest.raises(ValueError, match="unknown eviction policy"):
         get_policy("lru")
     with pytest.raises(ValueError, match="column sums"):

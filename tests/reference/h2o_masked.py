@@ -14,7 +14,9 @@ that KV head's group. Scores follow the engine's contract (ANCHORS.md §2.4-2.8)
 - decode: the new token joins the kept set with score 0, attends to the kept set, every kept key's score gets
   this step's probability; if more than sink + heavy + recent are kept, one victim is dropped:
   exact = lowest score among the non-sink, non-recent kept tokens (ties: smallest position); port = the same
-  after always admitting the newest of those (the token leaving the window); window = the oldest non-sink.
+  after always admitting the newest of those (the token leaving the window); window = the oldest non-sink;
+  avg = exact, ranking by score / the number of queries that attended to the key. That count is kept here as
+  its own tally of the mask (every query row that was allowed to see the key), not derived from positions.
 - position rolling (RoPE models): at a decode step every kept key is re-rotated to its rank among the kept
   tokens of its (sequence, KV head), and the query to the new token's rank (the number of tokens kept before
   it). HF has already rotated both at their true positions; RoPE is a rotation, so turning a vector by
@@ -28,9 +30,10 @@ import torch
 from transformers import AttentionInterface
 
 ATTN_NAME = "h2o_reference_masked"
-RULES = ("exact", "port", "window", "full")
+RULES = ("exact", "port", "window", "avg", "full")
 # which reference rule checks which flexgen_h2o eviction policy (random has no deterministic reference)
-RULE_FOR_POLICY = {"h2o": "exact", "h2o-port": "port", "local": "window", "sink": "window", "full": "full"}
+RULE_FOR_POLICY = {"h2o": "exact", "h2o-port": "port", "h2o-avg": "avg", "local": "window", "sink": "window",
+                   "full": "full"}
 
 STATE_ATTR = "_h2o_reference_state"   # set on every attention module for the duration of a run
 
@@ -103,6 +106,7 @@ class _RefState:
             self.pos.append(plist)
         self.keep: dict[int, list[list[set[int]]]] = {}       # layer -> [b][g] -> kept cache indices
         self.score: dict[int, torch.Tensor] = {}              # layer -> (b, g, max_len) fp32
+        self.seen: dict[int, torch.Tensor] = {}               # layer -> (b, g, max_len): queries that saw each key
 
     def append_token(self) -> None:
         for plist in self.pos:
@@ -118,6 +122,13 @@ class _RefState:
         heads = list(range(g * r, (g + 1) * r))
         mass = probs[b][heads][:, query_rows].sum(dim=(0, 1))                       # (L,)
         return mass / r if self.score_reduce == "mean" else mass
+
+    def ranking(self, layer: int, b: int, g: int, length: int) -> list[float]:
+        """The scores the rule ranks by: the sums, or for "avg" the sums over the queries that saw each key."""
+        score = self.score[layer][b, g, :length]
+        if self.rule == "avg":
+            score = score / self.seen[layer][b, g, :length].clamp(min=1)
+        return score.tolist()
 
     def budget_args(self) -> tuple[int, int, int]:
         # the window rule keeps no heavy hitters: their share is window
@@ -169,15 +180,18 @@ def masked_h2o_attention(module: torch.nn.Module, query: torch.Tensor, key: torc
     if st.phase == "prefill":
         st.keep[layer] = [[set() for _ in range(g)] for _ in range(b)]
         st.score[layer] = torch.zeros(b, g, st.max_len, dtype=torch.float32)
+        st.seen[layer] = torch.zeros(b, g, st.max_len, dtype=torch.float32)
         for bi in range(b):
             real_rows = [j for j in range(q) if st.pos[bi][j] >= 0]
             for gi in range(g):
                 col = st.pool(probs, bi, gi, r, real_rows)
                 st.score[layer][bi, gi, :L] = col
+                st.seen[layer][bi, gi, :L] = allowed[bi, gi, real_rows].sum(dim=0).float()
                 if st.rule == "full":            # no budget at all: every real prompt token stays
                     st.keep[layer][bi][gi] = {i for i in range(L) if st.pos[bi][i] >= 0}
                 else:
-                    st.keep[layer][bi][gi] = ref_keep_prefill(col.tolist(), st.pos[bi][:L], sink, heavy, recent)
+                    st.keep[layer][bi][gi] = ref_keep_prefill(st.ranking(layer, bi, gi, L), st.pos[bi][:L], sink,
+                                                              heavy, recent)
     else:
         for bi in range(b):
             for gi in range(g):
@@ -185,8 +199,9 @@ def masked_h2o_attention(module: torch.nn.Module, query: torch.Tensor, key: torc
                 kept = st.keep[layer][bi][gi]
                 idx = torch.tensor(sorted(kept))
                 st.score[layer][bi, gi, idx] += col[idx]     # every kept key, the new one included
+                st.seen[layer][bi, gi, idx] += 1
                 positions = [st.pos[bi][i] if i in kept else -1 for i in range(L)]
-                victim = ref_victim(st.score[layer][bi, gi, :L].tolist(), positions, sink, heavy, recent, st.rule)
+                victim = ref_victim(st.ranking(layer, bi, gi, L), positions, sink, heavy, recent, st.rule)
                 if victim is not None:
                     kept.discard(victim)
     return out.transpose(1, 2).contiguous(), probs
@@ -229,7 +244,7 @@ def reference_generate(model: torch.nn.Module, input_ids: torch.Tensor, attentio
     """Greedy generation with simulated eviction.
 
     input_ids (b, p), left-padded; attention_mask (b, p) 1 = real (None = all real); budget: (sink, heavy,
-    recent) or any object with those attributes (ignored for rule "full"); rule: exact | port | window | full.
+    recent) or any object with those attributes (ignored for rule "full"); rule: exact | port | window | avg | full.
     Returns tokens (b, max_new_tokens) and the logits (b, V) fp32 that chose each of them. If `trace` is a
     list, it receives after the prefill and after every decode step the kept positions [layer][b][g].
     rolling: position rolling (RoPE models only). forced (b, max_new_tokens): feed these tokens instead of the

@@ -1,0 +1,63 @@
+"""What each scoring policy's victim choice costs per decode step and layer, side by side in one process.
+
+The cache shape is the s2048+512 run's (batch 54, 3 KV heads, 204 heavy hitters scattered over the past, a
+204-token recent window, random slot order; benchmarks.eviction_ab builds it), with the step's new token
+written into the free slot, so every column is one over its budget and must choose a victim. Every policy
+chooses from the same tensors, in an interleaved order (A B C, then C B A, ...) so the VM's drift hits all of
+them alike. h2o-avg divides the scores by each key's query count before the same arg-min as h2o.
+
+    python -m benchmarks.policy_cost --out benchmarks/results/policy_cost
+"""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")     # before torch loads OpenMP
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from statistics import median  # noqa: E402
+
+from benchmarks.eviction_ab import add_shape_arguments, cache_columns  # noqa: E402
+
+POLICIES = ("h2o", "h2o-port", "h2o-avg")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.policy_cost", description=__doc__.split("\n\n")[0])
+    add_shape_arguments(p, "benchmarks/results/policy_cost")
+    a = p.parse_args(argv)
+    import torch
+    from flexgen_h2o.kv import Budget, get_policy
+    torch.set_num_threads(a.threads)
+    pos, scores = cache_columns(a.batch, a.heads, a.heavy, a.recent, newest=2600)
+    pos[pos < 0] = 2601                     # the decode step has written its token into the free slot
+    budget = Budget(0, a.heavy, a.recent)
+    victims = {name: get_policy(name).choose_victim(scores, pos, budget) for name in POLICIES}
+    if not all(bool((v >= 0).all()) for v in victims.values()):
+        raise SystemExit("error: a column chose no victim: the shape must hold one token over the budget")
+    times: dict[str, list[float]] = {name: [] for name in POLICIES}
+    for rep in range(a.repeats):
+        for name in (POLICIES if rep % 2 == 0 else POLICIES[::-1]):
+            policy = get_policy(name)
+            start = time.perf_counter()
+            for _ in range(a.calls):
+                policy.choose_victim(scores, pos, budget)
+            times[name].append(1e3 * (time.perf_counter() - start) / a.calls)
+    med = {name: median(t) for name, t in times.items()}
+    result = {"args": {k: str(v) for k, v in vars(a).items()}, "ms_per_layer": times, "median_ms": med,
+              "over_h2o": {name: med[name] / med["h2o"] for name in POLICIES},
+              "victims_differ_from_h2o": {name: int((victims[name] != victims["h2o"]).sum()) for name in POLICIES}}
+    a.out.mkdir(parents=True, exist_ok=True)
+    tmp = a.out / "results.json.tmp"
+    tmp.write_text(json.dumps(result, indent=2))
+    os.replace(tmp, a.out / "results.json")
+    print(f"victim choice per layer ({a.batch} x {a.heads} x {pos.shape[-1]} slots, {a.threads} threads, median of "
+          f"{a.repeats}): " + ", ".join(f"{n} {med[n]:.3f} ms ({result['over_h2o'][n]:.2f}x)" for n in POLICIES))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
