@@ -42,13 +42,16 @@ def run_engine(model, prompts, ev, n_new: int = N_NEW, **kw):
     return engine, out
 
 
-def check_against_reference(kind: str, ev: EvictionConfig, **engine_kw) -> list:
+def check_against_reference(kind: str, ev: EvictionConfig, inspect=None, **engine_kw) -> list:
     """Engine and reference on the same padded prompts: tokens, logits and kept positions agree.
-    Returns the reference's trace of kept positions (prefill first, then after each step)."""
+    Returns the reference's trace of kept positions (prefill first, then after each step). inspect(engine), if
+    given, runs on the engine after its run, before it closes."""
     model = tiny_hf(kind)
     prompts = random_prompts(LENGTHS)
     engine, out = run_engine(model, prompts, ev, **engine_kw)
     try:
+        if inspect is not None:
+            inspect(engine)
         trace: list = []
         ref_tokens, ref_logits = run_reference(model, prompts, ev, trace=trace)
         assert_same_as_reference(engine, out, ref_tokens, ref_logits)
@@ -263,14 +266,20 @@ def test_chunked_prefill_matches_reference(kind, ev, rows):
     check_against_reference(kind, ev, offload=offload)
 
 
-@pytest.mark.parametrize("offload", [dict(prefill_batch_size=1), dict(num_gpu_batches=1, **PLACEMENTS["mixed"])],
-                         ids=["chunked", "three-tiers"])
-def test_h2o_avg_offloaded_matches_reference(offload, tmp_path):
+@pytest.mark.parametrize("offload,tiers", [
+    (dict(prefill_batch_size=1), {"compute"}),
+    (dict(num_gpu_batches=1, **PLACEMENTS["mixed"]), {"compute", "host", "disk"}),
+], ids=["chunked", "three-tiers"])
+def test_h2o_avg_offloaded_matches_reference(offload, tiers, tmp_path):
     """The per-query count comes from positions, so it must hold when the cache is split across tiers and when
     the prompt pass runs a sequence at a time."""
     policy = OffloadPolicy(kv_dtype="float32", gpu_batch_size=len(LENGTHS), **offload)
     ev = EvictionConfig(policy="h2o-avg", hh_size=4, recent_size=3, sink_size=1)
-    check_against_reference("llama-gqa", ev, offload=policy, offload_dir=tmp_path)
+
+    def on_its_tiers(engine):
+        assert {c.tier_kind for c in all_caches(engine)} == tiers
+
+    check_against_reference("llama-gqa", ev, inspect=on_its_tiers, offload=policy, offload_dir=tmp_path)
 
 
 @pytest.mark.parametrize("rows", [1, 2, 4])
