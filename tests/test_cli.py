@@ -54,7 +54,7 @@ def test_benchmark_mode_log_and_json(tiny, tmp_path):
     assert "prompts: 4 x 24 tokens of Lee news corpus, tokenized" in out
     assert re.search(r"model size: [\d.]+ KiB fp16 \| KV cache: [\d.]+ KiB real, [\d.]+ KiB full cache \| hidden "
                      r"size \(prefill\): [\d.]+ KiB \(width 64\)", out)
-    assert "KV cache: 12 slots/seq (6 heavy + 6 recent) = 40.0% of 24+6" in out
+    assert "KV cache: h2o, 12 slots/seq (6 heavy + 6 recent) = 40.0% of 24+6" in out
     assert re.search(r"memory: compute peak .* \| host peak .* \| disk peak .* \| process peak RSS [\d.]+ GiB "
                      r"\(measured run [\d.]+ GiB\)", out)
     m = json.loads(mj.read_text())

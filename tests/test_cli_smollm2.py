@@ -23,7 +23,7 @@ def test_benchmark_on_real_weights(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "prompts: 2 x 64 tokens of Lee news corpus, tokenized" in proc.stdout
     assert "sample continuation of prompt 0: '" in proc.stdout
-    assert "KV cache: 24 slots/seq (12 heavy + 12 recent) = 33.3% of 64+8" in proc.stdout
+    assert "KV cache: h2o, 24 slots/seq (12 heavy + 12 recent) = 33.3% of 64+8" in proc.stdout
     m = json.loads(mj.read_text())
     assert (m["model"], m["block_size"], m["generated_tokens"], m["projected"]) == ("smollm2-135m", 2, 16, False)
     assert m["kv_cache_bytes"] * 72 == m["full_cache_bytes"] * 25

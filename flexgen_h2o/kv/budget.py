@@ -189,7 +189,8 @@ def describe(budget: Budget, prompt_len: int, gen_len: int, kv_bytes_per_token: 
     parts = [f"{n} {what}" for n, what in ((budget.sink, "sink"), (budget.heavy, "heavy"),
                                            (budget.recent, "recent")) if n]
     pct = 100.0 * budget.budget / max(total, 1)
-    line = (f"KV cache: {budget.budget} slots/seq ({' + '.join(parts)}) = {pct:.1f}% of {prompt_len}+{gen_len}; "
+    line = (f"KV cache: {budget.policy}, {budget.budget} slots/seq ({' + '.join(parts)}) = {pct:.1f}% of "
+            f"{prompt_len}+{gen_len}; "
             f"{_fmt_bytes(budget.capacity * kv_bytes_per_token)} instead of {full_bytes}")
     if not budget.evicts:
         line += " (budget covers the whole run: nothing is evicted)"

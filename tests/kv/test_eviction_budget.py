@@ -95,11 +95,13 @@ def test_resolve_errors():
 def test_describe_line():
     per_token = 10.2e9 / 544
     line = describe(EvictionConfig("h2o", hh_ratio=0.1).resolve(512, 32), 512, 32, per_token)
-    assert line == "KV cache: 102 slots/seq (51 heavy + 51 recent) = 18.8% of 512+32; 1.9 GB instead of 10.2 GB"
+    assert line == "KV cache: h2o, 102 slots/seq (51 heavy + 51 recent) = 18.8% of 512+32; 1.9 GB instead of 10.2 GB"
     line = describe(EvictionConfig("sink", kv_budget=100).resolve(512, 32), 512, 32, per_token)
-    assert line.startswith("KV cache: 100 slots/seq (4 sink + 96 recent) = 18.4% of 512+32")
+    assert line.startswith("KV cache: sink, 100 slots/seq (4 sink + 96 recent) = 18.4% of 512+32")
     assert describe(EvictionConfig("full").resolve(512, 32), 512, 32, per_token) == \
         "KV cache: full, 544 slots/seq (512+32); 10.2 GB"
+    assert describe(EvictionConfig("h2o-avg", kv_budget=100).resolve(512, 32), 512, 32, per_token).startswith(
+        "KV cache: h2o-avg, 100 slots/seq (50 heavy + 50 recent)")
     assert "nothing is evicted" in describe(Budget(0, 40, 40, max_tokens=40), 30, 10, 1000)
 
 
