@@ -21,8 +21,7 @@ import torch
 from torch import Tensor
 
 from flexgen_h2o.kv.budget import Budget
-from flexgen_h2o.kv.select import (NO_VICTIM, argmin_score, expand_positions, keep_prefill, newest, newest_mask,
-                                   uniform_choice)
+from flexgen_h2o.kv.select import NO_VICTIM, argmin_score, expand_positions, keep_prefill, newest_mask, uniform_choice
 
 
 def h2o_candidates(positions: Tensor, budget: Budget) -> tuple[Tensor, Tensor]:
@@ -92,12 +91,14 @@ class H2OPortPolicy(H2OPolicy):
                       generator: torch.Generator | None = None) -> Tensor:
         positions = expand_positions(positions, scores)
         candidates, over = h2o_candidates(positions, budget)
-        leaving = newest(positions, candidates)                                    # (b, g)
-        leaving_mask = torch.zeros_like(candidates).scatter_(-1, leaving.clamp(min=0).unsqueeze(-1), True)
-        victim = argmin_score(scores, positions, candidates & ~leaving_mask)
-        # no heavy hitter to evict (heavy = 0): the leaving token has to go after all
-        victim = torch.where(victim == NO_VICTIM, leaving, victim)
-        return _only_over(victim, over)
+        # the leaving token is the newest candidate; positions are unique in a column, so comparing with the
+        # newest candidate position marks it without a scatter (-1 where a column has no candidate)
+        candidate_pos = torch.where(candidates, positions, torch.full_like(positions, -1))
+        newest_pos = candidate_pos.amax(dim=-1, keepdim=True)
+        victim = argmin_score(scores, positions, candidates & (positions != newest_pos))
+        # no heavy hitter to evict (heavy = 0): the leaving token has to go after all. A column over its budget
+        # always has a candidate, and _only_over drops the others
+        return _only_over(torch.where(victim == NO_VICTIM, candidate_pos.argmax(dim=-1), victim), over)
 
 
 class RandomPolicy:

@@ -48,26 +48,14 @@ def argmin_score(scores: Tensor, positions: Tensor, candidates: Tensor) -> Tenso
     candidate get NO_VICTIM."""
     key = torch.where(candidates, scores, torch.full_like(scores, float("inf")))
     tied = candidates & (key == key.amin(dim=-1, keepdim=True))                   # amin: no index pass
-    return _pick_by_position(positions, tied, smallest=True)
+    return oldest(positions, tied)
 
 
 def oldest(positions: Tensor, candidates: Tensor) -> Tensor:
     """(b, g) slot of the smallest position among `candidates` (NO_VICTIM where none)."""
-    return _pick_by_position(positions, candidates, smallest=True)
-
-
-def newest(positions: Tensor, candidates: Tensor) -> Tensor:
-    """(b, g) slot of the largest position among `candidates` (NO_VICTIM where none)."""
-    return _pick_by_position(positions, candidates, smallest=False)
-
-
-def _pick_by_position(positions: Tensor, mask: Tensor, smallest: bool) -> Tensor:
     big = torch.iinfo(torch.long).max
-    if smallest:
-        slot = torch.where(mask, positions, torch.full_like(positions, big)).argmin(dim=-1)
-    else:
-        slot = torch.where(mask, positions, torch.full_like(positions, -1)).argmax(dim=-1)
-    return torch.where(mask.any(dim=-1), slot, torch.full_like(slot, NO_VICTIM))
+    slot = torch.where(candidates, positions, torch.full_like(positions, big)).argmin(dim=-1)
+    return torch.where(candidates.any(dim=-1), slot, torch.full_like(slot, NO_VICTIM))
 
 
 def uniform_choice(candidates: Tensor, generator: torch.Generator | None) -> Tensor:
