@@ -67,6 +67,35 @@ def interleaved(cases: Sequence[T], repeats: int) -> list[tuple[int, T]]:
     return [(r, c) for r in range(repeats) for c in cases]
 
 
+def time_interleaved(run: dict[str, Callable[[], object]], repeats: int, calls: int = 1) -> dict[str, list[float]]:
+    """ms per call of each case, `calls` calls per timed block, in the order A B C, then C B A, ...: in-process
+    micro-benchmarks see the VM's drift alike."""
+    names = list(run)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for rep in range(repeats):
+        for name in (names if rep % 2 == 0 else names[::-1]):
+            start = time.perf_counter()
+            for _ in range(calls):
+                run[name]()
+            times[name].append(1e3 * (time.perf_counter() - start) / calls)
+    return times
+
+
+def timing_summary(times: dict[str, list[float]], baseline: str) -> dict:
+    """The timings, their medians and each case's median over the baseline's, as the JSON of a micro-benchmark."""
+    med = {name: median(ts) for name, ts in times.items()}
+    return {"ms_per_layer": times, "median_ms": med, f"over_{baseline}": {n: med[n] / med[baseline] for n in med}}
+
+
+def write_timings(out: Path, result: dict, baseline: str, title: str, digits: int = 3) -> None:
+    """Write a timing_summary result to out/results.json (atomically) and print its medians in one line."""
+    from flexgen_h2o.eval.results import write_text_atomic
+    out.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(out / "results.json", json.dumps(result, indent=2))
+    med, ratio = result["median_ms"], result[f"over_{baseline}"]
+    print(f"{title}: " + ", ".join(f"{n} {med[n]:.{digits}f} ms ({ratio[n]:.2f}x)" for n in med))
+
+
 def drop_page_cache(files: Iterable[str | os.PathLike]) -> tuple[int, int]:
     """Evict the files' pages from the OS page cache so the next read comes from the device.
 

@@ -15,11 +15,9 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")     # before torch loads OpenMP
 
 import argparse  # noqa: E402
-import json  # noqa: E402
 import sys  # noqa: E402
-import time  # noqa: E402
-from statistics import median  # noqa: E402
 
+from benchmarks.common import time_interleaved, timing_summary, write_timings  # noqa: E402
 from benchmarks.eviction_ab import add_shape_arguments, cache_columns  # noqa: E402
 
 POLICIES = ("h2o", "h2o-port", "h2o-avg")
@@ -38,24 +36,12 @@ def main(argv: list[str] | None = None) -> int:
     victims = {name: get_policy(name).choose_victim(scores, pos, budget) for name in POLICIES}
     if not all(bool((v >= 0).all()) for v in victims.values()):
         raise SystemExit("error: a column chose no victim: the shape must hold one token over the budget")
-    times: dict[str, list[float]] = {name: [] for name in POLICIES}
-    for rep in range(a.repeats):
-        for name in (POLICIES if rep % 2 == 0 else POLICIES[::-1]):
-            policy = get_policy(name)
-            start = time.perf_counter()
-            for _ in range(a.calls):
-                policy.choose_victim(scores, pos, budget)
-            times[name].append(1e3 * (time.perf_counter() - start) / a.calls)
-    med = {name: median(t) for name, t in times.items()}
-    result = {"args": {k: str(v) for k, v in vars(a).items()}, "ms_per_layer": times, "median_ms": med,
-              "over_h2o": {name: med[name] / med["h2o"] for name in POLICIES},
+    run = {name: (lambda policy=get_policy(name): policy.choose_victim(scores, pos, budget)) for name in POLICIES}
+    result = {"args": {k: str(v) for k, v in vars(a).items()},
+              **timing_summary(time_interleaved(run, a.repeats, a.calls), "h2o"),
               "victims_differ_from_h2o": {name: int((victims[name] != victims["h2o"]).sum()) for name in POLICIES}}
-    a.out.mkdir(parents=True, exist_ok=True)
-    tmp = a.out / "results.json.tmp"
-    tmp.write_text(json.dumps(result, indent=2))
-    os.replace(tmp, a.out / "results.json")
-    print(f"victim choice per layer ({a.batch} x {a.heads} x {pos.shape[-1]} slots, {a.threads} threads, median of "
-          f"{a.repeats}): " + ", ".join(f"{n} {med[n]:.3f} ms ({result['over_h2o'][n]:.2f}x)" for n in POLICIES))
+    write_timings(a.out, result, "h2o", f"victim choice per layer ({a.batch} x {a.heads} x {pos.shape[-1]} slots, "
+                                      f"{a.threads} threads, median of {a.repeats})")
     return 0
 
 

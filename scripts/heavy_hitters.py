@@ -32,6 +32,7 @@ from flexgen_h2o.eval.cli import OneLineParser  # noqa: E402
 from flexgen_h2o.eval.data import SummaryItem, encode, split_lead, summary_items, summary_prompt_pieces  # noqa: E402
 from flexgen_h2o.frontends.corpus import lee_articles  # noqa: E402
 from flexgen_h2o.eval.grid import BudgetSpec, GridPoint, parse_budget, parse_heavy_share  # noqa: E402
+from flexgen_h2o.eval.results import write_text_atomic  # noqa: E402
 from flexgen_h2o.kv import Budget, EvictionPolicy  # noqa: E402
 from flexgen_h2o.kv.select import expand_positions, newest_mask  # noqa: E402
 
@@ -239,12 +240,6 @@ def render(data: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)                       # a reader never sees half a file
-
-
 def main(argv: list[str] | None = None) -> int:
     p = OneLineParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     p.add_argument("--model", default="smollm2-135m")
@@ -295,8 +290,8 @@ def main(argv: list[str] | None = None) -> int:
                         "command": " ".join(["python scripts/heavy_hitters.py", *(argv or sys.argv[1:])])}
         a.out.mkdir(parents=True, exist_ok=True)
         md = render(data)
-        write_atomic(a.out / "heavy_hitters.json", json.dumps(data, indent=1))
-        write_atomic(a.out / "heavy_hitters.md", md)
+        write_text_atomic(a.out / "heavy_hitters.json", json.dumps(data, indent=1))
+        write_text_atomic(a.out / "heavy_hitters.md", md)
     except (ConfigError, ValueError, OSError) as e:             # one line, exit 2
         print(f"error: {e}", file=sys.stderr)
         return 2

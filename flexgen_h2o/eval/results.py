@@ -15,6 +15,14 @@ from typing import Any
 from flexgen_h2o.config import ConfigError
 
 
+def write_text_atomic(path: str | Path, text: str) -> None:
+    """Write through a temporary file and an atomic rename: a reader or a kill never leaves half a file."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 class ResultStore:
     def __init__(self, out_dir: str | Path, task: str, meta: dict[str, Any], fresh: bool = False,
                  verbose: bool = False):
@@ -52,10 +60,9 @@ class ResultStore:
 
     def save(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps({"task": self.task, "meta": self.meta, "records": self.records,
-                                   "partials": self.partials}, indent=1))
-        os.replace(tmp, self.path)              # atomic: a kill mid-write leaves the previous checkpoint
+        # a kill mid-write leaves the previous checkpoint
+        write_text_atomic(self.path, json.dumps({"task": self.task, "meta": self.meta, "records": self.records,
+                                                 "partials": self.partials}, indent=1))
 
 
 class BlockCheckpoint:

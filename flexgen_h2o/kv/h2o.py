@@ -43,18 +43,23 @@ class H2OPolicy:
     name = "h2o"
     needs_scores = True
 
+    def rank(self, scores: Tensor, positions: Tensor) -> Tensor:
+        """What keys are ranked by, in prefill and at every victim choice: the accumulated attention itself."""
+        return scores
+
     def select_prefill(self, scores: Tensor | None, positions: Tensor, budget: Budget,
                        generator: torch.Generator | None = None) -> Tensor:
         if scores is None:
             raise ValueError(f"policy {self.name!r} ranks prompt tokens by attention: pass the column sums")
         positions = expand_positions(positions, scores)
-        return keep_prefill(positions, scores, budget.sink, budget.heavy, budget.recent, budget.budget)
+        return keep_prefill(positions, self.rank(scores, positions), budget.sink, budget.heavy, budget.recent,
+                            budget.budget)
 
     def choose_victim(self, scores: Tensor, positions: Tensor, budget: Budget,
                       generator: torch.Generator | None = None) -> Tensor:
         positions = expand_positions(positions, scores)
         candidates, over = h2o_candidates(positions, budget)
-        return _only_over(argmin_score(scores, positions, candidates), over)
+        return _only_over(argmin_score(self.rank(scores, positions), positions, candidates), over)
 
 
 def per_query_average(scores: Tensor, positions: Tensor) -> Tensor:
@@ -70,17 +75,8 @@ class H2OAveragePolicy(H2OPolicy):
     """The exact rule, ranking by the per-query average attention instead of the sum."""
     name = "h2o-avg"
 
-    def select_prefill(self, scores: Tensor | None, positions: Tensor, budget: Budget,
-                       generator: torch.Generator | None = None) -> Tensor:
-        if scores is None:
-            raise ValueError(f"policy {self.name!r} ranks prompt tokens by attention: pass the column sums")
-        positions = expand_positions(positions, scores)
-        return super().select_prefill(per_query_average(scores, positions), positions, budget, generator)
-
-    def choose_victim(self, scores: Tensor, positions: Tensor, budget: Budget,
-                      generator: torch.Generator | None = None) -> Tensor:
-        positions = expand_positions(positions, scores)
-        return super().choose_victim(per_query_average(scores, positions), positions, budget, generator)
+    def rank(self, scores: Tensor, positions: Tensor) -> Tensor:
+        return per_query_average(scores, positions)
 
 
 class H2OPortPolicy(H2OPolicy):
@@ -95,7 +91,7 @@ class H2OPortPolicy(H2OPolicy):
         # newest candidate position marks it without a scatter (-1 where a column has no candidate)
         candidate_pos = torch.where(candidates, positions, torch.full_like(positions, -1))
         newest_pos = candidate_pos.amax(dim=-1, keepdim=True)
-        victim = argmin_score(scores, positions, candidates & (positions != newest_pos))
+        victim = argmin_score(self.rank(scores, positions), positions, candidates & (positions != newest_pos))
         # no heavy hitter to evict (heavy = 0): the leaving token has to go after all. A column over its budget
         # always has a candidate, and _only_over drops the others
         return _only_over(torch.where(victim == NO_VICTIM, candidate_pos.argmax(dim=-1), victim), over)

@@ -15,7 +15,6 @@ from flexgen_h2o.eval.streaming import edge_ratio, window_ppl
 from flexgen_h2o.eval.summarize import first_line, mean_rouge, rouge_scorer
 
 
-
 def test_perplexity_items_have_exact_lengths(tok):
     for corpus in ("wiki", "lee"):
         items = data.perplexity_items(tok, corpus, 3, 100, 20)

@@ -1,0 +1,61 @@
+"""One layer's prompt attention alone, three ways, interleaved in one process: torch's fused SDPA (what a
+full-cache prompt runs: no key mass), the torch-op scored path (ops.grouped_attention with want_scores) and the
+compiled kernel (models/fused.py, output and key mass in one pass). SmolLM2's shape by default: 9 query heads,
+3 KV heads, head size 64. Random q, k, v; no pads.
+
+    python -m benchmarks.prompt_attention --out benchmarks/results/prompt_attention
+"""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")     # before torch loads OpenMP
+
+import argparse  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from benchmarks.common import time_interleaved, timing_summary, write_timings  # noqa: E402
+
+CASES = ("sdpa", "scored-torch", "scored-kernel")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.prompt_attention", description=__doc__.split("\n\n")[0])
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--heads", type=int, default=9)
+    p.add_argument("--kv-heads", type=int, default=3)
+    p.add_argument("--prompt-len", type=int, default=2048)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=6)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out", type=Path, default=Path("benchmarks/results/prompt_attention"))
+    a = p.parse_args(argv)
+    import torch
+    from flexgen_h2o.models import fused, ops
+    if fused.module() is None:
+        print(f"error: the compiled prompt attention is unavailable: {fused.unavailable_reason()}", file=sys.stderr)
+        return 2
+    torch.set_num_threads(a.threads)
+    gen = torch.Generator().manual_seed(0)
+    b, t, d = a.batch, a.prompt_len, a.head_dim
+    q = torch.randn(b, t, a.heads, d, generator=gen).transpose(1, 2)          # a head view, as split_heads gives
+    k, v = (torch.randn(b, a.kv_heads, t, d, generator=gen) for _ in range(2))
+    scale = d ** -0.5
+    mask = ops.causal_pad_mask(torch.ones(b, t, dtype=torch.bool))
+    run = {"sdpa": lambda: ops.grouped_attention(q, k, v, mask, scale, causal_only=True),
+           "scored-torch": lambda: ops.grouped_attention(q, k, v, mask, scale, want_scores=True, causal_only=True),
+           "scored-kernel": lambda: fused.scored_prompt_attention(q, k, v, None, scale)}
+    outputs = {name: f()[0] for name, f in run.items()}                     # warm-up, and the same output
+    if not all(torch.allclose(outputs["sdpa"], o, atol=1e-4) for o in outputs.values()):
+        print("error: the three paths disagree", file=sys.stderr)
+        return 2
+    result = {"args": {key: str(val) for key, val in vars(a).items()},
+              **timing_summary(time_interleaved(run, a.repeats), "sdpa")}
+    write_timings(a.out, result, "sdpa", f"prompt attention per layer ({b} x {a.heads}/{a.kv_heads} heads x {t}, "
+                                         f"{a.threads} threads, median of {a.repeats})", digits=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
