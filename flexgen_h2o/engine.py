@@ -83,7 +83,7 @@ class Engine:
         # CPU: staged KV windows reuse buffers (CUDA's caching allocator already recycles device memory)
         self.kv_staging = None if self.backend.is_cuda else StagingBuffers()
         if not self.backend.is_cuda:
-            fused.module()        # load (or build) the compiled prompt attention here, not in a timed prompt pass
+            fused.module()        # load (or build) the compiled attention kernels here, not in a timed pass
         self.layers = build_layers(model)
         self.groups = schedule_groups([layer.kind for layer in self.layers], self.offload.sep_layer)
         self.decode = decode

@@ -1,4 +1,4 @@
-"""Shared fixtures: tiny configs (2 layers, width 64, 4 query / 2 KV heads) and the `slow` marker."""
+"""Shared fixtures: the compiled kernels (`kernel`), and the `slow` and `gpu` markers."""
 from __future__ import annotations
 
 import os
@@ -25,3 +25,14 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def kernel():
+    """models.fused with its compiled kernels built: skipped where they cannot be, failed in CI, which must."""
+    from flexgen_h2o.models import fused
+    if fused.module() is None:
+        if os.environ.get("CI"):
+            pytest.fail(f"CI must build the compiled attention kernels: {fused.unavailable_reason()}")
+        pytest.skip(f"compiled attention kernels unavailable: {fused.unavailable_reason() or 'switched off'}")
+    return fused

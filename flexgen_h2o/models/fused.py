@@ -1,12 +1,18 @@
-"""The compiled CPU kernel for H2O's prompt attention (csrc/scored_attention.cpp), built on first use.
+"""The compiled CPU kernels for H2O's attention (csrc/), built on first use.
 
-The kernel gives the attention output and every key's attention mass in one pass whose 3 MB blocks of logits
-stay in the core's caches; the same math as torch ops (ops.grouped_attention) makes 16 MB blocks that every pass
-reads from L3 or DRAM. It is built with torch's C++ extension loader (a C++ compiler and ninja) and cached in
+- Prompt (csrc/scored_attention.cpp): the attention output and every key's attention mass in one pass whose 3 MB
+  blocks of logits stay in the core's caches; the same math as torch ops (ops.grouped_attention) makes 16 MB
+  blocks that every pass reads from L3 or DRAM.
+- Decode (csrc/decode_attention.cpp): one step over the fp16 cache read in place, each key or value row
+  converted once into L1 and used by every query head of its group; the torch ops
+  (ops.narrow_decode_attention) upcast the window with copy_ and multiply it with small batched GEMMs.
+
+They are built with torch's C++ extension loader (a C++ compiler and ninja) and cached in
 TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions), so only the first process after a change pays the
 build (18 s on this project's 2-core VM; README.md has the command). `build_ahead()` builds it before any timed
 run (`make install` calls it). Where it cannot be built, the torch-op path is used and the reason is printed
-once. FLEXGEN_H2O_FUSED_ATTENTION=0 turns it off (A/B runs).
+once. FLEXGEN_H2O_FUSED_ATTENTION=0 turns both off (A/B runs). On a CPU with AVX2, FMA and F16C they are built
+with those instructions (the decode kernel's fp16 conversions and dot products use them); elsewhere as plain C++.
 """
 from __future__ import annotations
 
@@ -19,7 +25,8 @@ from types import ModuleType
 import torch
 from torch import Tensor
 
-SOURCE = Path(__file__).parent / "csrc" / "scored_attention.cpp"
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = [CSRC / name for name in ("bindings.cpp", "scored_attention.cpp", "decode_attention.cpp")]
 ENV_SWITCH = "FLEXGEN_H2O_FUSED_ATTENTION"
 # queries per block: 3 heads x 128 queries x 2,048 keys of fp32 logits is 3 MB, about one core's L2 plus its
 # share of L3 (a sweep of 64-256 at SmolLM2's 2,048-token prompts moved the kernel's time by a few % at most)
@@ -29,10 +36,23 @@ _lock = threading.Lock()
 _state: dict[str, object] = {}          # "module" once built; "reason" once it could not be
 
 
+ISA_SWITCH = "FLEXGEN_H2O_KERNEL_ISA"      # "portable": build without the AVX2 flags (the test of that path)
+
+
+def isa_flags() -> list[str]:
+    """-mavx2 -mfma -mf16c where this CPU has them (torch's own dispatch says AVX2 or better), else none."""
+    if os.environ.get(ISA_SWITCH) != "portable" and torch.backends.cpu.get_cpu_capability().startswith("AVX"):
+        return ["-mavx2", "-mfma", "-mf16c"]      # "AVX2", "AVX512": x86 only
+    return []
+
+
 def _build() -> ModuleType:
     from torch.utils.cpp_extension import load     # imported late: it pulls in setuptools
-    # -fopenmp: the kernel sets its threads' OpenMP team size (the libgomp torch has loaded is the one used)
-    return load(name="flexgen_h2o_scored_attention", sources=[str(SOURCE)], extra_cflags=["-O3", "-fopenmp"],
+    flags = isa_flags()
+    # -fopenmp: the prompt kernel sets its threads' OpenMP team size (the libgomp torch has loaded is the one
+    # used). The name carries the instruction set, so a cache directory shared by two kinds of CPU keeps both
+    return load(name="flexgen_h2o_kernels" + ("_avx2" if flags else ""), sources=[str(p) for p in SOURCES],
+                extra_cflags=["-O3", "-fopenmp", *flags], extra_include_paths=[str(CSRC)],
                 extra_ldflags=["-fopenmp"], verbose=False)
 
 
@@ -50,7 +70,7 @@ def module() -> ModuleType | None:
         except Exception as exc:                   # no compiler, no ninja, no Python headers: run without it
             reason = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
             _state["reason"] = reason
-            print(f"flexgen_h2o: compiled prompt attention unavailable ({reason}); using torch ops "
+            print(f"flexgen_h2o: compiled attention kernels unavailable ({reason}); using torch ops "
                   f"(needs a C++ compiler and ninja; {ENV_SWITCH}=0 hides this)", file=sys.stderr)
         return _state.get("module")                                      # type: ignore[return-value]
 
@@ -63,6 +83,13 @@ def unavailable_reason() -> str | None:
 def usable(q: Tensor) -> bool:
     """Whether this prompt's attention can go to the kernel: fp32 on a CPU, kernel built."""
     return q.device.type == "cpu" and q.dtype == torch.float32 and module() is not None
+
+
+def decode_usable(q: Tensor, k: Tensor) -> bool:
+    """Whether a decode step over the window k can go to the kernel: fp32 queries over an fp16 cache on a CPU,
+    each (sequence, KV head) block of rows contiguous, kernel built."""
+    return (q.device.type == "cpu" and q.dtype == torch.float32 and k.dtype == torch.float16 and k.dim() == 4
+            and k.stride(3) == 1 and k.stride(2) == k.shape[3] and module() is not None)
 
 
 def scored_prompt_attention(q: Tensor, k: Tensor, v: Tensor, token_valid: Tensor | None, scale: float,
@@ -80,11 +107,24 @@ def scored_prompt_attention(q: Tensor, k: Tensor, v: Tensor, token_valid: Tensor
     return out, mass
 
 
+def decode_attention(q: Tensor, k: Tensor, v: Tensor, valid: Tensor, slot: Tensor, k_new: Tensor, v_new: Tensor,
+                     scale: float, *, want_scores: bool = False,
+                     score_reduce: str = "sum") -> tuple[Tensor, Tensor | None]:
+    """ops.narrow_decode_attention's contract and values (to fp32 rounding: the sums run in another order), for
+    an fp16 window read in place: out (b, h, 1, d) and, if want_scores, the mass (b, g, s) each key received."""
+    ext = module()
+    assert ext is not None, "call decode_usable() first"
+    out, mass = ext.decode_attention(q, k, v, valid, slot, k_new, v_new, float(scale), want_scores,
+                                     score_reduce == "mean")
+    return out, (mass if want_scores else None)
+
+
 def build_ahead() -> int:
     """Build (or find cached) the kernel before any timed run; `make install` calls it. 0 when ready."""
     if module() is None:
-        print(f"flexgen_h2o: compiled prompt attention not built: {unavailable_reason() or 'switched off'}",
+        print(f"flexgen_h2o: compiled attention kernels not built: {unavailable_reason() or 'switched off'}",
               file=sys.stderr)
         return 1
-    print(f"flexgen_h2o: compiled prompt attention ready ({SOURCE.name})")
+    print(f"flexgen_h2o: compiled attention kernels ready ({', '.join(p.name for p in SOURCES[1:])}"
+          f"{'; AVX2' if isa_flags() else ''})")
     return 0

@@ -99,9 +99,11 @@ class AttentionLayer(_Base):
                 q, k_store, v = (t.to(kv.k.device, att_dtype) for t in (q, k_store, v))
             # one new token: it goes into its free slot first, so it attends to itself like any other row
             kv.valid.scatter_(2, kv.write_slot.unsqueeze(-1), True)
-            if kv.compute_dtype is not None:     # the cache's own fp16 window: upcast by blocks, never written
-                out, scores = ops.narrow_decode_attention(q, kv.k, kv.v, kv.valid, kv.write_slot, k_store, v, scale,
-                                                          want_scores=ctx.want_scores, score_reduce=ctx.score_reduce)
+            if kv.compute_dtype is not None:     # the cache's own fp16 window, read in place and never written
+                # on a CPU the compiled kernel converts each row once in cache; else the torch ops upcast by blocks
+                attend = fused.decode_attention if fused.decode_usable(q, kv.k) else ops.narrow_decode_attention
+                out, scores = attend(q, kv.k, kv.v, kv.valid, kv.write_slot, k_store, v, scale,
+                                     want_scores=ctx.want_scores, score_reduce=ctx.score_reduce)
                 return self._finish(x, out, w, k_store, v, scores)
             ops.write_slot(kv.k, kv.write_slot, k_store)
             ops.write_slot(kv.v, kv.write_slot, v)

@@ -1,6 +1,7 @@
 """A RAM-homed fp16 cache on a CPU hands decode attention its own window (KVView.compute_dtype), which
 ops.narrow_decode_attention upcasts a block of sequences at a time instead of upcasting the whole window first.
-Both must give exactly what the upcast copy gives."""
+Both must give exactly what the upcast copy gives. (Where the compiled kernel is built it takes these steps
+instead: tests/test_fused_attention.py holds it to this path.)"""
 from __future__ import annotations
 
 import pytest
@@ -8,8 +9,9 @@ import torch
 
 from flexgen_h2o.config import OffloadPolicy
 from flexgen_h2o.kv import EvictionConfig
-from flexgen_h2o.models import ops
-from tests.helpers import engine_kept, greedy, make_engine, max_logit_diff, random_prompts, tiny_hf
+from flexgen_h2o.models import fused, ops
+from tests.helpers import (count_in_place_attention, engine_kept, greedy, make_engine, max_logit_diff,
+                           random_prompts, tiny_hf)
 
 
 def _window(b: int, g: int, s: int, d: int, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -56,14 +58,14 @@ def _staged_copies_only(monkeypatch) -> None:
 @pytest.mark.parametrize("policy", ["h2o", "full"])
 def test_engine_decodes_the_same_over_its_own_fp16_window(monkeypatch, kind, policy):
     """fp16 KV homed in RAM, one cache part: every decode step attends over the cache's own window, and the
-    tokens, every step's logits and the kept positions equal those of the run that stages an upcast copy."""
+    tokens, every step's logits and the kept positions equal those of the run that stages an upcast copy (the
+    torch ops: the compiled kernels are switched off, as its sums run in another order)."""
+    monkeypatch.setenv(fused.ENV_SWITCH, "0")
     eviction = EvictionConfig(policy=policy, hh_size=4, recent_size=3) if policy == "h2o" else None
     model = tiny_hf(kind)
     prompts = random_prompts([21, 14, 9])
     offload = OffloadPolicy.from_percent([100, 0, 100, 0, 100, 0], gpu_batch_size=3, kv_dtype="float16")
-    calls = []
-    real = ops.narrow_decode_attention
-    monkeypatch.setattr(ops, "narrow_decode_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    calls = count_in_place_attention(monkeypatch)
     narrow = make_engine(model, eviction=eviction, offload=offload)
     out = narrow.generate(prompts, greedy(12))
     n_layers = model.config.num_hidden_layers
@@ -80,9 +82,7 @@ def test_engine_decodes_the_same_over_its_own_fp16_window(monkeypatch, kind, pol
 
 @pytest.mark.parametrize("cache_percent, rolling", [((50, 50), False), ((100, 0), True)])
 def test_split_and_rolling_caches_still_stage_a_copy(monkeypatch, cache_percent, rolling):
-    calls = []
-    real = ops.narrow_decode_attention
-    monkeypatch.setattr(ops, "narrow_decode_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    calls = count_in_place_attention(monkeypatch)
     eviction = EvictionConfig(policy="h2o", hh_size=4, recent_size=3, position_rolling=rolling)
     offload = OffloadPolicy.from_percent([100, 0, *cache_percent, 100, 0], gpu_batch_size=2, kv_dtype="float16")
     make_engine(tiny_hf("llama-gqa"), eviction=eviction, offload=offload).generate(random_prompts([12, 7]),
@@ -104,9 +104,7 @@ def test_in_place_rule_is_what_the_engine_does_and_what_the_planner_charges(monk
     planner's workspace then holds no upcast window: it is smaller than for the same run with a staged copy."""
     from flexgen_h2o.planner import estimate
     from tests.helpers import weight_reader
-    calls = []
-    real = ops.narrow_decode_attention
-    monkeypatch.setattr(ops, "narrow_decode_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    calls = count_in_place_attention(monkeypatch)
     eviction = EvictionConfig(policy="h2o", hh_size=4, recent_size=3, position_rolling=rolling)
     offload = OffloadPolicy.from_percent([100, 0, *cache_percent, 100, 0], gpu_batch_size=2, kv_dtype=kv_dtype)
     model = tiny_hf("llama-gqa")

@@ -9,7 +9,8 @@
 //
 // Masking follows models/ops.causal_pad_mask: query i sees key j iff j <= i and key j is valid, and always
 // sees itself. Pad queries add nothing to the column sums.
-#include <torch/extension.h>
+#include "kernels.h"
+
 #include <ATen/Parallel.h>
 #include <omp.h>
 
@@ -123,9 +124,4 @@ std::vector<at::Tensor> scored_prompt_attention(const at::Tensor& q, const at::T
     }
   });
   return {out, partial.sum(0)};
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  // the GIL is released: the engine's copy lanes are Python threads that must run while this computes
-  m.def("scored_prompt_attention", &scored_prompt_attention, pybind11::call_guard<pybind11::gil_scoped_release>());
 }

@@ -1,0 +1,10 @@
+#include <torch/extension.h>
+
+#include "kernels.h"
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  // the GIL is released: the engine's copy lanes are Python threads that must run while these compute
+  const auto release = pybind11::call_guard<pybind11::gil_scoped_release>();
+  m.def("scored_prompt_attention", &scored_prompt_attention, release);
+  m.def("decode_attention", &decode_attention, release);
+}

@@ -1,0 +1,15 @@
+// The compiled CPU kernels of models/fused.py; bindings.cpp exposes them to Python.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <vector>
+
+// H2O's prompt attention: the output and every key's attention mass in one pass (scored_attention.cpp).
+std::vector<at::Tensor> scored_prompt_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                const at::Tensor& token_valid, double scale, int64_t q_block);
+
+// One decode step's attention over the fp16 cache, read in place, with each key's mass (decode_attention.cpp).
+std::vector<at::Tensor> decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                         const at::Tensor& valid, const at::Tensor& slot, const at::Tensor& k_new,
+                                         const at::Tensor& v_new, double scale, bool want_mass, bool mean_pool);

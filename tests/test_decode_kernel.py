@@ -1,0 +1,159 @@
+"""The compiled decode attention (models/fused.decode_attention, csrc/decode_attention.cpp) against the torch-op
+path it replaces on a CPU (ops.narrow_decode_attention over the same fp16 window), and the engine with it
+against the engine without."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from flexgen_h2o.config import OffloadPolicy
+from flexgen_h2o.kv import EvictionConfig
+from flexgen_h2o.models import fused, ops
+from tests.helpers import (count_in_place_attention, engine_kept, greedy, make_engine, max_logit_diff,
+                           random_prompts, tiny_hf)
+
+
+def _step(b, h, g, s, d, capacity, free=0.3, seed=0, q_scale=1.0):
+    """One decode step's inputs as the engine hands them over: fp16 windows that are the first s of `capacity`
+    slots (so not contiguous), a valid mask with the new token's slot set, its unrounded fp32 row."""
+    gen = torch.Generator().manual_seed(seed)
+    k = torch.randn(b, g, capacity, d, generator=gen).half()
+    v = torch.randn(b, g, capacity, d, generator=gen).half()
+    q = torch.randn(b, h, 1, d, generator=gen) * q_scale
+    slot = torch.randint(0, s, (b, g), generator=gen)
+    valid = torch.rand(b, g, s, generator=gen) > free
+    valid.scatter_(2, slot.unsqueeze(-1), True)
+    k_new, v_new = torch.randn(b, g, 1, d, generator=gen), torch.randn(b, g, 1, d, generator=gen)
+    return q, k[:, :, :s], v[:, :, :s], valid, slot, k_new, v_new
+
+
+SHAPES = [
+    (3, 9, 3, 409, 64, 410),     # SmolLM2's GQA at 20 % of 2k: 51 blocks of 8 keys and a tail of 1
+    (2, 4, 4, 17, 64, 20),       # MHA (OPT), one head per group
+    (2, 8, 2, 13, 80, 13),       # 4 heads per group, 80 dims: a block of 8 vectors and one of 2
+    (1, 6, 3, 7, 12, 9),         # 12 dims, not a multiple of 8: the plain C++ loops; fewer keys than a block
+    (4, 2, 1, 1, 64, 1),         # a window of one slot: the new token alone
+]
+
+
+@pytest.mark.parametrize("b, h, g, s, d, capacity", SHAPES)
+@pytest.mark.parametrize("score_reduce", ["sum", "mean"])
+def test_kernel_gives_the_torch_paths_output_and_key_mass(kernel, b, h, g, s, d, capacity, score_reduce):
+    args = _step(b, h, g, s, d, capacity)
+    q, k, v, valid, slot, k_new, v_new = args
+    before = k.clone(), v.clone()
+    ref_out, ref_mass = ops.narrow_decode_attention(*args, 0.3, want_scores=True, score_reduce=score_reduce)
+    out, mass = kernel.decode_attention(*args, 0.3, want_scores=True, score_reduce=score_reduce)
+    torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(mass, ref_mass, rtol=1e-5, atol=1e-7)
+    assert torch.all(mass[~valid] == 0)                       # free slots get exactly no mass
+    per_column = 1.0 if score_reduce == "mean" else h // g    # each query head spends a mass of 1
+    torch.testing.assert_close(mass.sum(-1), torch.full((b, g), float(per_column)), rtol=1e-5, atol=1e-5)
+    assert torch.equal(k, before[0]) and torch.equal(v, before[1])   # the cache's window is read only
+    out_only, none = kernel.decode_attention(*args, 0.3, want_scores=False)
+    assert none is None and torch.equal(out_only, out)
+
+
+def test_peaked_attention_and_a_new_token_that_differs_from_its_fp16_row(kernel):
+    """Logits tens apart (a softmax that a careless exp would overflow or flush) and the new token's key used
+    unrounded, as the torch path does: both show in the output."""
+    args = _step(2, 9, 3, 50, 64, 64, q_scale=12.0)
+    ref = ops.narrow_decode_attention(*args, 0.125, want_scores=True)
+    got = kernel.decode_attention(*args, 0.125, want_scores=True)
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    q, k, v, valid, slot, k_new, v_new = args
+    rounded = kernel.decode_attention(q, k, v, valid, slot, k_new.half().float(), v_new.half().float(), 0.125)
+    assert not torch.equal(rounded[0], got[0])
+
+
+def test_freed_slots_are_never_read(kernel):
+    """A freed slot still holds an evicted token's row; whatever it holds (here inf and NaN) must not reach the
+    output or the mass, as if the slot held zeros."""
+    q, k, v, valid, slot, k_new, v_new = _step(3, 6, 2, 40, 64, 40, free=0.4)
+    clean = kernel.decode_attention(q, k, v, valid, slot, k_new, v_new, 0.3, want_scores=True)
+    dirty_k, dirty_v = k.clone(), v.clone()
+    dirty_k[~valid] = float("nan")
+    dirty_v[~valid] = float("inf")
+    dirty = kernel.decode_attention(q, dirty_k, dirty_v, valid, slot, k_new, v_new, 0.3, want_scores=True)
+    assert torch.equal(dirty[0], clean[0]) and torch.equal(dirty[1], clean[1])
+
+
+def test_kernel_is_the_same_on_one_thread_and_two(kernel):
+    """Each (sequence, KV head) column is computed whole by one thread, so the split changes nothing."""
+    args = _step(5, 9, 3, 100, 64, 128)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = kernel.decode_attention(*args, 0.3, want_scores=True)
+        torch.set_num_threads(2)
+        two = kernel.decode_attention(*args, 0.3, want_scores=True)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one[0], two[0]) and torch.equal(one[1], two[1])
+
+
+def test_bad_inputs_are_refused_by_name(kernel):
+    q, k, v, valid, slot, k_new, v_new = _step(2, 4, 2, 10, 16, 10)
+    with pytest.raises(RuntimeError, match="float16"):
+        kernel.module().decode_attention(q, k.float(), v, valid, slot, k_new, v_new, 0.3, True, False)
+    with pytest.raises(RuntimeError, match="write slot"):
+        kernel.module().decode_attention(q, k, v, valid, slot + 10, k_new, v_new, 0.3, True, False)
+    assert not fused.decode_usable(q, k.float()) and not fused.decode_usable(q.half(), k)
+
+
+@pytest.mark.parametrize("kind", ["llama-gqa", "opt"])
+@pytest.mark.parametrize("policy", ["h2o", "h2o-avg", "full"])
+def test_engine_with_the_decode_kernel_keeps_and_generates_what_it_does_without(kernel, monkeypatch, kind,
+                                                                                 policy):
+    """fp16 KV read in place: every decode step of every layer goes to the kernel, and the run gives the same
+    tokens and kept positions as the torch-op path, every step's logits to fp32 rounding."""
+    calls = []
+    real = fused.decode_attention
+    monkeypatch.setattr(fused, "decode_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    model = tiny_hf(kind)
+    prompts = random_prompts([21, 14, 9])
+    eviction = EvictionConfig(policy=policy, hh_size=4, recent_size=3) if policy != "full" else None
+    offload = OffloadPolicy.from_percent([100, 0, 100, 0, 100, 0], gpu_batch_size=3, kv_dtype="float16")
+    compiled = make_engine(model, eviction=eviction, offload=offload)
+    out = compiled.generate(prompts, greedy(12))
+    assert len(calls) == 11 * model.config.num_hidden_layers
+    monkeypatch.setattr(fused, "decode_usable", lambda q, k: False)      # the same engine on the torch ops
+    torch_calls = count_in_place_attention(monkeypatch)
+    plain = make_engine(model, eviction=eviction, offload=offload)
+    ref = plain.generate(prompts, greedy(12))
+    assert len(torch_calls) == 11 * model.config.num_hidden_layers
+    assert out.token_ids == ref.token_ids
+    assert engine_kept(compiled) == engine_kept(plain)
+    assert all(max_logit_diff(compiled.step_logits[i], plain.step_logits[i]) < 1e-4 for i in range(len(prompts)))
+
+
+PORTABLE_CHECK = """
+import json, torch
+from flexgen_h2o.models import fused, ops
+from tests.test_decode_kernel import SHAPES, _step
+assert fused.isa_flags() == [] and fused.module() is not None, fused.unavailable_reason()
+worst = 0.0
+for shape in SHAPES:
+    args = _step(*shape)
+    got = fused.decode_attention(*args, 0.3, want_scores=True)
+    ref = ops.narrow_decode_attention(*args, 0.3, want_scores=True)
+    worst = max(worst, *((a - b).abs().max().item() for a, b in zip(got, ref)))
+print(json.dumps({"worst": worst}))
+"""
+
+
+@pytest.mark.slow
+def test_the_portable_build_gives_the_same_values(kernel):
+    """Built without the AVX2 flags (what a CPU without them, an ARM host say, compiles), the plain C++ loops
+    give the torch path's values too. A separate process: the extension is loaded once per process."""
+    env = {**os.environ, fused.ISA_SWITCH: "portable"}
+    done = subprocess.run([sys.executable, "-c", PORTABLE_CHECK], env=env, capture_output=True, text=True,
+                          timeout=600, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1])["worst"] < 1e-5
