@@ -23,11 +23,15 @@ import torch
 from torch import Tensor
 
 from flexgen_h2o.kv.select import pack_kept
+from flexgen_h2o.models import fused
 from flexgen_h2o.models.layer import KVSpec, KVView, LayerOutput
 from flexgen_h2o.models.ops import write_slot
 
 Allocator = Callable[[tuple[int, ...], torch.dtype], Tensor]
 BIG_POSITION = 1 << 40
+# the rules the compiled commit implements, by the number it knows them by (commit_step.cpp's Rule): the same
+# decisions as kv/h2o.py, which the tests hold it to
+COMPILED_RULES = {"full": 0, "h2o": 1, "h2o-avg": 2, "h2o-port": 3}
 
 
 def _plain_alloc(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
@@ -174,6 +178,25 @@ class KVCache:
         budget. new_pos (b,) original positions of the new tokens."""
         slot = view.write_slot.to(self.k.device)                                        # (b, g)
         s = view.k.shape[2]
+        if self._compiled_commit():
+            rule = COMPILED_RULES[self.policy.name]
+            mass = out.scores.to(self.score.device) if out.scores is not None else torch.empty(0)
+            fused.module().commit_step(self.k, self.v, self.score, self.pos, slot, out.k_new.to(self.k.device),
+                                       out.v_new.to(self.k.device), new_pos.to(self.k.device), mass, s, rule,
+                                       self.budget.sink, self.budget.recent, self.budget.budget)
+        else:
+            self._commit_with_torch_ops(slot, s, out, new_pos)
+        self.n_used = s
+        # one K/V row per (b, g), plus the score and position columns
+        self.bytes_written[self.tier_kind] += self._slot_bytes(1) + self._slot_bytes(s, with_kv=False)
+
+    def _compiled_commit(self) -> bool:
+        """The compiled commit (models/csrc/commit_step.cpp) takes a CPU-homed cache's step under the rules it
+        implements; GPU caches and the random and window rules run kv/'s torch ops."""
+        return (self.policy.name in COMPILED_RULES and self.k.device.type == "cpu" and self.k.is_contiguous()
+                and self.k.dtype in (torch.float16, torch.float32) and fused.module() is not None)
+
+    def _commit_with_torch_ops(self, slot: Tensor, s: int, out: LayerOutput, new_pos: Tensor) -> None:
         write_slot(self.k, slot, out.k_new.to(self.k.device))
         write_slot(self.v, slot, out.v_new.to(self.v.device))
         write_slot(self.pos, slot, new_pos.to(self.pos.device).view(-1, 1, 1).expand(*slot.shape, 1))
@@ -189,9 +212,6 @@ class KVCache:
         pos.scatter_(2, v_idx, torch.where(has_victim, torch.full_like(old_pos, -1), old_pos))
         old_score = score.gather(2, v_idx)
         score.scatter_(2, v_idx, torch.where(has_victim, torch.zeros_like(old_score), old_score))
-        self.n_used = s
-        # one K/V row per (b, g), plus the score and position columns
-        self.bytes_written[self.tier_kind] += self._slot_bytes(1) + self._slot_bytes(s, with_kv=False)
 
     # --- inspection ---
 

@@ -4,8 +4,11 @@
   blocks of logits stay in the core's caches; the same math as torch ops (ops.grouped_attention) makes 16 MB
   blocks that every pass reads from L3 or DRAM.
 - Decode (csrc/decode_attention.cpp): one step over the fp16 cache read in place, each key or value row
-  converted once into L1 and used by every query head of its group; the torch ops
+  converted once into an fp32 copy in L2 and read there by every query head of its group; the torch ops
   (ops.narrow_decode_attention) upcast the window with copy_ and multiply it with small batched GEMMs.
+- Commit (csrc/commit_step.cpp, called by kv.cache.KVCache): a decode step's K/V row, position and attention
+  mass written into a CPU-homed cache and H2O's victim chosen, one pass per (sequence, KV head) column, where
+  kv/h2o.py's rules as torch ops make ~40 passes over the whole window.
 
 They are built with torch's C++ extension loader (a C++ compiler and ninja) and cached in
 TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions), so only the first process after a change pays the
@@ -26,7 +29,7 @@ import torch
 from torch import Tensor
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / name for name in ("bindings.cpp", "scored_attention.cpp", "decode_attention.cpp")]
+SOURCES = [CSRC / name for name in ("bindings.cpp", "scored_attention.cpp", "decode_attention.cpp", "commit_step.cpp")]
 ENV_SWITCH = "FLEXGEN_H2O_FUSED_ATTENTION"
 # queries per block: 3 heads x 128 queries x 2,048 keys of fp32 logits is 3 MB, about one core's L2 plus its
 # share of L3 (a sweep of 64-256 at SmolLM2's 2,048-token prompts moved the kernel's time by a few % at most)

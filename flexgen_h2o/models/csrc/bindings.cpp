@@ -7,4 +7,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   const auto release = pybind11::call_guard<pybind11::gil_scoped_release>();
   m.def("scored_prompt_attention", &scored_prompt_attention, release);
   m.def("decode_attention", &decode_attention, release);
+  m.def("commit_step", &commit_step, release);
 }

@@ -13,3 +13,9 @@ std::vector<at::Tensor> scored_prompt_attention(const at::Tensor& q, const at::T
 std::vector<at::Tensor> decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                          const at::Tensor& valid, const at::Tensor& slot, const at::Tensor& k_new,
                                          const at::Tensor& v_new, double scale, bool want_mass, bool mean_pool);
+
+// One decode step's commit into a CPU-homed cache: K/V row, position, scores, H2O's victim (commit_step.cpp).
+at::Tensor commit_step(const at::Tensor& k, const at::Tensor& v, const at::Tensor& score, const at::Tensor& pos,
+                       const at::Tensor& slot, const at::Tensor& k_new, const at::Tensor& v_new,
+                       const at::Tensor& new_pos, const at::Tensor& mass, int64_t s, int64_t rule, int64_t sink,
+                       int64_t recent, int64_t budget);

@@ -1,0 +1,83 @@
+"""Decode steps over the fp16 cache read in place: the torch-op path (ops.narrow_decode_attention) against the
+compiled decode attention (models/fused.decode_attention), interleaved in one process (torch, compiled, then
+compiled, torch, ...), so the VM's drift lands on both alike.
+
+Everything else is the same engine, prompts (Wikipedia windows) and cache rules as benchmarks/profile_decode.py;
+every call decodes from one shared prefill (Engine.prefill), so only the decode attention differs. The figure
+is the median decode step of each call (its first step, which commits the kept prompt rows, left out).
+
+    python -m benchmarks.decode_ab --batch 120 --prompt-len 512 --out benchmarks/results/decode_ab
+"""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")     # before torch loads OpenMP
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from benchmarks.common import median  # noqa: E402
+
+SIDES = {"torch": "0", "compiled": "1"}     # models/fused's switch during each side's decode
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.decode_ab", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--batch", type=int, default=120, help="sequences per decode step (one GPU batch)")
+    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--steps", type=int, default=16, help="decode steps per timed call")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--cases", nargs="+", default=["h2o", "full"], choices=["h2o", "h2o-avg", "full"])
+    p.add_argument("--hh-size", type=int, default=204)
+    p.add_argument("--recent-size", type=int, default=204)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out", type=Path, default=Path("benchmarks/results/decode_ab"))
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
+    a.dummy_weights, a.percent = False, None                  # what profile_decode.setup reads
+    from benchmarks.profile_decode import setup
+    from flexgen_h2o.config import GenerationConfig
+    from flexgen_h2o.models import fused
+    if fused.module() is None:
+        print(f"the compiled attention kernels are unavailable: {fused.unavailable_reason()}", file=sys.stderr)
+        return 2
+    _, engine, prompts, rules = setup(a)
+    gen = GenerationConfig(max_new_tokens=a.steps + 1, stop_at_eos=False)
+    steps: dict[str, list[float]] = {}
+    try:
+        kept = engine.prefill(prompts)
+        for case in a.cases:                                    # warm-up: each rule's buffers, both sides
+            for switch in SIDES.values():
+                os.environ[fused.ENV_SWITCH] = switch
+                engine.generate(prompts, GenerationConfig(max_new_tokens=3, stop_at_eos=False),
+                                eviction=rules[case], prefilled=kept)
+        for rep in range(a.repeats):
+            for case, side in [(c, s) for c in a.cases for s in (SIDES if rep % 2 == 0 else reversed(SIDES))]:
+                os.environ[fused.ENV_SWITCH] = SIDES[side]
+                res = engine.generate(prompts, gen, eviction=rules[case], prefilled=kept)
+                step = median(res.metrics["step_times_s"][2:])   # 0: prefill's logits; 1: the kept rows' commit
+                steps.setdefault(f"{case}-{side}", []).append(step)
+                print(f"{case:8s} {side:8s}: decode step {1e3 * step:.1f} ms", flush=True)
+    finally:
+        os.environ.pop(fused.ENV_SWITCH, None)
+        engine.close()
+    result = {"args": {k: str(v) for k, v in vars(a).items()}, "step_s": steps,
+              "torch_over_compiled": {c: median(steps[f"{c}-torch"]) / median(steps[f"{c}-compiled"])
+                                      for c in a.cases}}
+    a.out.mkdir(parents=True, exist_ok=True)
+    (a.out / "results.json").write_text(json.dumps(result, indent=2))
+    for case, r in result["torch_over_compiled"].items():
+        print(f"{case}: torch ops {1e3 * median(steps[case + '-torch']):.1f} ms, compiled "
+              f"{1e3 * median(steps[case + '-compiled']):.1f} ms a step (median of {a.repeats}): {r:.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

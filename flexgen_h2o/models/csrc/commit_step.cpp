@@ -1,0 +1,169 @@
+// One decode step committed into a CPU-homed KV cache, for the rules that need no random numbers: the new token's
+// K/V row and position go into its slot, this step's attention mass is added to the scores, and H2O chooses one
+// victim per (sequence, KV head) column and frees its slot.
+//
+// The decisions are kv/h2o.py's (the exact rule, h2o-avg's ranking, the port's), which stays the reference and
+// runs everywhere else (GPU caches, the random and window rules). As torch ops they are ~40 passes over the whole
+// (b, g, s) window per layer, 4-6 ms at SmolLM2's batch 120 x 3 heads x 410 slots on this project's VM; here each
+// column is one pass over its own slots, while they are in cache.
+#include "kernels.h"
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <limits>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+enum Rule : int64_t { kKeepAll = 0, kExact = 1, kAverage = 2, kPort = 3 };
+
+void store_row(at::Half* dst, const float* src, int64_t d) {
+  int64_t i = 0;
+#if defined(__AVX2__) && defined(__F16C__)
+  for (; i + 8 <= d; i += 8)      // round to nearest even, as torch's float -> half conversion
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i),
+                     _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#endif
+  for (; i < d; ++i) dst[i] = static_cast<at::Half>(src[i]);
+}
+
+void store_row(float* dst, const float* src, int64_t d) { std::copy(src, src + d, dst); }
+
+struct Budget {
+  int64_t sink, recent, budget;
+};
+
+// kv/h2o.py's choose_victim for one column of s slots (positions -1 = free, unique among the valid ones):
+// candidates are the valid slots that are neither sinks nor among the `recent` newest; the victim is the
+// lowest-ranked candidate, ties to the smallest position. -1 when the column is within its budget.
+int64_t choose_victim(const int32_t* pos, const float* score, int64_t s, Rule rule, const Budget& b,
+                      std::vector<int32_t>& newest_first) {
+  int64_t n_valid = 0;
+  int32_t newest = -1;
+  for (int64_t i = 0; i < s; ++i)
+    if (pos[i] >= 0) {
+      ++n_valid;
+      newest = std::max(newest, pos[i]);
+    }
+  if (rule == kKeepAll || n_valid <= b.budget) return -1;
+  // the window is every valid position >= first_recent. A cache's `recent` newest positions are consecutive,
+  // so newest - recent + 1 finds it; where that count is off (a gap), the exact recent-th largest position
+  int64_t first_recent = std::numeric_limits<int64_t>::max();
+  if (b.recent >= n_valid) {
+    first_recent = -1;
+  } else if (b.recent > 0) {
+    first_recent = static_cast<int64_t>(newest) - b.recent + 1;
+    int64_t in_window = 0;
+    for (int64_t i = 0; i < s; ++i) in_window += pos[i] >= first_recent;
+    if (in_window != b.recent) {
+      newest_first.clear();
+      for (int64_t i = 0; i < s; ++i)
+        if (pos[i] >= 0) newest_first.push_back(pos[i]);
+      std::nth_element(newest_first.begin(), newest_first.begin() + (b.recent - 1), newest_first.end(),
+                       std::greater<int32_t>());
+      first_recent = newest_first[b.recent - 1];
+    }
+  }
+  auto candidate = [&](int64_t i) { return pos[i] >= 0 && pos[i] >= b.sink && pos[i] < first_recent; };
+  auto rank = [&](int64_t i) {
+    if (rule != kAverage) return score[i];
+    // h2o-avg: the mass per query that has seen the key, from its own position to the newest
+    return score[i] / static_cast<float>(std::max<int64_t>(1, static_cast<int64_t>(newest) + 1 - pos[i]));
+  };
+  int64_t leaving = -1;             // the port: the newest candidate is admitted, unless it is the only one
+  if (rule == kPort)
+    for (int64_t i = 0; i < s; ++i)
+      if (candidate(i) && (leaving < 0 || pos[i] > pos[leaving])) leaving = i;
+  int64_t victim = -1;
+  float best = std::numeric_limits<float>::infinity();
+  for (int64_t i = 0; i < s; ++i) {
+    if (!candidate(i) || i == leaving) continue;
+    const float r = rank(i);
+    if (victim < 0 || r < best || (r == best && pos[i] < pos[victim])) {
+      victim = i;
+      best = r;
+    }
+  }
+  return victim < 0 ? leaving : victim;
+}
+
+template <typename T>
+void commit_columns(const at::Tensor& k, const at::Tensor& v, float* score, int32_t* pos, const int64_t* slot,
+                    const float* k_new, const float* v_new, const int64_t* new_pos, const float* mass, int64_t b,
+                    int64_t g, int64_t cap, int64_t d, int64_t s, Rule rule, const Budget& budget, int64_t* victims) {
+  T* k_data = k.data_ptr<T>();
+  T* v_data = v.data_ptr<T>();
+  at::parallel_for(0, b * g, 16, [&](int64_t begin, int64_t end) {
+    std::vector<int32_t> scratch;
+    for (int64_t col = begin; col < end; ++col) {
+      const int64_t row = col * cap + slot[col];
+      store_row(k_data + row * d, k_new + col * d, d);
+      store_row(v_data + row * d, v_new + col * d, d);
+      int32_t* p = pos + col * cap;
+      float* sc = score + col * cap;
+      p[slot[col]] = static_cast<int32_t>(new_pos[col / g]);
+      if (mass != nullptr)              // free slots got no mass; the new slot starts from its own
+        for (int64_t i = 0; i < s; ++i) sc[i] += mass[col * s + i];
+      const int64_t victim = choose_victim(p, sc, s, rule, budget, scratch);
+      victims[col] = victim;
+      if (victim >= 0) {
+        p[victim] = -1;
+        sc[victim] = 0.0f;
+      }
+    }
+  });
+}
+
+}  // namespace
+
+// k, v (b, g, cap, d) fp16 or fp32, score (b, g, cap) fp32, pos (b, g, cap) int32: a cache's own tensors,
+// contiguous, written in place. slot (b, g) int64 < s; k_new, v_new (b, g, 1, d) fp32; new_pos (b,) int64;
+// mass (b, g, s) fp32 or an empty tensor. s: the window the step attended. Returns the victim slots (b, g),
+// -1 where a column kept everything.
+at::Tensor commit_step(const at::Tensor& k, const at::Tensor& v, const at::Tensor& score, const at::Tensor& pos,
+                       const at::Tensor& slot, const at::Tensor& k_new, const at::Tensor& v_new,
+                       const at::Tensor& new_pos, const at::Tensor& mass, int64_t s, int64_t rule, int64_t sink,
+                       int64_t recent, int64_t budget) {
+  TORCH_CHECK(k.dim() == 4 && k.sizes() == v.sizes() && k.scalar_type() == v.scalar_type() &&
+              (k.scalar_type() == at::kHalf || k.scalar_type() == at::kFloat) && k.is_contiguous() &&
+              v.is_contiguous(), "k and v must be contiguous (b, g, cap, d) float16 or float32 caches");
+  const int64_t b = k.size(0), g = k.size(1), cap = k.size(2), d = k.size(3);
+  TORCH_CHECK(score.scalar_type() == at::kFloat && pos.scalar_type() == at::kInt && score.is_contiguous() &&
+              pos.is_contiguous() && score.sizes() == at::IntArrayRef({b, g, cap}) && pos.sizes() == score.sizes(),
+              "score (float32) and pos (int32) must be contiguous (b, g, cap)");
+  TORCH_CHECK(0 < s && s <= cap, "the window must lie inside the cache");
+  TORCH_CHECK(rule >= kKeepAll && rule <= kPort, "unknown rule ", rule);
+  const at::Tensor slot_c = slot.to(at::kLong).contiguous(), new_pos_c = new_pos.to(at::kLong).contiguous();
+  TORCH_CHECK(slot_c.sizes() == at::IntArrayRef({b, g}) && new_pos_c.sizes() == at::IntArrayRef({b}),
+              "slot must be (b, g) and new_pos (b,)");
+  const int64_t* slots = slot_c.data_ptr<int64_t>();
+  TORCH_CHECK(std::all_of(slots, slots + b * g, [s](int64_t i) { return 0 <= i && i < s; }),
+              "every write slot must lie inside the window");
+  const at::Tensor k_new_c = k_new.to(at::kFloat).contiguous(), v_new_c = v_new.to(at::kFloat).contiguous();
+  TORCH_CHECK(k_new_c.sizes() == at::IntArrayRef({b, g, 1, d}) && v_new_c.sizes() == k_new_c.sizes(),
+              "k_new and v_new must be (b, g, 1, d)");
+  at::Tensor mass_c;
+  if (mass.numel() > 0) {
+    mass_c = mass.to(at::kFloat).contiguous();
+    TORCH_CHECK(mass_c.sizes() == at::IntArrayRef({b, g, s}), "mass must be (b, g, s)");
+  }
+  const Budget limits{sink, recent, budget};
+  at::Tensor victims = at::empty({b, g}, slot_c.options());
+  const float* mass_ptr = mass.numel() > 0 ? mass_c.data_ptr<float>() : nullptr;
+  auto run = [&](auto tag) {
+    using T = decltype(tag);
+    commit_columns<T>(k, v, score.data_ptr<float>(), pos.data_ptr<int32_t>(), slots, k_new_c.data_ptr<float>(),
+                      v_new_c.data_ptr<float>(), new_pos_c.data_ptr<int64_t>(), mass_ptr, b, g, cap, d, s,
+                      static_cast<Rule>(rule), limits, victims.data_ptr<int64_t>());
+  };
+  if (k.scalar_type() == at::kHalf)
+    run(at::Half());
+  else
+    run(float());
+  return victims;
+}
