@@ -3,11 +3,6 @@ path it replaces on a CPU (ops.narrow_decode_attention over the same fp16 window
 against the engine without."""
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
@@ -131,29 +126,3 @@ def test_engine_with_the_decode_kernel_keeps_and_generates_what_it_does_without(
     assert out.token_ids == ref.token_ids
     assert engine_kept(compiled) == engine_kept(plain)
     assert all(max_logit_diff(compiled.step_logits[i], plain.step_logits[i]) < 1e-4 for i in range(len(prompts)))
-
-
-PORTABLE_CHECK = """
-import json, torch
-from flexgen_h2o.models import fused, ops
-from tests.test_decode_kernel import SHAPES, _step
-assert fused.isa_flags() == [] and fused.module() is not None, fused.unavailable_reason()
-worst = 0.0
-for shape in SHAPES:
-    args = _step(*shape)
-    got = fused.decode_attention(*args, 0.3, want_scores=True)
-    ref = ops.narrow_decode_attention(*args, 0.3, want_scores=True)
-    worst = max(worst, *((a - b).abs().max().item() for a, b in zip(got, ref)))
-print(json.dumps({"worst": worst}))
-"""
-
-
-@pytest.mark.slow
-def test_the_portable_build_gives_the_same_values(kernel):
-    """Built without the AVX2 flags (what a CPU without them, an ARM host say, compiles), the plain C++ loops
-    give the torch path's values too. A separate process: the extension is loaded once per process."""
-    env = {**os.environ, fused.ISA_SWITCH: "portable"}
-    done = subprocess.run([sys.executable, "-c", PORTABLE_CHECK], env=env, capture_output=True, text=True,
-                          timeout=600, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert json.loads(done.stdout.strip().splitlines()[-1])["worst"] < 1e-5

@@ -9,6 +9,9 @@
 - Commit (csrc/commit_step.cpp, called by kv.cache.KVCache): a decode step's K/V row, position and attention
   mass written into a CPU-homed cache and H2O's victim chosen, one pass per (sequence, KV head) column, where
   kv/h2o.py's rules as torch ops make ~40 passes over the whole window.
+- Linear (csrc/half_linear.cpp, called by ops.linear for a decode step's few rows): x @ w.T with the fp16 weight
+  converted a few rows at a time in L1, where the torch path upcasts chunks of it into a scratch buffer and hands
+  them to the BLAS.
 
 They are built with torch's C++ extension loader (a C++ compiler and ninja) and cached in
 TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions), so only the first process after a change pays the
@@ -29,7 +32,8 @@ import torch
 from torch import Tensor
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / name for name in ("bindings.cpp", "scored_attention.cpp", "decode_attention.cpp", "commit_step.cpp")]
+SOURCES = [CSRC / name for name in ("bindings.cpp", "scored_attention.cpp", "decode_attention.cpp", "commit_step.cpp",
+                                        "half_linear.cpp")]
 ENV_SWITCH = "FLEXGEN_H2O_FUSED_ATTENTION"
 # queries per block: 3 heads x 128 queries x 2,048 keys of fp32 logits is 3 MB, about one core's L2 plus its
 # share of L3 (a sweep of 64-256 at SmolLM2's 2,048-token prompts moved the kernel's time by a few % at most)
@@ -120,6 +124,21 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, valid: Tensor, slot: Tenso
     out, mass = ext.decode_attention(q, k, v, valid, slot, k_new, v_new, float(scale), want_scores,
                                      score_reduce == "mean")
     return out, (mass if want_scores else None)
+
+
+def half_linear_usable(x: Tensor, w: Tensor) -> bool:
+    """Whether x @ w.T can go to the fp16-weight kernel: fp32 x on a CPU, an fp16 (n, k) weight of contiguous
+    rows, kernel built."""
+    return (x.device.type == "cpu" and x.dtype == torch.float32 and w.dtype == torch.float16 and w.dim() == 2
+            and w.is_contiguous() and module() is not None)
+
+
+def half_linear(x: Tensor, w: Tensor) -> Tensor:
+    """x (m, k) fp32 @ w.T for an fp16 weight (n, k): (m, n) fp32, the product of the upcast weight to fp32
+    rounding (the sums run in another order than the BLAS's)."""
+    ext = module()
+    assert ext is not None, "call half_linear_usable() first"
+    return ext.half_linear(x.contiguous(), w)
 
 
 def build_ahead() -> int:

@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from flexgen_h2o.models import fused
+
 
 # --- norms ---
 
@@ -246,6 +248,7 @@ def write_slot(cache: Tensor, slot: Tensor, row: Tensor) -> None:
 # --- linear layers ---
 
 UPCAST_CHUNK_BYTES = 8 << 20     # weight rows upcast at a time: small enough to stay in cache while multiplied
+HALF_LINEAR_MAX_ROWS = 256       # rows of x up to which the fp16-weight kernel beats upcast chunks + the BLAS
 _local = threading.local()       # one upcast scratch per thread: a fresh 8 MB tensor page-faults on every use
 
 
@@ -260,12 +263,17 @@ def _scratch(numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
 def linear(x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
     """x @ w.T + b, for a weight stored narrower than x (fp16 staged on a CPU, where x is fp32) too.
 
-    Such a weight is upcast a few MB of rows at a time into one scratch buffer and multiplied while the rows
-    are still in cache, so a step reads the fp16 bytes once: on 2 cores a 2048 x 8192 fp16 weight at batch 6
-    took 6.6 ms this way, against 10.4 ms for the same weight kept in fp32 and 34 ms + the GEMM for converting
-    it whole first. The product is the same GEMM on the same fp32 values, one block of outputs at a time."""
+    A decode step's few rows (at most HALF_LINEAR_MAX_ROWS) go to the compiled kernel, which converts the fp16
+    weight a few rows at a time in L1 (models/fused.half_linear). Otherwise the weight is upcast a few MB of
+    rows at a time into one scratch buffer and multiplied while the rows are still in cache, so a step reads the
+    fp16 bytes once: on 2 cores a 2048 x 8192 fp16 weight at batch 6 took 6.6 ms this way, against 10.4 ms for
+    the same weight kept in fp32 and 34 ms + the GEMM for converting it whole first. The product is the same
+    GEMM on the same fp32 values, one block of outputs at a time."""
     if w.dtype == x.dtype:
         return F.linear(x, w, b)
+    if x.numel() <= HALF_LINEAR_MAX_ROWS * x.shape[-1] and fused.half_linear_usable(x, w):
+        out = fused.half_linear(x.reshape(-1, x.shape[-1]), w).view(*x.shape[:-1], w.shape[0])
+        return out if b is None else out.add_(b.to(x.dtype))
     rows = max(1, UPCAST_CHUNK_BYTES // (w.shape[1] * x.element_size()))
     if rows >= w.shape[0]:
         return F.linear(x, w.to(x.dtype), None if b is None else b.to(x.dtype))

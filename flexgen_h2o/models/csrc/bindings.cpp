@@ -8,4 +8,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("scored_prompt_attention", &scored_prompt_attention, release);
   m.def("decode_attention", &decode_attention, release);
   m.def("commit_step", &commit_step, release);
+  m.def("half_linear", &half_linear, release);
 }

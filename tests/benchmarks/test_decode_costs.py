@@ -1,0 +1,30 @@
+"""benchmarks/commit_cost.py and benchmarks/decode_ab.py: tiny runs time both sides of each comparison (no timing
+is asserted) and check what they must check (the same cache state; one median per call and side)."""
+import json
+
+import pytest
+
+from benchmarks import commit_cost, decode_ab
+
+
+@pytest.mark.parametrize("policy", ["h2o", "h2o-avg", "h2o-port"])
+def test_commit_cost_times_both_commits_and_finds_the_same_cache(kernel, tmp_path, capsys, policy):
+    assert commit_cost.main(["--batch", "3", "--heavy", "6", "--recent", "5", "--calls", "3", "--repeats", "2",
+                             "--threads", "1", "--policy", policy, "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "results.json").read_text())
+    assert result["same_state"] is True
+    assert set(result["ms_per_layer"]) == {"torch", "compiled"} and all(len(t) == 2 for t in
+                                                                         result["ms_per_layer"].values())
+    med = result["median_ms"]
+    assert result["over_torch"]["compiled"] == pytest.approx(med["compiled"] / med["torch"])
+    assert f"KV commit per layer ({policy}, 3 x 3 x 12 slots" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_decode_ab_times_both_attentions_from_one_prefill(kernel, tmp_path):
+    assert decode_ab.main(["--batch", "2", "--prompt-len", "24", "--steps", "3", "--repeats", "2",
+                           "--hh-size", "4", "--recent-size", "4", "--threads", "1", "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "results.json").read_text())
+    assert set(result["step_s"]) == {f"{c}-{s}" for c in ("h2o", "full") for s in ("torch", "compiled")}
+    assert all(len(t) == 2 and all(x > 0 for x in t) for t in result["step_s"].values())
+    assert set(result["torch_over_compiled"]) == {"h2o", "full"}

@@ -1,0 +1,71 @@
+"""The compiled fp16-weight linear (models/fused.half_linear, csrc/half_linear.cpp) against the product of the
+upcast weight, and ops.linear's dispatch to it (decode-sized row counts on a CPU)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flexgen_h2o.models import fused, ops
+
+
+def _pair(m: int, k: int, n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(m, k, generator=gen), (torch.randn(n, k, generator=gen) * 0.05).half()
+
+
+@pytest.mark.parametrize("m, k, n", [
+    (120, 576, 1536),     # SmolLM2's gate/up projection at the s2048 batch
+    (120, 1536, 576),     # its down projection: x blocked by rows to stay in L2
+    (1, 64, 5),           # one row, one partial weight tile
+    (7, 13, 9),           # k not a multiple of 8, row and column tiles cut at both edges
+    (200, 1536, 10),      # several row blocks and a partial tile
+])
+def test_kernel_gives_the_product_of_the_upcast_weight(kernel, m, k, n):
+    x, w = _pair(m, k, n)
+    out = kernel.half_linear(x, w)
+    ref = x.double() @ w.double().T
+    assert out.shape == (m, n) and out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5 * k ** 0.5)
+
+
+def test_kernel_is_the_same_on_one_thread_and_two(kernel):
+    """Every output is one thread's whole dot product, so the split changes nothing."""
+    x, w = _pair(50, 96, 70)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = kernel.half_linear(x, w)
+        torch.set_num_threads(2)
+        two = kernel.half_linear(x, w)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)
+
+
+def test_bad_inputs_are_refused_by_name(kernel):
+    x, w = _pair(3, 8, 4)
+    with pytest.raises(RuntimeError, match="float16"):
+        kernel.module().half_linear(x, w.float())
+    with pytest.raises(RuntimeError, match="float32"):
+        kernel.module().half_linear(x.double(), w)
+    assert not fused.half_linear_usable(x, w.float()) and not fused.half_linear_usable(x.half(), w)
+    assert not fused.half_linear_usable(x, w.T)                      # a transposed view is not (n, k) rows
+
+
+def test_linear_sends_decode_rows_to_the_kernel_and_prompt_rows_to_the_blas(kernel, monkeypatch):
+    calls = []
+    real = fused.half_linear
+    monkeypatch.setattr(fused, "half_linear", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    gen = torch.Generator().manual_seed(1)
+    w = (torch.randn(40, 24, generator=gen) * 0.1).half()
+    bias = torch.randn(40, generator=gen).half()
+    for rows in (1, ops.HALF_LINEAR_MAX_ROWS, ops.HALF_LINEAR_MAX_ROWS + 1):
+        x = torch.randn(rows, 1, 24, generator=gen)
+        out = ops.linear(x, w, bias)
+        torch.testing.assert_close(out, torch.nn.functional.linear(x, w.float(), bias.float()), rtol=1e-5,
+                                   atol=1e-5)
+    assert calls == [1, ops.HALF_LINEAR_MAX_ROWS]                  # the larger block went to the BLAS
+    monkeypatch.setenv(fused.ENV_SWITCH, "0")
+    calls.clear()
+    ops.linear(torch.randn(2, 24), w)
+    assert not calls

@@ -1,0 +1,62 @@
+"""The compiled kernels built without the AVX2 flags (what a CPU without them compiles, an ARM host say): their
+plain C++ loops give the torch paths' values too. One subprocess, since a process loads the extension once."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from flexgen_h2o.models import fused
+
+CHECK = """
+import json, torch
+from flexgen_h2o.models import fused, ops
+from tests.test_decode_kernel import SHAPES, _step
+assert fused.isa_flags() == [] and fused.module() is not None, fused.unavailable_reason()
+worst = {}
+for shape in SHAPES:
+    args = _step(*shape)
+    got = fused.decode_attention(*args, 0.3, want_scores=True)
+    ref = ops.narrow_decode_attention(*args, 0.3, want_scores=True)
+    worst["decode_attention"] = max([worst.get("decode_attention", 0.0)] + [(a - b).abs().max().item()
+                                                                            for a, b in zip(got, ref)])
+for m, k, n in [(120, 576, 40), (7, 13, 9), (1, 64, 5)]:
+    x, w = torch.randn(m, k), (torch.randn(n, k) * 0.05).half()
+    err = (fused.half_linear(x, w).double() - x.double() @ w.double().T).abs().max().item()
+    worst["half_linear"] = max(worst.get("half_linear", 0.0), err)
+q, k, v = torch.randn(2, 6, 20, 16), torch.randn(2, 3, 20, 16), torch.randn(2, 3, 20, 16)
+valid = torch.ones(2, 20, dtype=torch.bool)
+valid[1, :4] = False
+out, mass = fused.scored_prompt_attention(q, k, v, valid, 0.25)
+ref_out, ref_mass = ops.grouped_attention(q, k, v, ops.causal_pad_mask(valid), 0.25, want_scores=True,
+                                          query_valid=valid)
+worst["scored_prompt_attention"] = max((out - ref_out).abs().max().item(), (mass - ref_mass).abs().max().item())
+from flexgen_h2o.kv import Budget
+from tests.kv.test_compiled_commit import _cache, _column_state, _step
+pos, scores = _column_state(seed=5)
+for policy in ("h2o", "h2o-avg", "h2o-port"):
+    compiled, plain = (_cache(policy, Budget(1, 5, 4, policy=policy), pos, scores, torch.float16) for _ in "ab")
+    plain._compiled_commit = lambda: False
+    for step in range(4):
+        _step(compiled, step, True)
+        _step(plain, step, True)
+    same = all(torch.equal(getattr(compiled, t), getattr(plain, t)) for t in ("k", "v", "pos", "score"))
+    worst["commit_step"] = max(worst.get("commit_step", 0.0), 0.0 if same else 1.0)
+print(json.dumps(worst))
+"""
+
+
+@pytest.mark.slow
+def test_the_portable_build_gives_the_same_values(kernel):
+    env = {**os.environ, fused.ISA_SWITCH: "portable"}
+    done = subprocess.run([sys.executable, "-c", CHECK], env=env, capture_output=True, text=True, timeout=900,
+                          cwd=Path(__file__).resolve().parent.parent)
+    assert done.returncode == 0, done.stderr[-2000:]
+    worst = json.loads(done.stdout.strip().splitlines()[-1])
+    assert set(worst) == {"decode_attention", "half_linear", "scored_prompt_attention", "commit_step"}
+    assert worst.pop("commit_step") == 0.0                   # the same cache, byte for byte
+    assert all(err < 1e-4 for err in worst.values()), worst
