@@ -11,7 +11,7 @@ setup(
     # tests pass caches that way, so a clean install must not pick up the release that removes it
     install_requires=["torch", "numpy", "transformers>=5.0,<5.40", "safetensors", "psutil", "tqdm",
                       "ninja"],             # builds the compiled prompt attention (models/fused.py)
-    package_data={"flexgen_h2o.models": ["csrc/*.cpp"]},
+    package_data={"flexgen_h2o.models": ["csrc/*.cpp", "csrc/*.h"]},
     extras_require={
         "test": ["pytest", "pytest-timeout"],
         "eval": ["rouge-score", "matplotlib"],

@@ -82,8 +82,11 @@ class Engine:
         self.kv_dtype = getattr(torch, self.offload.kv_dtype)
         # CPU: staged KV windows reuse buffers (CUDA's caching allocator already recycles device memory)
         self.kv_staging = None if self.backend.is_cuda else StagingBuffers()
-        if not self.backend.is_cuda:
-            fused.module()        # load (or build) the compiled attention kernels here, not in a timed pass
+        if not self.backend.is_cuda or self.offload.tier_fractions("cache")[0] < 1:
+            # load (or build) the compiled kernels here, not in a timed pass: on CUDA a host- or disk-homed cache
+            # commits its decode steps with them, from a copy lane (a fresh GPU machine built them there, the lane
+            # held for the whole build)
+            fused.module()
         self.layers = build_layers(model)
         self.groups = schedule_groups([layer.kind for layer in self.layers], self.offload.sep_layer)
         self.decode = decode
@@ -119,6 +122,7 @@ class Engine:
 
     def release(self) -> None:
         """Free every tensor the last run allocated on the tiers (disk files are deleted)."""
+        self.backend.synchronize()      # no copy still queued on a lane may read or write what is freed
         for handle in self._handles:
             handle.free()
         if self.kv_staging is not None:
@@ -163,7 +167,7 @@ class Engine:
         """Offload-file bytes a block allocates (its disk-homed KV slots and resting hidden states), from the
         planner's estimate, which follows the engine's own split and slot layout."""
         est = estimate(self.model, self.offload, ev, prompt_len=prompt_len, gen_len=n_new, n_seqs=n_seqs,
-                       compute_dtype_bytes=self.compute_dtype.itemsize)
+                       compute_dtype_bytes=self.compute_dtype.itemsize, device_type=self.device.type)
         return est.bytes["disk"]["kv"] + est.bytes["disk"]["activations"]
 
     def _async_lanes(self) -> frozenset:

@@ -1,17 +1,23 @@
 #!/usr/bin/env bash
-# The short GPU check: what a 15-minute GPU lease can hold. Written after the 2026-11-26 lease from the steps run
-# there as separate commands (about 5 minutes on an H200); the script itself has not run on a GPU yet.
-#   1. the CUDA tests: the fp16 path against the fp32 CPU engine (tests/test_cuda.py, the backend round trip),
-#      then the placement and H2O suites on the GPU in fp32 (FLEXGEN_H2O_TEST_DEVICE=cuda);
-#   2. the machine's constants (benchmarks.machine: host->device link, device memory, fp16 GEMM);
-#   3. OPT-1.3B-shaped dummy weights streamed from host RAM (--percent 0 100 100 0 100 0), prompt 512 + gen 32:
-#      ours with the full cache and FlexGen 0.1.8 at the same 256 sequences, ours with H2O (20 %) at 1024.
+# The short GPU check: what a 15-minute GPU lease can hold, most important first, each step with its own time
+# limit, logging to OUT as it goes (a lease that ends mid-way still leaves the finished steps' logs).
+#   1. the chunked-prefill cases (every tier in use; the one that aborted xdist workers on both 2026-11-26
+#      leases), alone in one process with CUDA_LAUNCH_BLOCKING=1;
+#   2. the CUDA tests: the fp16 path against the fp32 CPU engine (tests/test_cuda.py, the backend round trip),
+#      with -s, so that the C++ message before an abort (glibc's, or std::terminate's) reaches the log;
+#   3. the machine's constants (benchmarks.machine: host->device link, device memory, fp16 GEMM);
+#   4. OPT-1.3B-shaped dummy weights streamed from host RAM (--percent 0 100 100 0 100 0), prompt 512 + gen 32,
+#      ROUNDS interleaved rounds (A B C D, A B C D): ours with the full cache, FlexGen 0.1.8 and DeepSpeed
+#      ZeRO-Inference (parameters offloaded to CPU) at the same 256 sequences, ours with H2O at 1024;
+#   5. the placement and H2O suites on the GPU in fp32 (FLEXGEN_H2O_TEST_DEVICE=cuda), with -s too.
 #
 #   bash scripts/gpu_check.sh [OUT]          # logs and JSON in OUT (default benchmarks/results/gpu-check)
+#   ROUNDS=1 bash scripts/gpu_check.sh       # one round of step 4 (default 2)
 #
-# Needs: a CUDA build of torch, transformers, pytest (pytest-xdist for -n), `pip install flexgen==0.1.8` for its
-# row, and the converted SmolLM2 tokenizer and the gensim test data that the benchmark prompts come from.
-# Each step has its own time limit and goes on after a failure; the exit status is the number of failed steps.
+# Needs: a CUDA build of torch, transformers, pytest (pytest-xdist for -n), `pip install flexgen==0.1.8
+# deepspeed` for their rows, and the converted SmolLM2 tokenizer and the gensim test data that the benchmark
+# prompts come from. A step that fails is counted and the next one runs; the exit status is the number of
+# failed steps.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-benchmarks/results/gpu-check}
@@ -26,21 +32,29 @@ XDIST=$("$PY" -c "import xdist" 2>/dev/null && echo "-n 8")
 failed=0
 step() {   # step NAME SECONDS COMMAND...: run with a limit, log to OUT/NAME.log, print the tail
     local name=$1 limit=$2; shift 2
+    local t0=$SECONDS
     timeout -s INT "$limit" "$@" > "$OUT/$name.log" 2>&1
     local rc=$?
-    echo "== $name: exit $rc"; tail -6 "$OUT/$name.log"
+    echo "== $name: exit $rc, $((SECONDS - t0)) s"; tail -4 "$OUT/$name.log"
     [ $rc -eq 0 ] || failed=$((failed + 1))
 }
-step gpu_tests 150 "$PY" -m pytest -q -p no:cacheprovider $XDIST tests/test_cuda.py tests/memory/test_backend.py
-step fp32_tests 150 env FLEXGEN_H2O_TEST_DEVICE=cuda "$PY" -m pytest -q -p no:cacheprovider $XDIST \
-    tests/test_equivalence.py tests/test_h2o_engine.py
+PYTEST=("$PY" -m pytest -q -p no:cacheprovider)
+step chunked 120 env FLEXGEN_H2O_TEST_DEVICE=cuda CUDA_LAUNCH_BLOCKING=1 "${PYTEST[@]}" -x \
+    tests/test_equivalence.py tests/test_cuda.py -k chunked
+step gpu_tests 150 "${PYTEST[@]}" -s $XDIST tests/test_cuda.py tests/memory/test_backend.py
 step machine 60 "$PY" -m benchmarks.machine --json "$OUT/machine.json" --threads "$(nproc)"
 SHAPE=(--model opt-1.3b --dummy-weights --device cuda --percent 0 100 100 0 100 0 --prompt-len 512 --gen-len 32)
-step ours_full 120 "$PY" -m flexgen_h2o.run "${SHAPE[@]}" --gpu-batch-size 256 --full-cache --no-progress \
-    --metrics-json "$OUT/ours_full.json"
-step flexgen 120 "$PY" -m benchmarks.systems.flexgen --model opt-1.3b --gbs 32 --num-gpu-batches 8 \
-    --prompt-len 512 --gen-len 32 --percent 0 100 100 0 100 0 --json "$OUT/flexgen.json"
-step ours_h2o 120 "$PY" -m flexgen_h2o.run "${SHAPE[@]}" --gpu-batch-size 1024 --hh-ratio 0.1 --no-progress \
-    --metrics-json "$OUT/ours_h2o.json"
+for round in $(seq 1 "${ROUNDS:-2}"); do
+    step "ours_full_$round" 90 "$PY" -m flexgen_h2o.run "${SHAPE[@]}" --gpu-batch-size 256 --full-cache \
+        --no-progress --metrics-json "$OUT/ours_full_$round.json"
+    step "flexgen_$round" 90 "$PY" -m benchmarks.systems.flexgen --model opt-1.3b --gbs 32 --num-gpu-batches 8 \
+        --prompt-len 512 --gen-len 32 --percent 0 100 100 0 100 0 --json "$OUT/flexgen_$round.json"
+    step "ours_h2o_$round" 90 "$PY" -m flexgen_h2o.run "${SHAPE[@]}" --gpu-batch-size 1024 --hh-ratio 0.1 \
+        --no-progress --metrics-json "$OUT/ours_h2o_$round.json"
+    step "deepspeed_$round" 120 "$PY" -m benchmarks.systems.deepspeed --model opt-1.3b --batch 256 \
+        --prompt-len 512 --gen-len 32 --offload cpu --json "$OUT/deepspeed_$round.json"
+done
+step fp32_tests 150 env FLEXGEN_H2O_TEST_DEVICE=cuda "${PYTEST[@]}" -s $XDIST \
+    tests/test_equivalence.py tests/test_h2o_engine.py
 echo "$failed step(s) failed; logs in $OUT"
 exit "$failed"

@@ -60,3 +60,15 @@ def test_the_portable_build_gives_the_same_values(kernel):
     assert set(worst) == {"decode_attention", "half_linear", "scored_prompt_attention", "commit_step"}
     assert worst.pop("commit_step") == 0.0                   # the same cache, byte for byte
     assert all(err < 1e-4 for err in worst.values()), worst
+
+
+def test_every_kernel_file_ships_with_the_package():
+    """An installed (non-editable) package builds the kernels from its own copy of csrc: a header left out of
+    setup.py's package_data fails that build, and the engine falls back to the torch ops without a word."""
+    import fnmatch
+    import re
+    setup = (Path(__file__).resolve().parents[1] / "setup.py").read_text()
+    globs = re.findall(r'"(csrc/[^"]+)"', setup)
+    files = sorted(p.name for p in fused.CSRC.iterdir() if p.is_file())
+    assert {"kernels.h", "simd.h"} <= set(files)
+    assert [f for f in files if not any(fnmatch.fnmatch("csrc/" + f, g) for g in globs)] == []

@@ -24,6 +24,19 @@ def test_only_a_cpu_without_disk_weights_prefills_by_rows():
     assert not OffloadPolicy.from_percent((100, 0, 100, 0, 100, 0)).prefill_by_rows("cuda")
 
 
+def test_estimate_follows_the_device_not_the_dtype():
+    """An fp32 engine on CUDA (the GPU tests' mode) prefills layer-major; inferring the device from 4-byte compute
+    priced it as a CPU run (one row per sequence) and under-counted its offload files on a 2026-11-26 H100."""
+    model = from_hf_config(tiny_hf("llama").config.to_dict())
+    offload = OffloadPolicy.from_percent(HOST_ACTIVATIONS, gpu_batch_size=4, num_gpu_batches=2, kv_dtype="float32")
+
+    def host_activations(**kw) -> int:
+        return estimate(model, offload, EvictionConfig(), prompt_len=19, gen_len=N_NEW, n_seqs=7,
+                        compute_dtype_bytes=4, **kw).bytes["host"]["activations"]
+    assert host_activations(device_type="cuda") == (19 + 1) * 7 * 64 * 4
+    assert host_activations(device_type="cpu") == host_activations() == 7 * 64 * 4
+
+
 def _run(kind: str, eviction: EvictionConfig, by_rows: bool, monkeypatch) -> dict:
     monkeypatch.setattr(OffloadPolicy, "prefill_by_rows", lambda self, device_type: by_rows)
     offload = OffloadPolicy.from_percent(HOST_ACTIVATIONS, gpu_batch_size=4, num_gpu_batches=2,

@@ -15,10 +15,11 @@
 
 They are built with torch's C++ extension loader (a C++ compiler and ninja) and cached in
 TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions), so only the first process after a change pays the
-build (18 s on this project's 2-core VM; README.md has the command). `build_ahead()` builds it before any timed
-run (`make install` calls it). Where it cannot be built, the torch-op path is used and the reason is printed
-once. FLEXGEN_H2O_FUSED_ATTENTION=0 turns both off (A/B runs). On a CPU with AVX2, FMA and F16C they are built
-with those instructions (the decode kernel's fp16 conversions and dot products use them); elsewhere as plain C++.
+build (65 s for the four kernels on this project's 2-core VM; README.md has the command). `build_ahead()` builds
+it before any timed run (`make install` calls it). Where it cannot be built, the torch-op path is used and the
+reason is printed once. FLEXGEN_H2O_FUSED_ATTENTION=0 turns all of them off (A/B runs). On a CPU with AVX2, FMA
+and F16C they are built with those instructions (the decode kernels' fp16 conversions and dot products use
+them; csrc/simd.h holds the switch); elsewhere as plain C++.
 """
 from __future__ import annotations
 

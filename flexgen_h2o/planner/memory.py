@@ -66,10 +66,11 @@ def kv_slot_bytes(model: ModelConfig, kv_dtype_bytes: int) -> int:
 
 def estimate(model: ModelConfig, offload: OffloadPolicy, eviction: EvictionConfig, *, prompt_len: int,
              gen_len: int, n_seqs: int | None = None, compute_dtype_bytes: int = 4,
-             dummy_store_bytes: int = 0) -> Estimate:
+             dummy_store_bytes: int = 0, device_type: str | None = None) -> Estimate:
     """Peak bytes per tier of one block of `n_seqs` prompts (default: a full block) padded to `prompt_len`,
     generating `gen_len` tokens. compute_dtype_bytes: 4 on CPU (fp32 compute), 2 on CUDA.
-    dummy_store_bytes: a dummy store that will be written before the run (counted on disk)."""
+    dummy_store_bytes: a dummy store that will be written before the run (counted on disk). device_type:
+    "cpu" or "cuda"; by default inferred from compute_dtype_bytes, which misreads an fp32 engine on CUDA."""
     offload = offload.validate()
     n = min(n_seqs or offload.block_size, offload.block_size)
     c = compute_dtype_bytes
@@ -77,7 +78,7 @@ def estimate(model: ModelConfig, offload: OffloadPolicy, eviction: EvictionConfi
     budget = eviction.resolve(prompt_len, gen_len)
     est = Estimate(budget=budget, n_seqs=n, prompt_len=prompt_len, gen_len=gen_len)
     layers = build_layers(model)
-    device_type = "cpu" if c == 4 else "cuda"       # the backends compute in fp32 only on a CPU
+    device_type = device_type or ("cpu" if c == 4 else "cuda")     # the CLI computes in fp32 only on a CPU
     _weights(est, layers, offload, c, device_type)
     est.add("disk", "weights", dummy_store_bytes)
     est.model_bytes = model.n_params() * 2

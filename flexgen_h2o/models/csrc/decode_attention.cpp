@@ -18,10 +18,7 @@
 #include <limits>
 #include <vector>
 
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#include <immintrin.h>
-#define FLEXGEN_H2O_AVX2 1
-#endif
+#include "simd.h"
 
 namespace {
 
@@ -54,15 +51,6 @@ inline __m256 exp_nonpositive(__m256 x) {
   return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(scale)), in_range);
 }
 #endif
-
-void to_float(const at::Half* src, float* dst, int64_t d) {
-  int64_t i = 0;
-#ifdef FLEXGEN_H2O_AVX2
-  for (; i + 8 <= d; i += 8)
-    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
-#endif
-  for (; i < d; ++i) dst[i] = static_cast<float>(src[i]);
-}
 
 float dot(const float* a, const float* b, int64_t d) {
   float sum = 0.0f;
@@ -205,7 +193,7 @@ void window_rows(const at::Half* src, const float* new_row, int64_t new_slot, co
     if (i == new_slot)
       std::copy(new_row, new_row + d, rows + i * d);
     else if (valid[i])
-      to_float(src + i * d, rows + i * d, d);
+      half_to_float(src + i * d, rows + i * d, d);
     else
       std::fill(rows + i * d, rows + (i + 1) * d, 0.0f);
     if (bias != nullptr) bias[i] = valid[i] ? 0.0f : -std::numeric_limits<float>::infinity();

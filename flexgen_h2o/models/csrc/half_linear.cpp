@@ -15,24 +15,12 @@
 #include <algorithm>
 #include <vector>
 
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#include <immintrin.h>
-#define FLEXGEN_H2O_AVX2 1
-#endif
+#include "simd.h"
 
 namespace {
 
 constexpr int64_t MR = 3, NR = 4;             // 12 accumulators + 3 rows of x + 1 of w: the 16 AVX2 registers
 constexpr int64_t X_BLOCK_BYTES = 288 << 10;  // rows of x per pass over a thread's weight rows: stays in L2
-
-void rows_to_float(const at::Half* src, float* dst, int64_t n) {
-  int64_t i = 0;
-#ifdef FLEXGEN_H2O_AVX2
-  for (; i + 8 <= n; i += 8)
-    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
-#endif
-  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
-}
 
 // out[i][j] (row stride ldo) = x_i . w_j for i < mr, j < NR; x rows have stride k, w rows (fp32, in L1) too
 void tile(const float* x, int64_t mr, const float* w, int64_t k, float* out, int64_t ldo, int64_t nr) {
@@ -87,7 +75,7 @@ at::Tensor half_linear(const at::Tensor& x, const at::Tensor& w) {
       const int64_t r1 = std::min(m, r0 + x_rows);
       for (int64_t t = begin; t < end; ++t) {
         const int64_t n0 = t * NR, nr = std::min(NR, n - n0);
-        rows_to_float(wd + n0 * k, wbuf.data(), nr * k);   // at the edge the rows past n are stale: never stored
+        half_to_float(wd + n0 * k, wbuf.data(), nr * k);   // at the edge the rows past n are stale: never stored
         for (int64_t i = r0; i < r1; i += MR)
           tile(xd + i * k, std::min(MR, r1 - i), wbuf.data(), k, od + i * n + n0, n, nr);
       }
