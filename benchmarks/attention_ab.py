@@ -22,12 +22,11 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")     # before torch loads Ope
 
 import argparse  # noqa: E402
 import inspect  # noqa: E402
-import json  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 from statistics import mean  # noqa: E402
 
-from benchmarks.common import module_at  # noqa: E402
+from benchmarks.common import module_at, write_ab  # noqa: E402
 
 OPS_PATH = "flexgen_h2o/models/ops.py"
 
@@ -94,11 +93,9 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.pop(fused.ENV_SWITCH, None)
         engine.close()
     result = {"args": {k: str(v) for k, v in vars(a).items()}, "prefill_s": times, "old_over_new": ratios(times)}
-    a.out.mkdir(parents=True, exist_ok=True)
-    (a.out / "results.json").write_text(json.dumps(result, indent=2))
-    for case, r in result["old_over_new"].items():
-        print(f"{case}: old {mean(times[case + '-old']):.2f} s, new {mean(times[case + '-new']):.2f} s "
-              f"(mean of {a.repeats}): {r:.2f}x")
+    write_ab(a.out, result, "old_over_new",
+             lambda case, r: f"{case}: old {mean(times[case + '-old']):.2f} s, new {mean(times[case + '-new']):.2f} s "
+                             f"(mean of {a.repeats}): {r:.2f}x")
     return 0
 
 

@@ -96,6 +96,16 @@ def write_timings(out: Path, result: dict, baseline: str, title: str, digits: in
     print(f"{title}: " + ", ".join(f"{n} {med[n]:.{digits}f} ms ({ratio[n]:.2f}x)" for n in med))
 
 
+def write_ab(out: Path, result: dict, ratio_key: str, line: Callable[[str, float], str]) -> None:
+    """Write an A/B run's result to out/results.json (atomically) and print line(case, ratio) for each case of
+    result[ratio_key]."""
+    from flexgen_h2o.eval.results import write_text_atomic
+    out.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(out / "results.json", json.dumps(result, indent=2))
+    for case, ratio in result[ratio_key].items():
+        print(line(case, ratio))
+
+
 def drop_page_cache(files: Iterable[str | os.PathLike]) -> tuple[int, int]:
     """Evict the files' pages from the OS page cache so the next read comes from the device.
 

@@ -15,11 +15,10 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")     # before torch loads OpenMP
 
 import argparse  # noqa: E402
-import json  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from benchmarks.common import median  # noqa: E402
+from benchmarks.common import median, write_ab  # noqa: E402
 
 SIDES = {"torch": "0", "compiled": "1"}     # models/fused's switch during each side's decode
 
@@ -71,11 +70,10 @@ def main(argv: list[str] | None = None) -> int:
     result = {"args": {k: str(v) for k, v in vars(a).items()}, "step_s": steps,
               "torch_over_compiled": {c: median(steps[f"{c}-torch"]) / median(steps[f"{c}-compiled"])
                                       for c in a.cases}}
-    a.out.mkdir(parents=True, exist_ok=True)
-    (a.out / "results.json").write_text(json.dumps(result, indent=2))
-    for case, r in result["torch_over_compiled"].items():
-        print(f"{case}: torch ops {1e3 * median(steps[case + '-torch']):.1f} ms, compiled "
-              f"{1e3 * median(steps[case + '-compiled']):.1f} ms a step (median of {a.repeats}): {r:.2f}x")
+    write_ab(a.out, result, "torch_over_compiled",
+             lambda case, r: f"{case}: torch ops {1e3 * median(steps[case + '-torch']):.1f} ms, compiled "
+                             f"{1e3 * median(steps[case + '-compiled']):.1f} ms a step "
+                             f"(median of {a.repeats}): {r:.2f}x")
     return 0
 
 
