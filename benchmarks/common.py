@@ -96,6 +96,18 @@ def write_timings(out: Path, result: dict, baseline: str, title: str, digits: in
     print(f"{title}: " + ", ".join(f"{n} {med[n]:.{digits}f} ms ({ratio[n]:.2f}x)" for n in med))
 
 
+def kernels_missing() -> bool:
+    """True, after one error line saying why, where the compiled CPU kernels cannot be loaded: a benchmark that
+    times them then exits 2."""
+    from flexgen_h2o.models import fused
+    if fused.module() is not None:
+        return False
+    why = fused.unavailable_reason() or f"switched off by {fused.ENV_SWITCH}=0"
+    print(f"error: the compiled kernels are unavailable ({why}); `make install` builds them with a C++ compiler "
+          "and ninja", file=sys.stderr)
+    return True
+
+
 def write_ab(out: Path, result: dict, ratio_key: str, line: Callable[[str, float], str]) -> None:
     """Write an A/B run's result to out/results.json (atomically) and print line(case, ratio) for each case of
     result[ratio_key]."""

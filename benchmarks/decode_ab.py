@@ -18,7 +18,7 @@ import argparse  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from benchmarks.common import median, write_ab  # noqa: E402
+from benchmarks.common import kernels_missing, median, write_ab  # noqa: E402
 
 SIDES = {"torch": "0", "compiled": "1"}     # models/fused's switch during each side's decode
 
@@ -44,8 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks.profile_decode import setup
     from flexgen_h2o.config import GenerationConfig
     from flexgen_h2o.models import fused
-    if fused.module() is None:
-        print(f"the compiled attention kernels are unavailable: {fused.unavailable_reason()}", file=sys.stderr)
+    if kernels_missing():
         return 2
     _, engine, prompts, rules = setup(a)
     gen = GenerationConfig(max_new_tokens=a.steps + 1, stop_at_eos=False)

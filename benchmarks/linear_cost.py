@@ -15,7 +15,7 @@ import argparse  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from benchmarks.common import time_interleaved, timing_summary, write_timings  # noqa: E402
+from benchmarks.common import kernels_missing, time_interleaved, timing_summary, write_timings  # noqa: E402
 
 # (out features, in features) of SmolLM2-135M's matrices, with how many of each a decode step multiplies
 SHAPES = {"q/o (576 x 576)": (576, 576, 60), "k/v (192 x 576)": (192, 576, 60),
@@ -32,9 +32,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/linear_cost"))
     a = p.parse_args(argv)
     import torch
-    from flexgen_h2o.models import fused, ops
-    if fused.module() is None:
-        print(f"the compiled kernels are unavailable: {fused.unavailable_reason()}", file=sys.stderr)
+    from flexgen_h2o.models import ops
+    if kernels_missing():
         return 2
     torch.set_num_threads(a.threads)
     gen = torch.Generator().manual_seed(0)

@@ -15,7 +15,7 @@ import argparse  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from benchmarks.common import time_interleaved, timing_summary, write_timings  # noqa: E402
+from benchmarks.common import kernels_missing, time_interleaved, timing_summary, write_timings  # noqa: E402
 
 CASES = ("sdpa", "scored-torch", "scored-kernel")
 
@@ -33,8 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     import torch
     from flexgen_h2o.models import fused, ops
-    if fused.module() is None:
-        print(f"error: the compiled prompt attention is unavailable: {fused.unavailable_reason()}", file=sys.stderr)
+    if kernels_missing():
         return 2
     torch.set_num_threads(a.threads)
     gen = torch.Generator().manual_seed(0)

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from benchmarks import commit_cost, decode_ab
+from benchmarks import commit_cost, decode_ab, linear_cost
 
 
 @pytest.mark.parametrize("policy", ["h2o", "h2o-avg", "h2o-port"])
@@ -28,3 +28,14 @@ def test_decode_ab_times_both_attentions_from_one_prefill(kernel, tmp_path):
     assert set(result["step_s"]) == {f"{c}-{s}" for c in ("h2o", "full") for s in ("torch", "compiled")}
     assert all(len(t) == 2 and all(x > 0 for x in t) for t in result["step_s"].values())
     assert set(result["torch_over_compiled"]) == {"h2o", "full"}
+
+
+@pytest.mark.parametrize("bench", ["commit_cost", "linear_cost"])
+def test_a_kernel_benchmark_without_the_kernels_exits_2_with_one_line(bench, tmp_path, capsys, monkeypatch):
+    from flexgen_h2o.models import fused
+    monkeypatch.setenv(fused.ENV_SWITCH, "0")
+    main = {"commit_cost": commit_cost.main, "linear_cost": linear_cost.main}[bench]
+    assert main(["--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: the compiled kernels are unavailable (switched off by")
+    assert not (tmp_path / "out").exists()
