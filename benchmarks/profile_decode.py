@@ -6,8 +6,9 @@ steps timed without the profiler and one under it. Each case decodes from the sa
 only the cache rule differs. `--phase prefill`: the prompt pass instead (generate one token, timed once without
 and once under the profiler, after a warm-up), per case, since H2O's prefill also accumulates scores. The ops
 fall into groups (GEMM, attention, KV eviction bookkeeping, copies and casts, element-wise, other) by name; the
-table gives each group's self CPU time per unit and its share. A decode profile also holds generate's one-time
-setup (committing the kept prompt rows), spread over the steps.
+table gives each group's self CPU time per unit and its share (`--device cuda`: its own kernels' GPU time, and a
+Chrome trace). A decode profile also holds generate's one-time setup (committing the kept prompt rows), spread
+over the steps.
 
     python -m benchmarks.profile_decode --batch 54 --prompt-len 2048 --out benchmarks/results/profile_decode
     python -m benchmarks.profile_decode --phase prefill --batch 4 --out benchmarks/results/profile_prefill
@@ -81,6 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hh-size", type=int, default=204)
     p.add_argument("--recent-size", type=int, default=204)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--device", default="cpu", help="cpu, or cuda: the groups then sum each op's own GPU kernel "
+                   "time (self device time), and a Chrome trace of the profiled call is written beside the table")
     p.add_argument("--dummy-weights", action="store_true",
                    help="deterministic random weights and random prompt ids (the OPT shapes: no weights offline)")
     p.add_argument("--percent", type=int, nargs=6, metavar="P",
@@ -146,15 +149,19 @@ def setup(a: argparse.Namespace, offload_dir: str | None = None):
         prompts = torch.randint(0, model.config.vocab_size, (a.batch, a.prompt_len), generator=gen).tolist()
     else:
         prompts = prompts_for(data.corpus_stream(model.tokenizer, "wiki", a.prompt_len * 2), a.batch, a.prompt_len)
-    engine = Engine(model.config, model.read, offload=offload, locate=model.locate, offload_dir=offload_dir)
+    engine = Engine(model.config, model.read, offload=offload, locate=model.locate, offload_dir=offload_dir,
+                    device=getattr(a, "device", "cpu"))     # decode_ab and attention_ab share this setup
     return model, engine, prompts, rules
 
 
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
     import torch
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
     a.out.mkdir(parents=True, exist_ok=True)
+    on_gpu = a.device.startswith("cuda")
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
     scratch = tempfile.TemporaryDirectory(prefix="profile_decode_")     # KV / activations with a disk share
     model, engine, prompts, rules = setup(a, offload_dir=scratch.name)
     cfg = model.config
@@ -168,15 +175,22 @@ def main(argv: list[str] | None = None) -> int:
             run()                                                                       # warm-up
             plain = units(run())
             plain = plain[1:] if a.phase == "decode" else plain                       # step 0: prefill's logits
-            with profile(activities=[ProfilerActivity.CPU]) as prof:
+            with profile(activities=activities) as prof:
                 profiled = units(run())
-            rows = [(e.key, e.self_cpu_time_total / 1e6, e.count) for e in prof.key_averages()]
+            if on_gpu:
+                prof.export_chrome_trace(str(a.out / f"trace_{case}.json"))
+            # on a GPU the kernels also appear as rows of their own: count each once, under the op launching it
+            rows = [(e.key, (e.self_device_time_total if on_gpu else e.self_cpu_time_total) / 1e6, e.count)
+                    for e in prof.key_averages() if e.device_type == DeviceType.CPU]
             steps = len(profiled)                 # per-unit figures: the whole call's ops over its units
             top = sorted(rows, key=lambda r: -r[1])[:15]
             kv_tokens = (a.hh_size + a.recent_size + 1) if case != "full" else a.prompt_len + a.steps / 2
             entry = {"step_ms_median": 1e3 * float(np.median(plain)),
                      "step_ms_profiled_median": 1e3 * float(np.median(profiled[1:] or profiled)),
                      "groups": grouped(rows, steps),
+                     "timed": "self GPU" if on_gpu else "self CPU",
+                     # on a GPU, kernel time well under the wall time means the device waited (copies, host)
+                     "busy_ms_per_step": 1e3 * sum(r[1] for r in rows) / steps,
                      "top_ops": [{"op": op, "ms_per_step": 1e3 * s / steps, "calls_per_step": c / steps}
                                  for op, s, c in top]}
             if machine:
@@ -202,7 +216,8 @@ def markdown(report: dict, a: argparse.Namespace) -> str:
                  f"{e['step_ms_median'] / e['bound_step_ms']:.2f}x") if "bound_step_ms" in e else ""
         lines += [f"## {case}: {unit} {e['step_ms_median']:.1f} ms (under the profiler "
                   f"{e['step_ms_profiled_median']:.1f} ms){bound}", "",
-                  f"| group | ms per {unit} | calls per {unit} | share of self CPU |", "|---|---|---|---|"]
+                  f"{e['timed']} time of all ops: {e['busy_ms_per_step']:.1f} ms per {unit}", "",
+                  f"| group | ms per {unit} | calls per {unit} | share of {e['timed']} |", "|---|---|---|---|"]
         lines += [f"| {g['group']} | {g['ms_per_step']:.1f} | {g['calls_per_step']:.0f} | {100 * g['share']:.0f} % |"
                   for g in e["groups"]]
         lines += ["", f"| top op | ms per {unit} | calls per {unit} |", "|---|---|---|"]

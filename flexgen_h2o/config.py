@@ -23,6 +23,9 @@ def split_by_fraction(n: int, fractions: tuple[float, float, float]) -> list[tup
 
 
 PREFILL_TOKENS = 4096     # default prompt tokens per prefill forward: GEMMs this tall already run at full rate
+# on a GPU each chunk's few hundred small kernels, and the H2O commit's host sync, leave the device idle between
+# chunks: OPT-1.3B at 256 x 512 on an H100 was busy 794 of 1183 ms with 8-sequence chunks (docs/suite.md)
+PREFILL_TOKENS_GPU = 16384
 
 
 class ConfigError(ValueError):
@@ -89,11 +92,12 @@ class OffloadPolicy:
             raise ConfigError(f"kv_dtype {self.kv_dtype!r} must be float16 or float32")
         return self
 
-    def prefill_rows(self, batch: int, prompt_len: int) -> int:
+    def prefill_rows(self, batch: int, prompt_len: int, device_type: str = "cpu") -> int:
         """Sequences of one GPU batch that go through a layer together at prefill. The prompt's transients
         (MLP intermediates, attention chunks) grow with sequences x prompt length, while decode wants one large
         GPU batch; chunking the prefill decouples the two, so the batch is bounded by the KV, not the prompt."""
-        rows = self.prefill_batch_size or max(1, PREFILL_TOKENS // max(1, prompt_len))
+        tokens = PREFILL_TOKENS if device_type == "cpu" else PREFILL_TOKENS_GPU
+        rows = self.prefill_batch_size or max(1, tokens // max(1, prompt_len))
         return max(1, min(batch, rows))
 
     def prefill_by_rows(self, device_type: str) -> bool:

@@ -289,7 +289,7 @@ class Engine:
             ids[r, prompt_len - len(p):] = torch.tensor(list(p), dtype=torch.long)
             valid[r, prompt_len - len(p):] = True
         gbs = self.offload.gpu_batch_size
-        prefill_rows = self.offload.prefill_rows(min(gbs, len(prompts)), prompt_len)
+        prefill_rows = self.offload.prefill_rows(min(gbs, len(prompts)), prompt_len, self.device.type)
         # the transient tensors of one layer forward are real memory too: charge the compute tier an estimate
         block = (ops.score_block_bytes(prefill_rows, self.model.n_heads, prompt_len, StepContext.query_chunk,
                                        self.device.type) if policy.needs_scores else 0)

@@ -13,6 +13,7 @@
 #
 #   bash scripts/gpu_check.sh [OUT]          # logs and JSON in OUT (default benchmarks/results/gpu-check)
 #   ROUNDS=1 bash scripts/gpu_check.sh       # one round of step 4 (default 2)
+#   STEPS="gpu_tests bench" bash scripts/gpu_check.sh   # only these (chunked gpu_tests machine bench fp32_tests)
 #
 # Needs: a CUDA build of torch, transformers, pytest (pytest-xdist for -n), `pip install flexgen==0.1.8
 # deepspeed` for their rows, and the converted SmolLM2 tokenizer and the gensim test data that the benchmark
@@ -21,30 +22,15 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-benchmarks/results/gpu-check}
-PY=${PY:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}
-export OMP_WAIT_POLICY=PASSIVE HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
-if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
-    echo "error: torch sees no CUDA GPU here; scripts/gpu_check.sh is for a GPU machine (CPU: make test)" >&2
-    exit 2
-fi
-mkdir -p "$OUT"
-XDIST=$("$PY" -c "import xdist" 2>/dev/null && echo "-n 8")
-failed=0
-step() {   # step NAME SECONDS COMMAND...: run with a limit, log to OUT/NAME.log, print the tail
-    local name=$1 limit=$2; shift 2
-    local t0=$SECONDS
-    timeout -s INT "$limit" "$@" > "$OUT/$name.log" 2>&1
-    local rc=$?
-    echo "== $name: exit $rc, $((SECONDS - t0)) s"; tail -4 "$OUT/$name.log"
-    [ $rc -eq 0 ] || failed=$((failed + 1))
-}
-PYTEST=("$PY" -m pytest -q -p no:cacheprovider)
-step chunked 120 env FLEXGEN_H2O_TEST_DEVICE=cuda CUDA_LAUNCH_BLOCKING=1 "${PYTEST[@]}" -x \
+source scripts/gpu_steps.sh
+STEPS=" ${STEPS:-chunked gpu_tests machine bench fp32_tests} "
+want() { [[ "$STEPS" == *" $1 "* ]]; }
+want chunked && step chunked 120 env FLEXGEN_H2O_TEST_DEVICE=cuda CUDA_LAUNCH_BLOCKING=1 "${PYTEST[@]}" -x \
     tests/test_equivalence.py tests/test_cuda.py -k chunked
-step gpu_tests 150 "${PYTEST[@]}" -s $XDIST tests/test_cuda.py tests/memory/test_backend.py
-step machine 60 "$PY" -m benchmarks.machine --json "$OUT/machine.json" --threads "$(nproc)"
+want gpu_tests && step gpu_tests 150 "${PYTEST[@]}" -s $XDIST tests/test_cuda.py tests/memory/test_backend.py
+want machine && step machine 60 "$PY" -m benchmarks.machine --json "$OUT/machine.json" --threads "$(nproc)"
 SHAPE=(--model opt-1.3b --dummy-weights --device cuda --percent 0 100 100 0 100 0 --prompt-len 512 --gen-len 32)
-for round in $(seq 1 "${ROUNDS:-2}"); do
+want bench && for round in $(seq 1 "${ROUNDS:-2}"); do
     step "ours_full_$round" 90 "$PY" -m flexgen_h2o.run "${SHAPE[@]}" --gpu-batch-size 256 --full-cache \
         --no-progress --metrics-json "$OUT/ours_full_$round.json"
     step "flexgen_$round" 90 "$PY" -m benchmarks.systems.flexgen --model opt-1.3b --gbs 32 --num-gpu-batches 8 \
@@ -54,7 +40,7 @@ for round in $(seq 1 "${ROUNDS:-2}"); do
     step "deepspeed_$round" 120 "$PY" -m benchmarks.systems.deepspeed --model opt-1.3b --batch 256 \
         --prompt-len 512 --gen-len 32 --offload cpu --json "$OUT/deepspeed_$round.json"
 done
-step fp32_tests 150 env FLEXGEN_H2O_TEST_DEVICE=cuda "${PYTEST[@]}" -s $XDIST \
+want fp32_tests && step fp32_tests 150 env FLEXGEN_H2O_TEST_DEVICE=cuda "${PYTEST[@]}" -s $XDIST \
     tests/test_equivalence.py tests/test_h2o_engine.py
 echo "$failed step(s) failed; logs in $OUT"
 exit "$failed"

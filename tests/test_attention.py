@@ -74,9 +74,9 @@ def test_scored_blocks_stay_under_the_byte_cap_and_match(monkeypatch, pads):
     seen = []
     real_softmax = torch.softmax
 
-    def spy(x, dim):
+    def spy(x, dim, **kw):
         seen.append(x.numel() * 4)
-        return real_softmax(x, dim=dim)
+        return real_softmax(x, dim=dim, **kw)
 
     monkeypatch.setattr(ops.torch, "softmax", spy)
     out, scores = ops.grouped_attention(q, k, v, mask, 0.3, want_scores=True, query_valid=valid, query_chunk=256,
@@ -103,7 +103,8 @@ def test_score_block_bytes_is_the_largest_block_made(monkeypatch, cap_blocks):
     expected = ops.score_block_bytes(b, h, t, 256, "cpu")
     seen = []
     real_softmax = torch.softmax
-    monkeypatch.setattr(ops.torch, "softmax", lambda x, dim: seen.append(x.numel() * 4) or real_softmax(x, dim=dim))
+    monkeypatch.setattr(ops.torch, "softmax",
+                        lambda x, dim, **kw: seen.append(x.numel() * 4) or real_softmax(x, dim=dim, **kw))
     ops.grouped_attention(q, k, v, mask, 0.3, want_scores=True, query_chunk=256, causal_only=True)
     monkeypatch.undo()
     assert max(seen) == expected

@@ -273,3 +273,18 @@ def test_eviction_flags_name_the_policy(flags, policy):
     ev = eviction_from_args(build_parser().parse_args(["--hh-ratio", "0.1"] + flags))
     assert (ev.policy, ev.hh_ratio) == (policy, 0.1)
     assert eviction_from_args(build_parser().parse_args(flags)).policy == "full"     # no budget: no eviction
+
+
+def test_warmup_adds_one_real_length_prefill_chunk_on_a_gpu_only():
+    """FlexGen's 32-token warm-up everywhere; on a GPU first one prefill chunk at the real length (cuDNN plans
+    per shape, allocator growth), so that one-time cost stays out of the measured prefill."""
+    import types
+    from flexgen_h2o.frontends.benchmark import warmup_blocks
+    prompts = [list(range(r, r + 2048)) for r in range(40)]
+    llm = types.SimpleNamespace(eviction=EvictionConfig(), offload=OffloadPolicy(gpu_batch_size=20, num_gpu_batches=2))
+    cpu = warmup_blocks(prompts, llm, "cpu")
+    assert len(cpu) == 1 and cpu[0] == [p[-32:] for p in prompts]
+    gpu = warmup_blocks(prompts, llm, "cuda")
+    assert gpu[1:] == cpu and gpu[0] == prompts[:8]           # 16384 prompt tokens of one GPU batch: 8 sequences
+    short = [p[:16] for p in prompts]                         # already shorter than the warm-up length
+    assert warmup_blocks(short, llm, "cuda") == [short]

@@ -89,6 +89,27 @@ def test_chunked_prefill_on_cuda(tmp_path):
     assert_close_run(got, ref)
 
 
+def test_a_staged_tensor_is_read_after_its_copy_lands():
+    """The lane -> compute ordering, made deterministic: the lane's stream sleeps before its copy, so a reader
+    that only waited for the job's future (done once the copy is enqueued) would sum memory the copy has not
+    written yet. Under 8 xdist workers that race read out-of-range slot indices (H100, 2026-11-26)."""
+    from flexgen_h2o.backend import get_backend
+    from flexgen_h2o.memory import Transfer
+    transfer = Transfer(get_backend("cuda"))
+    src = torch.arange(1 << 20, dtype=torch.float32).pin_memory()
+
+    def stage():
+        torch.cuda._sleep(200_000_000)          # ~0.1 s of GPU clock cycles on the lane's stream
+        dst = torch.empty(src.shape, device="cuda")
+        dst.copy_(src, non_blocking=True)
+        return dst
+    try:
+        staged = transfer.collect(transfer.submit("kv", stage))
+        assert staged.sum().item() == src.sum().item()
+    finally:
+        transfer.close()
+
+
 def test_cpu_cache_compute_on_cuda(tmp_path):
     """Decode attention where the KV lives (host), FlexGen's cpu_cache_compute, on a GPU run."""
     ref = cpu_reference("opt", False)

@@ -139,6 +139,8 @@ def test_prefill_rows_default_and_validation():
     assert policy.prefill_rows(3, 16) == 3               # never more than the batch
     assert policy.prefill_rows(64, 9000) == 1
     assert OffloadPolicy(prefill_batch_size=5).prefill_rows(64, 2048) == 5
+    assert policy.prefill_rows(64, 2048, "cuda") == 8           # 16384 on a GPU, where launches cost more
+    assert OffloadPolicy(prefill_batch_size=5).prefill_rows(64, 2048, "cuda") == 5
     with pytest.raises(ConfigError, match="prefill-batch-size"):
         OffloadPolicy(prefill_batch_size=0).validate()
 

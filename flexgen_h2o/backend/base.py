@@ -43,6 +43,10 @@ class Backend(ABC):
         """Mark the work enqueued on `lane` so far; returns an event (None on CPU)."""
 
     @abstractmethod
+    def wait_event(self, event: Any) -> None:
+        """Make the caller's current stream wait (device-side, no host block) for an event of record_event."""
+
+    @abstractmethod
     def wait_lane(self, lane: str) -> None:
         """Make the caller's current stream wait (device-side, no host block) for work enqueued on `lane`."""
 

@@ -35,6 +35,9 @@ class CPUBackend(Backend):
     def record_event(self, lane: str) -> Any:
         return None
 
+    def wait_event(self, event: Any) -> None:
+        return None
+
     def wait_lane(self, lane: str) -> None:
         return None
 

@@ -61,6 +61,10 @@ class CUDABackend(Backend):
         ev.record(self._stream(lane))
         return ev
 
+    def wait_event(self, event: Any) -> None:
+        if event is not None:
+            torch.cuda.current_stream(self.compute_device).wait_event(event)
+
     def wait_lane(self, lane: str) -> None:
         torch.cuda.current_stream(self.compute_device).wait_stream(self._stream(lane))
 

@@ -36,7 +36,7 @@ class SplitKVCache:
         return sum(c.nbytes for c in self.caches)
 
     def commit_prefill(self, k_new: Tensor, v_new: Tensor, scores: Tensor | None, token_pos: Tensor,
-                       first_row: int = 0) -> None:
+                       first_row: int = 0, unpadded: bool = False) -> None:
         """The prompt rows of sequences [first_row, first_row + len(k_new)), which may span several parts."""
         end = first_row + k_new.shape[0]
         for lo, hi, cache in self.parts:
@@ -45,7 +45,7 @@ class SplitKVCache:
                 continue
             src = slice(a - first_row, z - first_row)
             cache.commit_prefill(k_new[src], v_new[src], None if scores is None else scores[src],
-                                 token_pos[src], first_row=a - lo)
+                                 token_pos[src], first_row=a - lo, unpadded=unpadded)
 
     def snapshot(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """Every slot of every part as host tensors (k, v, score, pos), pos -1 for an empty slot: what

@@ -18,6 +18,7 @@ class FullPolicy:
     """Keeps every real token; the capacity is prompt_len + gen_len."""
     name = "full"
     needs_scores = False
+    keeps_every_row = True             # KVCache.commit_prefill writes an unpadded prompt as slices
 
     def select_prefill(self, scores: Tensor | None, positions: Tensor, budget: Budget,
                        generator: torch.Generator | None = None) -> Tensor:

@@ -16,6 +16,7 @@ import math
 import threading
 from collections import Counter, defaultdict
 from concurrent.futures import Future, ThreadPoolExecutor, wait as wait_futures
+from dataclasses import dataclass
 from typing import Any, Callable, Union
 
 import torch
@@ -38,6 +39,13 @@ _ROUTES: dict[tuple[str, str], str] = {
     ("compute", "disk"): "worker", ("host", "disk"): "worker",
     **{(k, "mixed"): "mixed" for k in _KINDS}, **{("mixed", k): "mixed" for k in _KINDS},
 }
+
+
+@dataclass(frozen=True)
+class LaneResult:
+    """A submitted job's value on a backend with streams, with the event recorded after the copies it enqueued."""
+    value: Any
+    event: Any
 
 
 class TransferTimeoutError(TimeoutError):
@@ -121,7 +129,8 @@ class Transfer:
         return route(dst, src, dst_index, src_index, lane)
 
     def submit(self, lane: str, fn: Callable[..., Any], *args: Any) -> Future:
-        """Run `fn(*args)` on `lane`'s worker after the lane's earlier jobs; errors surface at wait/synchronize."""
+        """Run `fn(*args)` on `lane`'s worker after the lane's earlier jobs; errors surface at wait/synchronize.
+        Read its value with collect(): the future is done once the copies are enqueued, not finished."""
         with self._lock:
             ex = self._lanes.get(lane)
             if ex is None:
@@ -133,6 +142,17 @@ class Transfer:
             pending[:] = [f for f in pending if not f.done() or f.exception() is not None]
             pending.append(fut)
         return fut
+
+    def collect(self, fut: Future) -> Any:
+        """A submitted job's value, safe to read on the caller's stream: waits for the job on the host, then makes
+        the caller's stream wait (on the device) for the copies the job enqueued on its lane. Without the second
+        wait a CUDA kernel could read staged weights or KV before their copy landed: an H100 under 8 test
+        processes read out-of-range slot indices that way (2026-11-26)."""
+        value = fut.result()
+        if isinstance(value, LaneResult):
+            self.backend.wait_event(value.event)
+            return value.value
+        return value
 
     def _executor(self, n: int, prefix: str) -> ThreadPoolExecutor:
         # Workers get their device from the backend; a failing setup breaks the pool, which every later
@@ -279,4 +299,6 @@ class Transfer:
 
     def _run(self, lane: str, fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
         with self.backend.lane(lane):
-            return fn(*args)
+            value = fn(*args)
+            event = self.backend.record_event(lane)
+        return value if event is None else LaneResult(value, event)

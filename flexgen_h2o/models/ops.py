@@ -156,11 +156,13 @@ def grouped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: floa
         stop = min(t, start + chunk)
         tc, sk = stop - start, (stop if causal_self else s)
         logits = torch.matmul(qg[:, :, :, start:stop].reshape(b, g, r * tc, d), k[:, :, :sk].transpose(-1, -2))
-        logits = logits.view(b, g, r, tc, sk).float()                              # (b, g, r, tc, sk)
+        logits = logits.view(b, g, r, tc, sk)                                      # (b, g, r, tc, sk)
         # without pads every key before the chunk is visible to all its queries: only the diagonal block masks
         lo = start if no_pads else 0
         logits[..., lo:].masked_fill_(~mask[:, :, None, start:stop, lo:sk], float("-inf"))
-        probs = torch.softmax(logits, dim=-1)
+        # fp32 probabilities straight from fp16 logits (a GPU's): softmax upcasts as it reads, so no fp32 copy of
+        # the logits is written and masked first (H100, OPT-1.3B 256 x 512: ~0.2 s of H2O's 2.8 s prompt pass)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         outs.append(torch.matmul(probs.to(v.dtype).view(b, g, r * tc, sk), v[:, :, :sk]).view(b, g, r, tc, d))
         if want_scores:
             if query_valid is not None and not no_pads:

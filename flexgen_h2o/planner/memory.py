@@ -111,7 +111,7 @@ def estimate(model: ModelConfig, offload: OffloadPolicy, eviction: EvictionConfi
     in_place = offload.kv_read_in_place(device_type, eviction.position_rolling, gbs)
     per_slot = 2 * (model.n_heads // model.n_kv_heads) * 4 if in_place else 2 * model.head_dim * c
     est.add("compute", "workspace", windows * gbs * model.n_kv_heads * budget.capacity * (per_slot + 16))
-    rows = offload.prefill_rows(gbs, prompt_len)
+    rows = offload.prefill_rows(gbs, prompt_len, device_type)
     block = (ops.score_block_bytes(rows, model.n_heads, prompt_len, StepContext.query_chunk, device_type)
              if eviction.needs_scores else 0)
     est.add("compute", "workspace", model.workspace_bytes(rows, prompt_len, c, block))

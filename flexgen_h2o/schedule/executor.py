@@ -22,11 +22,6 @@ from flexgen_h2o.models.layer import StepContext
 from flexgen_h2o.schedule.zigzag import Op, Step, block_schedule
 
 
-def ready(value: Any) -> Any:
-    """A holder's value, waiting for it if a lane is still producing it."""
-    return value.result() if isinstance(value, Future) else value
-
-
 @dataclass
 class BatchState:
     """One GPU batch of the block."""
@@ -112,8 +107,12 @@ class BlockExecutor:
                 value = holder.pop()
                 if isinstance(value, Future) and (value.cancelled() or value.exception() is not None):
                     continue
-                for staged in ready(value).values():
+                for staged in self._ready(value).values():
                     self.p.weights.release(staged)
+
+    def _ready(self, value: Any) -> Any:
+        """A holder's value, waiting for it (host, then device stream) if a lane is still producing it."""
+        return self.transfer.collect(value) if isinstance(value, Future) else value
 
     def _submit(self, lane: str, fn, *args) -> Any:
         if self.transfer is None or lane not in self.p.async_lanes:
@@ -138,7 +137,7 @@ class BlockExecutor:
         if op is Op.LOAD_WEIGHT:
             self.weight_buf[j].store(self._submit("weights", self._stage_weights, j))
         elif op is Op.FREE_WEIGHT:
-            for staged in ready(self.weight_buf[j].pop()).values():
+            for staged in self._ready(self.weight_buf[j].pop()).values():
                 self.p.weights.release(staged)           # its buffers may now stage a later layer
         elif op is Op.LOAD_KV:
             if i > 0 and self._attn_layers(j):
@@ -194,7 +193,7 @@ class BlockExecutor:
 
     def _compute(self, token: int, group: int, batch: int) -> None:
         b = self.batches[batch]
-        weights = ready(self.weight_buf[group].peek())
+        weights = self._ready(self.weight_buf[group].peek())
         x = self.hidden_buf[batch].pop()
         if b.ctx is None or b.ctx[0] != token:
             b.ctx = (token, self._context(b, token))
@@ -202,7 +201,7 @@ class BlockExecutor:
         if token == 0:
             x = self._prefill(b, group, weights, x, ctx)
         else:
-            views = ready(self.kv_buf[group][batch].pop()) if self._attn_layers(group) else {}
+            views = self._ready(self.kv_buf[group][batch].pop()) if self._attn_layers(group) else {}
             updates = {}
             for l in self.p.groups[group]:
                 layer = self.p.layers[l]
@@ -225,7 +224,8 @@ class BlockExecutor:
             layer = self.p.layers[l]
             out = layer.forward(h, weights[l], None, sub)
             if layer.kind == "attn":
-                b.caches[l].commit_prefill(out.k_new, out.v_new, out.scores, sub.positions, first_row=lo)
+                b.caches[l].commit_prefill(out.k_new, out.v_new, out.scores, sub.positions, first_row=lo,
+                                           unpadded=sub.unpadded)
             h = out.hidden
         return h
 

@@ -26,9 +26,11 @@ def test_grouped_sums_per_step_and_sorts_by_time():
 def test_markdown_states_the_ratio_to_the_bound():
     case = {"step_ms_median": 400.0, "step_ms_profiled_median": 430.0, "bound_step_ms": 100.0,
             "bound_limit": "compute", "groups": grouped([("aten::mm", 1.0, 8)], 8),
-            "top_ops": [{"op": "aten::mm", "ms_per_step": 125.0, "calls_per_step": 1}]}
+            "top_ops": [{"op": "aten::mm", "ms_per_step": 125.0, "calls_per_step": 1}],
+            "timed": "self GPU", "busy_ms_per_step": 125.0}
     md = markdown({"cases": {"h2o": case}}, argparse.Namespace(model="m", batch=4, prompt_len=16, phase="decode"))
     assert "measured / bound 4.00x" in md and "| GEMM (linear, matmul) | 125.0 | 1 | 100 % |" in md
+    assert "self GPU time of all ops: 125.0 ms per decode step" in md and "share of self GPU |" in md
 
 
 def test_percent_places_the_weights_and_the_bound_counts_the_disk_share():

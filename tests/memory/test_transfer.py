@@ -176,3 +176,42 @@ def test_failed_worker_setup_surfaces_instead_of_hanging(tiers):
         tr.synchronize(timeout_s=15)
     with pytest.raises(BrokenThreadPool):
         _deadline(run)
+
+
+class _EventLog(CPUBackend):
+    """The CPU backend, with record_event / wait_event logged: the protocol a CUDA stream relies on."""
+
+    def __init__(self):
+        super().__init__()
+        self.log: list[tuple[str, object]] = []
+
+    def record_event(self, lane):
+        token = object()
+        self.log.append(("record", lane, token))
+        return token
+
+    def wait_event(self, event):
+        self.log.append(("wait", event))
+
+
+def test_collect_makes_the_reader_wait_for_the_jobs_copies():
+    """A lane job's future is done once its copies are enqueued; collect() must also order the reader's stream
+    after them (without it a CUDA kernel read staged KV before it landed: the H100 abort of 2026-11-26)."""
+    backend = _EventLog()
+    transfer = Transfer(backend)
+    try:
+        fut = transfer.submit("kv", lambda: ("staged", backend.log.append(("job",))))
+        assert _deadline(lambda: transfer.collect(fut))[0] == "staged"
+        job, record, wait = backend.log
+        assert job == ("job",) and record[:2] == ("record", "kv")
+        assert wait == ("wait", record[2])            # the event recorded after this job, waited for by the reader
+    finally:
+        transfer.close()
+
+
+def test_collect_returns_plain_values_on_a_backend_without_events(backend):
+    transfer = Transfer(backend)
+    try:
+        assert transfer.collect(transfer.submit("weights", lambda: 7)) == 7
+    finally:
+        transfer.close()
