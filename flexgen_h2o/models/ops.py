@@ -161,7 +161,8 @@ def grouped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: floa
         lo = start if no_pads else 0
         logits[..., lo:].masked_fill_(~mask[:, :, None, start:stop, lo:sk], float("-inf"))
         # fp32 probabilities straight from fp16 logits (a GPU's): softmax upcasts as it reads, so no fp32 copy of
-        # the logits is written and masked first (H100, OPT-1.3B 256 x 512: ~0.2 s of H2O's 2.8 s prompt pass)
+        # the logits is written and then masked (copies and masks were the largest non-GEMM kernels of H2O's
+        # prompt pass in the H100 profile, docs/suite.md); on a CPU the logits are fp32 already
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         outs.append(torch.matmul(probs.to(v.dtype).view(b, g, r * tc, sk), v[:, :, :sk]).view(b, g, r, tc, d))
         if want_scores:
