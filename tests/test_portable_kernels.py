@@ -46,6 +46,14 @@ for policy in ("h2o", "h2o-avg", "h2o-port"):
         _step(plain, step, True)
     same = all(torch.equal(getattr(compiled, t), getattr(plain, t)) for t in ("k", "v", "pos", "score"))
     worst["commit_step"] = max(worst.get("commit_step", 0.0), 0.0 if same else 1.0)
+from tests.test_layer_math import _torch_rms_norm, _torch_rope
+import torch.nn.functional as F
+x, w, g, u = torch.randn(7, 1, 13), torch.randn(13).half(), torch.randn(5, 1, 30) * 4, torch.randn(5, 1, 30)
+xr, angles = torch.randn(3, 1, 2 * 10).view(3, 1, 2, 10).transpose(1, 2), torch.rand(3, 1, 1, 10) * 50
+worst["layer_math"] = max((fused.rms_norm(x, w, 1e-5) - _torch_rms_norm(x, w, 1e-5)).abs().max().item(),
+                          (fused.silu_mul_(g.clone(), u) - F.silu(g) * u).abs().max().item(),
+                          (fused.rope_decode(xr, angles.cos(), angles.sin())
+                           - _torch_rope(xr, angles.cos(), angles.sin())).abs().max().item())
 print(json.dumps(worst))
 """
 
@@ -57,7 +65,7 @@ def test_the_portable_build_gives_the_same_values(kernel):
                           cwd=Path(__file__).resolve().parent.parent)
     assert done.returncode == 0, done.stderr[-2000:]
     worst = json.loads(done.stdout.strip().splitlines()[-1])
-    assert set(worst) == {"decode_attention", "half_linear", "scored_prompt_attention", "commit_step"}
+    assert set(worst) == {"decode_attention", "half_linear", "scored_prompt_attention", "commit_step", "layer_math"}
     assert worst.pop("commit_step") == 0.0                   # the same cache, byte for byte
     assert all(err < 1e-4 for err in worst.values()), worst
 

@@ -161,8 +161,10 @@ class KVCache:
     # --- decode ---
 
     def free_slots(self) -> Tensor:
-        """(b, g) the lowest free slot of each (sequence, KV head); one always exists (capacity = budget + 1)."""
-        return (self.pos < 0).int().argmax(dim=-1)
+        """(b, g) the lowest free slot of each (sequence, KV head); one always exists (capacity = budget + 1).
+        A free slot holds position -1, below every kept one, and argmin returns the first of equal minima: one
+        op where compare, cast and argmax were three (each a parallel region on a CPU, ~0.2 ms at batch 120)."""
+        return self.pos.argmin(dim=-1)
 
     def stage(self, device: torch.device, dtype: torch.dtype, new_rank: Tensor | None = None) -> KVView:
         """Read the used window into compute dtype on `device` and pick each (b, g)'s write slot; a cache read in

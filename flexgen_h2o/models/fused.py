@@ -12,6 +12,9 @@
 - Linear (csrc/half_linear.cpp, called by ops.linear for a decode step's few rows): x @ w.T with the fp16 weight
   converted a few rows at a time in L1, where the torch path upcasts chunks of it into a scratch buffer and hands
   them to the BLAS.
+- Layer math (csrc/layer_math.cpp, called by ops for a decode step's few rows): RMSNorm, SwiGLU's gate and RoPE
+  in one pass each on the calling thread, where each torch op is a parallel region that wakes the sleeping
+  OpenMP threads (OMP_WAIT_POLICY=PASSIVE).
 
 They are built with torch's C++ extension loader (a C++ compiler and ninja) and cached in
 TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions), so only the first process after a change pays the
@@ -34,8 +37,12 @@ from torch import Tensor
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / name for name in ("bindings.cpp", "scored_attention.cpp", "decode_attention.cpp", "commit_step.cpp",
-                                        "half_linear.cpp")]
+                                        "half_linear.cpp", "layer_math.cpp")]
 ENV_SWITCH = "FLEXGEN_H2O_FUSED_ATTENTION"
+GLUE_SWITCH = "FLEXGEN_H2O_FUSED_LAYER_MATH"    # "0": only the layer math back on torch ops (benchmarks.decode_ab)
+# floats (4 MB) up to which the layer math runs on one thread in one pass: a decode step's tensors (SmolLM2 at
+# batch 120: 69k-184k); a prompt's keep torch's parallel ops, where the threads pay for their wake-up
+LAYER_MATH_MAX_NUMEL = 1 << 20
 # queries per block: 3 heads x 128 queries x 2,048 keys of fp32 logits is 3 MB, about one core's L2 plus its
 # share of L3 (a sweep of 64-256 at SmolLM2's 2,048-token prompts moved the kernel's time by a few % at most)
 Q_BLOCK = 128
@@ -140,6 +147,28 @@ def half_linear(x: Tensor, w: Tensor) -> Tensor:
     ext = module()
     assert ext is not None, "call half_linear_usable() first"
     return ext.half_linear(x.contiguous(), w)
+
+
+def layer_math_usable(x: Tensor) -> bool:
+    """Whether x's element-wise layer math (RMSNorm, SwiGLU's gate, RoPE) goes to layer_math.cpp: fp32 on a CPU,
+    a decode step's size, kernel built, not switched off on its own."""
+    return (x.device.type == "cpu" and x.dtype == torch.float32 and x.numel() <= LAYER_MATH_MAX_NUMEL
+            and os.environ.get(GLUE_SWITCH, "1") != "0" and module() is not None)
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """ops.rms_norm's values (to fp32 rounding: the mean square is summed in another order)."""
+    return module().rms_norm_rows(x.contiguous(), weight.contiguous(), float(eps))
+
+
+def silu_mul_(gate: Tensor, up: Tensor) -> Tensor:
+    """silu(gate) * up, written into gate (a fresh projection), to fp32 rounding of the torch ops."""
+    return module().silu_mul_(gate, up.contiguous())
+
+
+def rope_decode(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """ops.apply_rope for one token: x (b, h, 1, d) by cos, sin (b, 1, 1, d), as a new contiguous tensor."""
+    return module().rope_rows(x, cos.contiguous(), sin.contiguous())
 
 
 def build_ahead() -> int:

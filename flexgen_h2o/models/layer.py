@@ -13,6 +13,8 @@ from typing import Callable, Mapping, Protocol
 import torch
 from torch import Tensor
 
+from flexgen_h2o.models.ops import rope_cos_sin
+
 
 @dataclass(frozen=True)
 class WeightSpec:
@@ -51,6 +53,19 @@ class StepContext:
     score_reduce: str = "sum"    # pooling of grouped query heads into one KV head's score: "sum" or "mean"
     query_chunk: int = 256       # prefill queries per chunk when scores are wanted (never a full s x s matrix)
     unpadded: bool = False       # no pads in any sequence: a prompt's mask is purely causal (decided on the host)
+    # (inv_freq, dtype, cos, sin) already computed for these positions; rows() starts a fresh list
+    _rope: list = dataclasses.field(default_factory=list, init=False, repr=False, compare=False)
+
+    def rope(self, inv_freq: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """cos, sin (b, t, d) of these positions, computed once per step for every layer with the same
+        frequencies: cos and sin of large angles take a slow argument reduction (~0.2 ms for a decode step's
+        120 x 64 angles on this project's VM, once per attention layer before)."""
+        for freq, dt, cos, sin in self._rope:
+            if dt == dtype and (freq is inv_freq or torch.equal(freq, inv_freq)):
+                return cos, sin
+        cos, sin = rope_cos_sin(self.positions, inv_freq, dtype)
+        self._rope.append((inv_freq, dtype, cos, sin))
+        return cos, sin
 
     def rows(self, lo: int, hi: int) -> "StepContext":
         """The context of sequences [lo, hi) only (a prefill chunk): a chunk of an unpadded block is unpadded;

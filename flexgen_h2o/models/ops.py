@@ -28,6 +28,8 @@ def layer_norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float) -> Tensor:
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    if fused.layer_math_usable(x):              # a decode step's rows on a CPU: one pass, one thread
+        return fused.rms_norm(x, weight, eps)
     # fp32 statistics, as HF's LlamaRMSNorm, so that fp16 compute on CUDA does not lose the mean square
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
@@ -63,6 +65,10 @@ def rope_cos_sin(positions: Tensor, inv_freq: Tensor, dtype: torch.dtype) -> tup
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """x (..., d) rotated by the angles in cos/sin, which broadcast against x."""
+    one_token = x.dim() == 4 and x.shape[2] == 1 and x.stride(3) == 1
+    if (one_token and cos.shape == sin.shape == (x.shape[0], 1, 1, x.shape[3])
+            and fused.layer_math_usable(x)):    # one decode token per sequence on a CPU: one pass, one thread
+        return fused.rope_decode(x, cos, sin)
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
@@ -299,4 +305,7 @@ def relu_mlp(x: Tensor, w1: Tensor, b1: Tensor | None, w2: Tensor, b2: Tensor | 
 
 
 def swiglu_mlp(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor) -> Tensor:
-    return linear(F.silu(linear(x, w_gate)) * linear(x, w_up), w_down)
+    gate, up = linear(x, w_gate), linear(x, w_up)
+    if gate.is_contiguous() and fused.layer_math_usable(gate):
+        return linear(fused.silu_mul_(gate, up), w_down)
+    return linear(F.silu(gate) * up, w_down)

@@ -78,7 +78,7 @@ class AttentionLayer(_Base):
         v = ops.split_heads(self._proj(h, w, "v_proj"), cfg.n_kv_heads)       # (b, g, t, d)
         k_store = k
         if self.inv_freq is not None:
-            cos, sin = ops.rope_cos_sin(ctx.positions, self.inv_freq, q.dtype)   # (b, t, d)
+            cos, sin = ctx.rope(self.inv_freq, q.dtype)                         # (b, t, d), once a step
             q = ops.apply_rope(q, cos[:, None], sin[:, None])
             k = ops.apply_rope(k, cos[:, None], sin[:, None])
             if not ctx.keys_pre_rope:

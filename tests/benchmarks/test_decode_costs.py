@@ -1,6 +1,7 @@
 """benchmarks/commit_cost.py and benchmarks/decode_ab.py: tiny runs time both sides of each comparison (no timing
 is asserted) and check what they must check (the same cache state; one median per call and side)."""
 import json
+import os
 
 import pytest
 
@@ -21,9 +22,18 @@ def test_commit_cost_times_both_commits_and_finds_the_same_cache(kernel, tmp_pat
 
 
 @pytest.mark.slow
-def test_decode_ab_times_both_attentions_from_one_prefill(kernel, tmp_path):
+@pytest.mark.parametrize("switch", ["all", "layer-math"])
+def test_decode_ab_times_both_attentions_from_one_prefill(kernel, tmp_path, monkeypatch, switch):
+    from flexgen_h2o.models import fused, ops
+    seen = []                      # the layer math's own switch, as each RMSNorm of the run sees it
+    real = ops.rms_norm
+    monkeypatch.setattr(ops, "rms_norm", lambda *a: seen.append(os.environ.get(fused.GLUE_SWITCH)) or real(*a))
     assert decode_ab.main(["--batch", "2", "--prompt-len", "24", "--steps", "3", "--repeats", "2",
-                           "--hh-size", "4", "--recent-size", "4", "--threads", "1", "--out", str(tmp_path)]) == 0
+                           "--hh-size", "4", "--recent-size", "4", "--threads", "1", "--out", str(tmp_path),
+                           "--switch", switch]) == 0
+    # the prefill runs before either side sets anything (None); then each side's own value
+    assert set(seen) == ({None} if switch == "all" else {None, "0", "1"})
+    assert fused.GLUE_SWITCH not in os.environ and fused.ENV_SWITCH not in os.environ
     result = json.loads((tmp_path / "results.json").read_text())
     assert set(result["step_s"]) == {f"{c}-{s}" for c in ("h2o", "full") for s in ("torch", "compiled")}
     assert all(len(t) == 2 and all(x > 0 for x in t) for t in result["step_s"].values())

@@ -54,3 +54,20 @@ def test_slice_path_refuses_a_prompt_longer_than_the_cache():
     k, v, _, pos = _prompt(2)
     with pytest.raises(RuntimeError, match="kept 11 prompt rows but the cache has 10"):
         cache.commit_prefill(k, v, None, pos, unpadded=True)
+
+
+def test_free_slots_is_the_lowest_free_slot_of_each_column():
+    """Columns with several free slots (evictions leave holes anywhere), a kept position 0, and a column whose
+    only free slot is the last: always the first slot holding -1."""
+    budget = Budget(sink=0, heavy=0, recent=CAP - 1, policy="full")
+    cache = KVCache(KVSpec(G, D), B, CAP, get_policy("full"), budget, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(4)
+    cache.pos.copy_(torch.randperm(B * G * CAP, generator=gen).view(B, G, CAP).int())
+    holes = {(0, 0): [3, 9, 12], (1, 1): [0, 5], (2, 0): [CAP - 1], (4, 1): [7, 2]}
+    for b in range(B):
+        for g in range(G):
+            for slot in holes.get((b, g), [(b * 5 + g * 3) % CAP, CAP - 2]):
+                cache.pos[b, g, slot] = -1
+    want = torch.tensor([[min(holes.get((b, g), [(b * 5 + g * 3) % CAP, CAP - 2])) for g in range(G)]
+                         for b in range(B)])
+    assert torch.equal(cache.free_slots(), want)

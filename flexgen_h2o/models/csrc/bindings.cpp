@@ -9,4 +9,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, release);
   m.def("commit_step", &commit_step, release);
   m.def("half_linear", &half_linear, release);
+  m.def("rms_norm_rows", &rms_norm_rows, release);
+  m.def("silu_mul_", &silu_mul_, release);
+  m.def("rope_rows", &rope_rows, release);
 }

@@ -1,0 +1,128 @@
+// A decode step's element-wise layer math, one pass each and on the calling thread: RMSNorm, SwiGLU's gate and
+// RoPE. As torch ops they are 2-6 passes each, and every pass over a decode step's ~100k floats is a parallel
+// region; with OMP_WAIT_POLICY=PASSIVE each region wakes the sleeping OpenMP threads, ~70-400 us on this
+// project's 2-core VM against ~10-90 us on one thread. A decode step's rows fit in L2, so one thread and one
+// pass is the fast way; the prompt's big tensors stay on torch's parallel ops (models/ops.py decides).
+#include "kernels.h"
+
+#include <cmath>
+#include <vector>
+
+#include "simd.h"
+
+namespace {
+
+// sum of x[i]^2 over n floats
+float sum_squares(const float* x, int64_t n) {
+  int64_t i = 0;
+  float sum = 0.0f;
+#ifdef FLEXGEN_H2O_AVX2
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+  for (; i + 16 <= n; i += 16) {
+    const __m256 a = _mm256_loadu_ps(x + i), b = _mm256_loadu_ps(x + i + 8);
+    acc0 = _mm256_fmadd_ps(a, a, acc0);
+    acc1 = _mm256_fmadd_ps(b, b, acc1);
+  }
+  sum = horizontal_sum(_mm256_add_ps(acc0, acc1));
+#endif
+  for (; i < n; ++i) sum += x[i] * x[i];
+  return sum;
+}
+
+// silu(g) * u for one value: g * sigmoid(g), sigmoid from e^-|g| so that exp never overflows
+inline float silu_times(float g, float u) {
+  const float e = std::exp(-std::fabs(g));
+  const float sigmoid = g >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
+  return g * sigmoid * u;
+}
+
+std::vector<float> as_float(const at::Tensor& t) {
+  std::vector<float> out(t.numel());
+  if (t.scalar_type() == at::kHalf)
+    half_to_float(t.data_ptr<at::Half>(), out.data(), t.numel());
+  else
+    std::copy(t.data_ptr<float>(), t.data_ptr<float>() + t.numel(), out.begin());
+  return out;
+}
+
+}  // namespace
+
+at::Tensor rms_norm_rows(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous(), "rms_norm_rows: x must be contiguous fp32");
+  const int64_t m = x.size(-1), n = x.numel() / m;
+  TORCH_CHECK(weight.numel() == m && weight.is_contiguous() &&
+                  (weight.scalar_type() == at::kHalf || weight.scalar_type() == at::kFloat),
+              "rms_norm_rows: weight must be (m,) fp16 or fp32");
+  const std::vector<float> w = as_float(weight);
+  at::Tensor out = at::empty_like(x);
+  const float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  for (int64_t r = 0; r < n; ++r) {
+    const float* row = xp + r * m;
+    float* dst = op + r * m;
+    const float inv = 1.0f / std::sqrt(sum_squares(row, m) / static_cast<float>(m) + static_cast<float>(eps));
+    int64_t i = 0;
+#ifdef FLEXGEN_H2O_AVX2
+    const __m256 invb = _mm256_set1_ps(inv);
+    for (; i + 8 <= m; i += 8)       // (x * inv) * w, the torch ops' order
+      _mm256_storeu_ps(dst + i, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(row + i), invb),
+                                              _mm256_loadu_ps(w.data() + i)));
+#endif
+    for (; i < m; ++i) dst[i] = (row[i] * inv) * w[i];
+  }
+  return out;
+}
+
+at::Tensor silu_mul_(at::Tensor& gate, const at::Tensor& up) {
+  TORCH_CHECK(gate.scalar_type() == at::kFloat && up.scalar_type() == at::kFloat && gate.is_contiguous() &&
+                  up.is_contiguous() && gate.sizes() == up.sizes(),
+              "silu_mul_: gate and up must be contiguous fp32 of one shape");
+  const int64_t n = gate.numel();
+  float* g = gate.data_ptr<float>();
+  const float* u = up.data_ptr<float>();
+  int64_t i = 0;
+#ifdef FLEXGEN_H2O_AVX2
+  const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
+  for (; i + 8 <= n; i += 8) {
+    const __m256 x = _mm256_loadu_ps(g + i);
+    const __m256 e = exp_nonpositive(_mm256_or_ps(x, sign));                 // e^-|x|
+    const __m256 num = _mm256_blendv_ps(one, e, x);                          // sign bit set (x < 0): e
+    const __m256 sigmoid = _mm256_div_ps(num, _mm256_add_ps(one, e));
+    _mm256_storeu_ps(g + i, _mm256_mul_ps(_mm256_mul_ps(x, sigmoid), _mm256_loadu_ps(u + i)));
+  }
+#endif
+  for (; i < n; ++i) g[i] = silu_times(g[i], u[i]);
+  return gate;
+}
+
+at::Tensor rope_rows(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 4 && x.size(2) == 1 && x.stride(3) == 1,
+              "rope_rows: x must be fp32 (b, h, 1, d) with contiguous rows");
+  const int64_t b = x.size(0), h = x.size(1), d = x.size(3), half = d / 2;
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
+                  sin.is_contiguous() && cos.numel() == b * d && sin.numel() == b * d,
+              "rope_rows: cos and sin must be contiguous fp32 with one (d,) row per sequence");
+  at::Tensor out = at::empty({b, h, 1, d}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  for (int64_t s = 0; s < b; ++s) {
+    const float* c = cp + s * d;
+    const float* sn = sp + s * d;
+    for (int64_t head = 0; head < h; ++head) {
+      const float* row = xp + s * x.stride(0) + head * x.stride(1);
+      float* dst = op + (s * h + head) * d;
+      // x * cos + rotate_half(x) * sin, rotate_half(x) = (-x[half:], x[:half]); products rounded, then added
+      for (int64_t i = 0; i < half; ++i) {
+        const float a = row[i] * c[i], r = (-row[i + half]) * sn[i];
+        dst[i] = a + r;
+      }
+      for (int64_t i = half; i < d; ++i) {
+        const float a = row[i] * c[i], r = row[i - half] * sn[i];
+        dst[i] = a + r;
+      }
+    }
+  }
+  return out;
+}

@@ -1,0 +1,88 @@
+"""The compiled layer math (csrc/layer_math.cpp: RMSNorm, SwiGLU's gate, RoPE for one token) against the torch
+ops it replaces for a decode step's rows, and ops' dispatch to it (decode-sized inputs only)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from flexgen_h2o.models import fused, ops
+
+
+def _torch_rms_norm(x, w, eps):
+    xf = x.float()
+    return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def _torch_rope(x, cos, sin):
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+@pytest.mark.parametrize("rows, m", [(120, 576), (1, 64), (7, 13), (3, 1000)])
+@pytest.mark.parametrize("wdtype", [torch.float16, torch.float32])
+def test_rms_norm_matches_the_torch_ops(kernel, rows, m, wdtype):
+    gen = torch.Generator().manual_seed(rows + m)
+    x = torch.randn(rows, 1, m, generator=gen) * 3
+    w = (torch.randn(m, generator=gen) * 0.5).to(wdtype)
+    got = kernel.rms_norm(x, w, 1e-5)
+    assert got.shape == x.shape and got.dtype == torch.float32
+    torch.testing.assert_close(got, _torch_rms_norm(x, w, 1e-5), rtol=2e-6, atol=2e-6)
+
+
+def test_silu_mul_matches_the_torch_ops_over_the_whole_range(kernel):
+    """Large negative and positive gates too (the sigmoid is taken from e^-|g|, so nothing overflows)."""
+    gen = torch.Generator().manual_seed(1)
+    gate = torch.cat([torch.randn(120 * 1536 - 9, generator=gen) * 4,
+                      torch.tensor([-100.0, -88.0, -30.0, -0.0, 0.0, 1e-30, 30.0, 88.0, 100.0])]).view(120, 1, 1536)
+    up = torch.randn(120, 1, 1536, generator=gen)
+    want = F.silu(gate) * up
+    got = kernel.silu_mul_(gate.clone(), up)
+    torch.testing.assert_close(got, want, rtol=2e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("b, h, d", [(120, 9, 64), (2, 3, 8), (5, 1, 10)])
+def test_rope_matches_the_torch_ops_on_a_head_view(kernel, b, h, d):
+    """x as split_heads makes it for one token: a (b, h, 1, d) view of (b, 1, h * d) projections."""
+    gen = torch.Generator().manual_seed(b)
+    x = torch.randn(b, 1, h * d, generator=gen).view(b, 1, h, d).transpose(1, 2)
+    angles = torch.rand(b, 1, 1, d, generator=gen) * 100
+    cos, sin = angles.cos(), angles.sin()
+    got = kernel.rope_decode(x, cos, sin)
+    assert got.shape == (b, h, 1, d) and got.is_contiguous()
+    torch.testing.assert_close(got, _torch_rope(x, cos, sin), rtol=1e-6, atol=1e-6)
+
+
+def test_ops_send_decode_rows_to_the_kernel_and_prompts_to_torch(kernel, monkeypatch):
+    calls = []
+    for name in ("rms_norm", "silu_mul_", "rope_decode"):
+        real = getattr(fused, name)
+        monkeypatch.setattr(fused, name, lambda *a, _real=real, _n=name: calls.append(_n) or _real(*a))
+    w = torch.randn(64).half()
+    ops.rms_norm(torch.randn(8, 1, 64), w, 1e-5)                                 # a decode step: kernel
+    ops.rms_norm(torch.randn(8, fused.LAYER_MATH_MAX_NUMEL // 512 + 1, 64), w, 1e-5)   # a prompt: torch ops
+    ops.swiglu_mlp(torch.randn(4, 1, 16), *(torch.randn(32, 16), torch.randn(32, 16), torch.randn(16, 32)))
+    cos = torch.randn(120, 1, 1, 64)
+    ops.apply_rope(torch.randn(120, 9, 1, 64), cos, cos)            # one token, SmolLM2's q at batch 120: kernel
+    ops.apply_rope(torch.randn(4, 2, 5, 8), torch.randn(4, 1, 5, 8), torch.randn(4, 1, 5, 8))   # prompt
+    assert calls == ["rms_norm", "silu_mul_", "rope_decode"]
+    monkeypatch.setenv(fused.GLUE_SWITCH, "0")                                   # switched off on its own
+    ops.rms_norm(torch.randn(8, 1, 64), w, 1e-5)
+    assert calls == ["rms_norm", "silu_mul_", "rope_decode"]
+
+
+def test_step_context_computes_rope_angles_once_per_positions():
+    """Every attention layer of a step asks for the same angles: one computation, reused by equal frequencies
+    (each layer holds its own copy), never across other positions (a prefill chunk's rows) or dtypes."""
+    from flexgen_h2o.models.layer import StepContext
+    pos = torch.tensor([[5], [900]])
+    ctx = StepContext(pos, torch.ones(2, 1, dtype=torch.bool), torch.float32)
+    freq_a, freq_b = ops.rope_inv_freq(8, 10000.0), ops.rope_inv_freq(8, 10000.0)
+    cos, sin = ctx.rope(freq_a, torch.float32)
+    assert ctx.rope(freq_b, torch.float32)[0] is cos                     # equal values: the same tensors
+    want = ops.rope_cos_sin(pos, freq_a, torch.float32)
+    assert torch.equal(cos, want[0]) and torch.equal(sin, want[1])
+    assert ctx.rope(ops.rope_inv_freq(8, 500.0), torch.float32)[0] is not cos
+    assert ctx.rope(freq_a, torch.float16)[0].dtype == torch.float16
+    chunk = ctx.rows(1, 2)                                                # another sequence's positions
+    assert torch.equal(chunk.rope(freq_a, torch.float32)[0], cos[1:])
