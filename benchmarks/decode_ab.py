@@ -5,10 +5,14 @@ compiled, torch, ...), so the VM's drift lands on both alike.
 Everything else is the same engine, prompts (Wikipedia windows) and cache rules as benchmarks/profile_decode.py;
 every call decodes from one shared prefill (Engine.prefill), so only the decode attention differs. The figure
 is the median decode step of each call (its first step, which commits the kept prompt rows, left out).
+`--switch layer-math` turns only csrc/layer_math.cpp off on the torch side; `--phase prefill` times whole prompt
+passes (a one-token generate each, no shared prefill) instead of decode steps.
 
     python -m benchmarks.decode_ab --batch 120 --prompt-len 512 --out benchmarks/results/decode_ab
     # only the layer math (RMSNorm, SwiGLU's gate, RoPE: csrc/layer_math.cpp) switched, every other kernel on
     python -m benchmarks.decode_ab --switch layer-math --cases h2o --out benchmarks/results/decode_ab_layer_math
+    # the same switch over whole prompt passes (SmolLM2, 4 x 2048)
+    python -m benchmarks.decode_ab --switch layer-math --phase prefill --cases h2o --batch 4 --prompt-len 2048
 """
 from __future__ import annotations
 
@@ -38,6 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--switch", choices=["all", "layer-math"], default="all",
                    help="what the torch side turns off: every compiled kernel, or only the layer math")
+    p.add_argument("--phase", choices=["decode", "prefill"], default="decode",
+                   help="prefill: time whole prompt passes (generate one token) instead of decode steps")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/decode_ab"))
     return p
 
@@ -52,10 +58,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     switch = fused.ENV_SWITCH if a.switch == "all" else fused.GLUE_SWITCH
     _, engine, prompts, rules = setup(a)
-    gen = GenerationConfig(max_new_tokens=a.steps + 1, stop_at_eos=False)
+    gen = GenerationConfig(max_new_tokens=a.steps + 1 if a.phase == "decode" else 1, stop_at_eos=False)
     steps: dict[str, list[float]] = {}
     try:
-        kept = engine.prefill(prompts)
+        kept = engine.prefill(prompts) if a.phase == "decode" else None
         for case in a.cases:                                    # warm-up: each rule's buffers, both sides
             for side_value in SIDES.values():
                 os.environ[switch] = side_value
@@ -65,9 +71,11 @@ def main(argv: list[str] | None = None) -> int:
             for case, side in [(c, s) for c in a.cases for s in (SIDES if rep % 2 == 0 else reversed(SIDES))]:
                 os.environ[switch] = SIDES[side]
                 res = engine.generate(prompts, gen, eviction=rules[case], prefilled=kept)
-                step = median(res.metrics["step_times_s"][2:])   # 0: prefill's logits; 1: the kept rows' commit
+                # decode: the median step (0: prefill's logits; 1: the kept rows' commit); prefill: the pass
+                step = (median(res.metrics["step_times_s"][2:]) if a.phase == "decode"
+                        else res.metrics["prefill_s"])
                 steps.setdefault(f"{case}-{side}", []).append(step)
-                print(f"{case:8s} {side:8s}: decode step {1e3 * step:.1f} ms", flush=True)
+                print(f"{case:8s} {side:8s}: {a.phase} {1e3 * step:.1f} ms", flush=True)
     finally:
         os.environ.pop(switch, None)
         engine.close()
@@ -76,7 +84,8 @@ def main(argv: list[str] | None = None) -> int:
                                       for c in a.cases}}
     write_ab(a.out, result, "torch_over_compiled",
              lambda case, r: f"{case}: torch ops {1e3 * median(steps[case + '-torch']):.1f} ms, compiled "
-                             f"{1e3 * median(steps[case + '-compiled']):.1f} ms a step "
+                             f"{1e3 * median(steps[case + '-compiled']):.1f} ms a "
+                             f"{'step' if a.phase == 'decode' else 'prompt pass'} "
                              f"(median of {a.repeats}): {r:.2f}x")
     return 0
 

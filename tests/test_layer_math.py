@@ -53,14 +53,33 @@ def test_rope_matches_the_torch_ops_on_a_head_view(kernel, b, h, d):
     torch.testing.assert_close(got, _torch_rope(x, cos, sin), rtol=1e-6, atol=1e-6)
 
 
-def test_ops_send_decode_rows_to_the_kernel_and_prompts_to_torch(kernel, monkeypatch):
+def test_a_prompt_sized_tensor_split_across_threads_gives_the_same_values(kernel):
+    """Above 1M floats the kernel splits rows (RMSNorm) or 8-float blocks (SwiGLU) across torch's threads: each
+    output is computed alone, so the values are those of one thread, and of the torch ops to fp32 rounding."""
+    gen = torch.Generator().manual_seed(7)
+    x, w = torch.randn(2, 1100, 576, generator=gen), torch.randn(576, generator=gen).half()      # 1.27M floats
+    gate, up = torch.randn(2, 700, 1537, generator=gen) * 4, torch.randn(2, 700, 1537, generator=gen)  # odd tail
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        two = kernel.rms_norm(x, w, 1e-5), kernel.silu_mul_(gate.clone(), up)
+        torch.set_num_threads(1)
+        one = kernel.rms_norm(x, w, 1e-5), kernel.silu_mul_(gate.clone(), up)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(two[0], one[0]) and torch.equal(two[1], one[1])
+    torch.testing.assert_close(two[0], _torch_rms_norm(x, w, 1e-5), rtol=2e-6, atol=2e-6)
+    torch.testing.assert_close(two[1], F.silu(gate) * up, rtol=2e-6, atol=1e-7)
+
+
+def test_ops_send_fp32_cpu_math_to_the_kernel(kernel, monkeypatch):
     calls = []
     for name in ("rms_norm", "silu_mul_", "rope_decode"):
         real = getattr(fused, name)
         monkeypatch.setattr(fused, name, lambda *a, _real=real, _n=name: calls.append(_n) or _real(*a))
     w = torch.randn(64).half()
     ops.rms_norm(torch.randn(8, 1, 64), w, 1e-5)                                 # a decode step: kernel
-    ops.rms_norm(torch.randn(8, fused.LAYER_MATH_MAX_NUMEL // 512 + 1, 64), w, 1e-5)   # a prompt: torch ops
+    ops.rms_norm(torch.randn(8, 1, 64).half(), w, 1e-5)                          # fp16 (a GPU's): torch ops
     ops.swiglu_mlp(torch.randn(4, 1, 16), *(torch.randn(32, 16), torch.randn(32, 16), torch.randn(16, 32)))
     cos = torch.randn(120, 1, 1, 64)
     ops.apply_rope(torch.randn(120, 9, 1, 64), cos, cos)            # one token, SmolLM2's q at batch 120: kernel

@@ -12,8 +12,8 @@
 - Linear (csrc/half_linear.cpp, called by ops.linear for a decode step's few rows): x @ w.T with the fp16 weight
   converted a few rows at a time in L1, where the torch path upcasts chunks of it into a scratch buffer and hands
   them to the BLAS.
-- Layer math (csrc/layer_math.cpp, called by ops for a decode step's few rows): RMSNorm, SwiGLU's gate and RoPE
-  in one pass each on the calling thread, where each torch op is a parallel region that wakes the sleeping
+- Layer math (csrc/layer_math.cpp, called by ops): RMSNorm, SwiGLU's gate and one token's RoPE in one pass each,
+  a decode step's on the calling thread, where each torch op is a parallel region that wakes the sleeping
   OpenMP threads (OMP_WAIT_POLICY=PASSIVE).
 
 They are built with torch's C++ extension loader (a C++ compiler and ninja) and cached in
@@ -40,9 +40,6 @@ SOURCES = [CSRC / name for name in ("bindings.cpp", "scored_attention.cpp", "dec
                                         "half_linear.cpp", "layer_math.cpp")]
 ENV_SWITCH = "FLEXGEN_H2O_FUSED_ATTENTION"
 GLUE_SWITCH = "FLEXGEN_H2O_FUSED_LAYER_MATH"    # "0": only the layer math back on torch ops (benchmarks.decode_ab)
-# floats (4 MB) up to which the layer math runs on one thread in one pass: a decode step's tensors (SmolLM2 at
-# batch 120: 69k-184k); a prompt's keep torch's parallel ops, where the threads pay for their wake-up
-LAYER_MATH_MAX_NUMEL = 1 << 20
 # queries per block: 3 heads x 128 queries x 2,048 keys of fp32 logits is 3 MB, about one core's L2 plus its
 # share of L3 (a sweep of 64-256 at SmolLM2's 2,048-token prompts moved the kernel's time by a few % at most)
 Q_BLOCK = 128
@@ -151,9 +148,10 @@ def half_linear(x: Tensor, w: Tensor) -> Tensor:
 
 def layer_math_usable(x: Tensor) -> bool:
     """Whether x's element-wise layer math (RMSNorm, SwiGLU's gate, RoPE) goes to layer_math.cpp: fp32 on a CPU,
-    a decode step's size, kernel built, not switched off on its own."""
-    return (x.device.type == "cpu" and x.dtype == torch.float32 and x.numel() <= LAYER_MATH_MAX_NUMEL
-            and os.environ.get(GLUE_SWITCH, "1") != "0" and module() is not None)
+    kernel built, not switched off on its own. A decode step's tensors run there on the calling thread, a
+    prompt's across torch's threads (the kernel decides by size)."""
+    return (x.device.type == "cpu" and x.dtype == torch.float32 and os.environ.get(GLUE_SWITCH, "1") != "0"
+            and module() is not None)
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:

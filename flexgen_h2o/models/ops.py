@@ -28,7 +28,7 @@ def layer_norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float) -> Tensor:
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    if fused.layer_math_usable(x):              # a decode step's rows on a CPU: one pass, one thread
+    if fused.layer_math_usable(x):              # fp32 on a CPU: one pass (one thread for a decode step)
         return fused.rms_norm(x, weight, eps)
     # fp32 statistics, as HF's LlamaRMSNorm, so that fp16 compute on CUDA does not lose the mean square
     xf = x.float()

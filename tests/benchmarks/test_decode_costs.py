@@ -49,3 +49,13 @@ def test_a_kernel_benchmark_without_the_kernels_exits_2_with_one_line(bench, tmp
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: the compiled kernels are unavailable (switched off by")
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+def test_decode_ab_times_prompt_passes_with_phase_prefill(kernel, tmp_path):
+    assert decode_ab.main(["--batch", "2", "--prompt-len", "24", "--repeats", "2", "--cases", "h2o", "--hh-size",
+                           "4", "--recent-size", "4", "--threads", "1", "--out", str(tmp_path), "--switch",
+                           "layer-math", "--phase", "prefill"]) == 0
+    result = json.loads((tmp_path / "results.json").read_text())
+    assert set(result["step_s"]) == {"h2o-torch", "h2o-compiled"}
+    assert all(len(t) == 2 and all(x > 0 for x in t) for t in result["step_s"].values())

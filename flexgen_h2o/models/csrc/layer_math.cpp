@@ -1,16 +1,24 @@
-// A decode step's element-wise layer math, one pass each and on the calling thread: RMSNorm, SwiGLU's gate and
-// RoPE. As torch ops they are 2-6 passes each, and every pass over a decode step's ~100k floats is a parallel
-// region; with OMP_WAIT_POLICY=PASSIVE each region wakes the sleeping OpenMP threads, ~70-400 us on this
-// project's 2-core VM against ~10-90 us on one thread. A decode step's rows fit in L2, so one thread and one
-// pass is the fast way; the prompt's big tensors stay on torch's parallel ops (models/ops.py decides).
+// The element-wise layer math, one pass each: RMSNorm, SwiGLU's gate and RoPE. As torch ops they are 2-6 passes
+// each, and every pass over a decode step's ~100k floats is a parallel region; with OMP_WAIT_POLICY=PASSIVE each
+// region wakes the sleeping OpenMP threads, ~70-400 us on this project's 2-core VM against ~10-90 us on one
+// thread. So a decode step's tensors (up to SERIAL_FLOATS) run on the calling thread; a prompt's are split
+// across torch's threads, where one pass instead of several still saves memory traffic.
 #include "kernels.h"
 
+#include <ATen/Parallel.h>
+
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
 #include "simd.h"
 
 namespace {
+
+constexpr int64_t SERIAL_FLOATS = 1 << 20;   // 4 MB: below this one thread does it (no parallel region)
+
+// grain of rows (or elements, with m = 1) for at::parallel_for: ranges below SERIAL_FLOATS run inline
+int64_t grain(int64_t m) { return std::max<int64_t>(1, SERIAL_FLOATS / std::max<int64_t>(1, m)); }
 
 // sum of x[i]^2 over n floats
 float sum_squares(const float* x, int64_t n) {
@@ -57,19 +65,21 @@ at::Tensor rms_norm_rows(const at::Tensor& x, const at::Tensor& weight, double e
   at::Tensor out = at::empty_like(x);
   const float* xp = x.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  for (int64_t r = 0; r < n; ++r) {
-    const float* row = xp + r * m;
-    float* dst = op + r * m;
-    const float inv = 1.0f / std::sqrt(sum_squares(row, m) / static_cast<float>(m) + static_cast<float>(eps));
-    int64_t i = 0;
+  at::parallel_for(0, n, grain(m), [&](int64_t lo, int64_t hi) {
+    for (int64_t r = lo; r < hi; ++r) {
+      const float* row = xp + r * m;
+      float* dst = op + r * m;
+      const float inv = 1.0f / std::sqrt(sum_squares(row, m) / static_cast<float>(m) + static_cast<float>(eps));
+      int64_t i = 0;
 #ifdef FLEXGEN_H2O_AVX2
-    const __m256 invb = _mm256_set1_ps(inv);
-    for (; i + 8 <= m; i += 8)       // (x * inv) * w, the torch ops' order
-      _mm256_storeu_ps(dst + i, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(row + i), invb),
-                                              _mm256_loadu_ps(w.data() + i)));
+      const __m256 invb = _mm256_set1_ps(inv);
+      for (; i + 8 <= m; i += 8)       // (x * inv) * w, the torch ops' order
+        _mm256_storeu_ps(dst + i, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(row + i), invb),
+                                                _mm256_loadu_ps(w.data() + i)));
 #endif
-    for (; i < m; ++i) dst[i] = (row[i] * inv) * w[i];
-  }
+      for (; i < m; ++i) dst[i] = (row[i] * inv) * w[i];
+    }
+  });
   return out;
 }
 
@@ -77,21 +87,24 @@ at::Tensor silu_mul_(at::Tensor& gate, const at::Tensor& up) {
   TORCH_CHECK(gate.scalar_type() == at::kFloat && up.scalar_type() == at::kFloat && gate.is_contiguous() &&
                   up.is_contiguous() && gate.sizes() == up.sizes(),
               "silu_mul_: gate and up must be contiguous fp32 of one shape");
-  const int64_t n = gate.numel();
   float* g = gate.data_ptr<float>();
   const float* u = up.data_ptr<float>();
-  int64_t i = 0;
+  const int64_t blocks = (gate.numel() + 7) / 8;                            // 8 floats: one vector
+  at::parallel_for(0, blocks, grain(8), [&](int64_t lo, int64_t hi) {
+    int64_t i = lo * 8;
+    const int64_t end = std::min(hi * 8, gate.numel());
 #ifdef FLEXGEN_H2O_AVX2
-  const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
-  for (; i + 8 <= n; i += 8) {
-    const __m256 x = _mm256_loadu_ps(g + i);
-    const __m256 e = exp_nonpositive(_mm256_or_ps(x, sign));                 // e^-|x|
-    const __m256 num = _mm256_blendv_ps(one, e, x);                          // sign bit set (x < 0): e
-    const __m256 sigmoid = _mm256_div_ps(num, _mm256_add_ps(one, e));
-    _mm256_storeu_ps(g + i, _mm256_mul_ps(_mm256_mul_ps(x, sigmoid), _mm256_loadu_ps(u + i)));
-  }
+    const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
+    for (; i + 8 <= end; i += 8) {
+      const __m256 x = _mm256_loadu_ps(g + i);
+      const __m256 e = exp_nonpositive(_mm256_or_ps(x, sign));               // e^-|x|
+      const __m256 num = _mm256_blendv_ps(one, e, x);                        // sign bit set (x < 0): e
+      const __m256 sigmoid = _mm256_div_ps(num, _mm256_add_ps(one, e));
+      _mm256_storeu_ps(g + i, _mm256_mul_ps(_mm256_mul_ps(x, sigmoid), _mm256_loadu_ps(u + i)));
+    }
 #endif
-  for (; i < n; ++i) g[i] = silu_times(g[i], u[i]);
+    for (; i < end; ++i) g[i] = silu_times(g[i], u[i]);
+  });
   return gate;
 }
 
