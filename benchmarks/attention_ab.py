@@ -61,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--percent", type=int, nargs=6, metavar="P", help="as profile_decode's (placement)")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/attention_ab"))
     a = p.parse_args(argv)
+    a.device = "cpu"                                          # what profile_decode.setup reads besides these
     from benchmarks.profile_decode import setup
     from flexgen_h2o.config import GenerationConfig
     from flexgen_h2o.models import fused, ops

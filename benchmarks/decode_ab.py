@@ -50,13 +50,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
-    a.dummy_weights, a.percent = False, None                  # what profile_decode.setup reads
+    a.dummy_weights, a.percent, a.device = False, None, "cpu"     # what profile_decode.setup reads
     from benchmarks.profile_decode import setup
     from flexgen_h2o.config import GenerationConfig
     from flexgen_h2o.models import fused
     if kernels_missing():
         return 2
-    switch = fused.ENV_SWITCH if a.switch == "all" else fused.GLUE_SWITCH
+    switch = fused.ENV_SWITCH if a.switch == "all" else fused.LAYER_MATH_SWITCH
     _, engine, prompts, rules = setup(a)
     gen = GenerationConfig(max_new_tokens=a.steps + 1 if a.phase == "decode" else 1, stop_at_eos=False)
     steps: dict[str, list[float]] = {}

@@ -150,7 +150,7 @@ def setup(a: argparse.Namespace, offload_dir: str | None = None):
     else:
         prompts = prompts_for(data.corpus_stream(model.tokenizer, "wiki", a.prompt_len * 2), a.batch, a.prompt_len)
     engine = Engine(model.config, model.read, offload=offload, locate=model.locate, offload_dir=offload_dir,
-                    device=getattr(a, "device", "cpu"))     # decode_ab and attention_ab share this setup
+                    device=a.device)
     return model, engine, prompts, rules
 
 

@@ -85,23 +85,27 @@ def test_ops_send_fp32_cpu_math_to_the_kernel(kernel, monkeypatch):
     ops.apply_rope(torch.randn(120, 9, 1, 64), cos, cos)            # one token, SmolLM2's q at batch 120: kernel
     ops.apply_rope(torch.randn(4, 2, 5, 8), torch.randn(4, 1, 5, 8), torch.randn(4, 1, 5, 8))   # prompt
     assert calls == ["rms_norm", "silu_mul_", "rope_decode"]
-    monkeypatch.setenv(fused.GLUE_SWITCH, "0")                                   # switched off on its own
+    monkeypatch.setenv(fused.LAYER_MATH_SWITCH, "0")                                   # switched off on its own
     ops.rms_norm(torch.randn(8, 1, 64), w, 1e-5)
     assert calls == ["rms_norm", "silu_mul_", "rope_decode"]
 
 
 def test_step_context_computes_rope_angles_once_per_positions():
-    """Every attention layer of a step asks for the same angles: one computation, reused by equal frequencies
-    (each layer holds its own copy), never across other positions (a prefill chunk's rows) or dtypes."""
+    """Every attention layer of a step asks for the same angles: the layers share one frequency tensor, so one
+    computation serves them all; never across other frequencies, positions (a prefill chunk's rows) or dtypes."""
+    from flexgen_h2o.models import build_llama_layers, resolve_model
     from flexgen_h2o.models.layer import StepContext
+    layers = [layer for layer in build_llama_layers(resolve_model("smollm2-135m")) if layer.kind == "attn"]
+    assert len(layers) == 30 and all(layer.inv_freq is layers[0].inv_freq for layer in layers)
     pos = torch.tensor([[5], [900]])
     ctx = StepContext(pos, torch.ones(2, 1, dtype=torch.bool), torch.float32)
-    freq_a, freq_b = ops.rope_inv_freq(8, 10000.0), ops.rope_inv_freq(8, 10000.0)
+    freq_a = layers[0].inv_freq
     cos, sin = ctx.rope(freq_a, torch.float32)
-    assert ctx.rope(freq_b, torch.float32)[0] is cos                     # equal values: the same tensors
+    assert ctx.rope(layers[-1].inv_freq, torch.float32)[0] is cos         # another layer: the same tensors
     want = ops.rope_cos_sin(pos, freq_a, torch.float32)
     assert torch.equal(cos, want[0]) and torch.equal(sin, want[1])
-    assert ctx.rope(ops.rope_inv_freq(8, 500.0), torch.float32)[0] is not cos
+    other = ctx.rope(ops.rope_inv_freq(64, 500.0), torch.float32)[0]
+    assert not torch.equal(other, cos)
     assert ctx.rope(freq_a, torch.float16)[0].dtype == torch.float16
     chunk = ctx.rows(1, 2)                                                # another sequence's positions
     assert torch.equal(chunk.rope(freq_a, torch.float32)[0], cos[1:])

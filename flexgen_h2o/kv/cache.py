@@ -124,46 +124,40 @@ class KVCache:
         rows = slice(first_row, first_row + b)
         positions = token_pos[:, None, :].expand(b, g, p).long()
         if unpadded and getattr(self.policy, "keeps_every_row", False):
-            self._commit_every_row(rows, k_new, v_new, scores, positions)
-            return
-        keep = self.policy.select_prefill(scores, positions, self.budget, self.generator)  # (b, g, p)
-        n_keep = int(keep.sum(-1).max().item()) if keep.numel() else 0
-        if n_keep > self.capacity - 1:
-            raise RuntimeError(f"eviction policy kept {n_keep} prompt rows but the cache has "
-                               f"{self.capacity - 1} before the current-token slot")
-        index, kept = pack_kept(keep, n_keep)           # kept rows first, in prompt order: (b, g, n) each
-        self.k[rows, :, :n_keep] = gather_slots(k_new, index).to(self.k.dtype)
-        self.v[rows, :, :n_keep] = gather_slots(v_new, index).to(self.v.dtype)
-        sc = gather_slots(scores, index) if scores is not None else torch.zeros(b, g, n_keep, device=kept.device)
-        self.score[rows, :, :n_keep] = torch.where(kept, sc.float(), torch.zeros_like(sc, dtype=torch.float32))
-        self.pos[rows, :, :n_keep] = torch.where(kept, gather_slots(positions, index), -1).to(torch.int32)
+            # every row, in order: slices, with no keep mask, packing, gather or host sync (the gathers alone
+            # were 59 ms of the H100 profile's 1,183 ms full-cache prompt pass, docs/suite.md)
+            n_keep = self._room_for(p)
+            k_rows, v_rows, pos_rows = k_new, v_new, positions
+            score_rows = 0.0 if scores is None else scores
+        else:
+            keep = self.policy.select_prefill(scores, positions, self.budget, self.generator)  # (b, g, p)
+            n_keep = self._room_for(int(keep.sum(-1).max().item()) if keep.numel() else 0)
+            index, kept = pack_kept(keep, n_keep)           # kept rows first, in prompt order: (b, g, n) each
+            k_rows, v_rows = gather_slots(k_new, index), gather_slots(v_new, index)
+            sc = gather_slots(scores, index) if scores is not None else torch.zeros(b, g, n_keep, device=kept.device)
+            score_rows = torch.where(kept, sc.float(), torch.zeros_like(sc, dtype=torch.float32))
+            pos_rows = torch.where(kept, gather_slots(positions, index), -1)
+        self.k[rows, :, :n_keep] = k_rows                   # assignment casts to the cache's dtypes
+        self.v[rows, :, :n_keep] = v_rows
+        self.score[rows, :, :n_keep] = score_rows
+        self.pos[rows, :, :n_keep] = pos_rows
         self.n_used = max(self.n_used, n_keep)
         self.bytes_written[self.tier_kind] += self._slot_bytes(n_keep, rows=b)
 
-    def _commit_every_row(self, rows: slice, k_new: Tensor, v_new: Tensor, scores: Tensor | None,
-                          positions: Tensor) -> None:
-        """commit_prefill's result when every row is kept, written as slices: no keep mask, packing, gather or
-        host sync (on a GPU the general path's gathers and .item() cost the full-cache prompt pass ~10 %)."""
-        b, g, p, _ = k_new.shape
-        if p > self.capacity - 1:
-            raise RuntimeError(f"eviction policy kept {p} prompt rows but the cache has "
+    def _room_for(self, n_keep: int) -> int:
+        """n_keep, if that many prompt rows leave the current token its slot."""
+        if n_keep > self.capacity - 1:
+            raise RuntimeError(f"eviction policy kept {n_keep} prompt rows but the cache has "
                                f"{self.capacity - 1} before the current-token slot")
-        self.k[rows, :, :p] = k_new
-        self.v[rows, :, :p] = v_new
-        if scores is None:
-            self.score[rows, :, :p] = 0
-        else:
-            self.score[rows, :, :p] = scores
-        self.pos[rows, :, :p] = positions
-        self.n_used = max(self.n_used, p)
-        self.bytes_written[self.tier_kind] += self._slot_bytes(p, rows=b)
+        return n_keep
 
     # --- decode ---
 
     def free_slots(self) -> Tensor:
         """(b, g) the lowest free slot of each (sequence, KV head); one always exists (capacity = budget + 1).
         A free slot holds position -1, below every kept one, and argmin returns the first of equal minima: one
-        op where compare, cast and argmax were three (each a parallel region on a CPU, ~0.2 ms at batch 120)."""
+        op where compare, cast and argmax were three (each a parallel region on a CPU: 0.2-0.4 ms a call at batch
+        120 in the decode profile, docs/suite.md)."""
         return self.pos.argmin(dim=-1)
 
     def stage(self, device: torch.device, dtype: torch.dtype, new_rank: Tensor | None = None) -> KVView:

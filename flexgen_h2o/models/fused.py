@@ -39,7 +39,7 @@ CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / name for name in ("bindings.cpp", "scored_attention.cpp", "decode_attention.cpp", "commit_step.cpp",
                                         "half_linear.cpp", "layer_math.cpp")]
 ENV_SWITCH = "FLEXGEN_H2O_FUSED_ATTENTION"
-GLUE_SWITCH = "FLEXGEN_H2O_FUSED_LAYER_MATH"    # "0": only the layer math back on torch ops (benchmarks.decode_ab)
+LAYER_MATH_SWITCH = "FLEXGEN_H2O_FUSED_LAYER_MATH"   # "0": only the layer math on torch ops (A/B runs)
 # queries per block: 3 heads x 128 queries x 2,048 keys of fp32 logits is 3 MB, about one core's L2 plus its
 # share of L3 (a sweep of 64-256 at SmolLM2's 2,048-token prompts moved the kernel's time by a few % at most)
 Q_BLOCK = 128
@@ -150,7 +150,8 @@ def layer_math_usable(x: Tensor) -> bool:
     """Whether x's element-wise layer math (RMSNorm, SwiGLU's gate, RoPE) goes to layer_math.cpp: fp32 on a CPU,
     kernel built, not switched off on its own. A decode step's tensors run there on the calling thread, a
     prompt's across torch's threads (the kernel decides by size)."""
-    return (x.device.type == "cpu" and x.dtype == torch.float32 and os.environ.get(GLUE_SWITCH, "1") != "0"
+    return (x.device.type == "cpu" and x.dtype == torch.float32
+            and os.environ.get(LAYER_MATH_SWITCH, "1") != "0"
             and module() is not None)
 
 

@@ -53,19 +53,17 @@ class StepContext:
     score_reduce: str = "sum"    # pooling of grouped query heads into one KV head's score: "sum" or "mean"
     query_chunk: int = 256       # prefill queries per chunk when scores are wanted (never a full s x s matrix)
     unpadded: bool = False       # no pads in any sequence: a prompt's mask is purely causal (decided on the host)
-    # (inv_freq, dtype, cos, sin) already computed for these positions; rows() starts a fresh list
-    _rope: list = dataclasses.field(default_factory=list, init=False, repr=False, compare=False)
+    # (id of the frequencies' tensor, dtype) -> (cos, sin) of these positions; rows() starts a fresh dict
+    _rope: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
 
     def rope(self, inv_freq: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        """cos, sin (b, t, d) of these positions, computed once per step for every layer with the same
-        frequencies: cos and sin of large angles take a slow argument reduction (~0.2 ms for a decode step's
-        120 x 64 angles on this project's VM, once per attention layer before)."""
-        for freq, dt, cos, sin in self._rope:
-            if dt == dtype and (freq is inv_freq or torch.equal(freq, inv_freq)):
-                return cos, sin
-        cos, sin = rope_cos_sin(self.positions, inv_freq, dtype)
-        self._rope.append((inv_freq, dtype, cos, sin))
-        return cos, sin
+        """cos, sin (b, t, d) of these positions, computed once per step: a model's layers share one frequency
+        tensor (transformer._inv_freq), and each computation is a few parallel regions on a CPU (~0.35 ms at
+        batch 120 on 2 threads, benchmarks/layer_math_cost.py)."""
+        key = (id(inv_freq), dtype)
+        if key not in self._rope:
+            self._rope[key] = (inv_freq, *rope_cos_sin(self.positions, inv_freq, dtype))   # holds the id's owner
+        return self._rope[key][1:]
 
     def rows(self, lo: int, hi: int) -> "StepContext":
         """The context of sequences [lo, hi) only (a prefill chunk): a chunk of an unpadded block is unpadded;

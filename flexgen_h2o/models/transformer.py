@@ -6,6 +6,7 @@ Each forward is a pure function of (x, staged weights, KV view, StepContext).
 """
 from __future__ import annotations
 
+import functools
 from typing import Mapping
 
 from torch import Tensor
@@ -53,6 +54,13 @@ class EmbedLayer(_Base):
         return LayerOutput(hidden=h)
 
 
+@functools.lru_cache(maxsize=8)
+def _inv_freq(cfg: ModelConfig) -> Tensor:
+    """RoPE's frequencies, one tensor per model shared by its layers (read only), so that a step's cos and sin,
+    computed once (StepContext.rope), are found by identity."""
+    return ops.rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling_dict)
+
+
 class AttentionLayer(_Base):
     """Self-attention with its norm and residual. Writes the new token into the staged KV view, then attends."""
     kind = "attn"
@@ -61,8 +69,7 @@ class AttentionLayer(_Base):
         super().__init__(name, cfg, specs)
         self.out_proj = out_proj
         self.norm_prefix = "input_layernorm" if cfg.family == "llama" else "self_attn_layer_norm"
-        self.inv_freq = (ops.rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling_dict)
-                         if cfg.positions == "rope" else None)
+        self.inv_freq = _inv_freq(cfg) if cfg.positions == "rope" else None
 
     def kv_spec(self) -> KVSpec:
         return KVSpec(self.cfg.n_kv_heads, self.cfg.head_dim)

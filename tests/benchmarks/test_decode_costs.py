@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from benchmarks import commit_cost, decode_ab, linear_cost
+from benchmarks import commit_cost, decode_ab, layer_math_cost, linear_cost
 
 
 @pytest.mark.parametrize("policy", ["h2o", "h2o-avg", "h2o-port"])
@@ -27,24 +27,25 @@ def test_decode_ab_times_both_attentions_from_one_prefill(kernel, tmp_path, monk
     from flexgen_h2o.models import fused, ops
     seen = []                      # the layer math's own switch, as each RMSNorm of the run sees it
     real = ops.rms_norm
-    monkeypatch.setattr(ops, "rms_norm", lambda *a: seen.append(os.environ.get(fused.GLUE_SWITCH)) or real(*a))
+    monkeypatch.setattr(ops, "rms_norm", lambda *a: seen.append(os.environ.get(fused.LAYER_MATH_SWITCH)) or real(*a))
     assert decode_ab.main(["--batch", "2", "--prompt-len", "24", "--steps", "3", "--repeats", "2",
                            "--hh-size", "4", "--recent-size", "4", "--threads", "1", "--out", str(tmp_path),
                            "--switch", switch]) == 0
     # the prefill runs before either side sets anything (None); then each side's own value
     assert set(seen) == ({None} if switch == "all" else {None, "0", "1"})
-    assert fused.GLUE_SWITCH not in os.environ and fused.ENV_SWITCH not in os.environ
+    assert fused.LAYER_MATH_SWITCH not in os.environ and fused.ENV_SWITCH not in os.environ
     result = json.loads((tmp_path / "results.json").read_text())
     assert set(result["step_s"]) == {f"{c}-{s}" for c in ("h2o", "full") for s in ("torch", "compiled")}
     assert all(len(t) == 2 and all(x > 0 for x in t) for t in result["step_s"].values())
     assert set(result["torch_over_compiled"]) == {"h2o", "full"}
 
 
-@pytest.mark.parametrize("bench", ["commit_cost", "linear_cost"])
+@pytest.mark.parametrize("bench", ["commit_cost", "linear_cost", "layer_math_cost"])
 def test_a_kernel_benchmark_without_the_kernels_exits_2_with_one_line(bench, tmp_path, capsys, monkeypatch):
     from flexgen_h2o.models import fused
     monkeypatch.setenv(fused.ENV_SWITCH, "0")
-    main = {"commit_cost": commit_cost.main, "linear_cost": linear_cost.main}[bench]
+    main = {"commit_cost": commit_cost.main, "linear_cost": linear_cost.main,
+            "layer_math_cost": layer_math_cost.main}[bench]
     assert main(["--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: the compiled kernels are unavailable (switched off by")
@@ -59,3 +60,14 @@ def test_decode_ab_times_prompt_passes_with_phase_prefill(kernel, tmp_path):
     result = json.loads((tmp_path / "results.json").read_text())
     assert set(result["step_s"]) == {"h2o-torch", "h2o-compiled"}
     assert all(len(t) == 2 and all(x > 0 for x in t) for t in result["step_s"].values())
+
+
+def test_layer_math_cost_times_each_op_on_both_thread_counts_and_the_kernel(kernel, tmp_path):
+    from flexgen_h2o.models import fused
+    assert layer_math_cost.main(["--rows", "4", "--calls", "2", "--repeats", "2", "--out", str(tmp_path)]) == 0
+    us = json.loads((tmp_path / "results.json").read_text())["median_us"]
+    assert set(us) == {"RMSNorm", "silu(gate) * up", "RoPE of q", "cos/sin"}
+    assert all(set(c) >= {"torch, 2 threads", "torch, 1 thread"} and all(t > 0 for t in c.values())
+               for c in us.values())
+    assert "kernel" in us["RMSNorm"] and "kernel" not in us["cos/sin"]
+    assert fused.LAYER_MATH_SWITCH not in os.environ

@@ -1,4 +1,4 @@
-// What the decode kernels share below their math: the instruction-set switch, fp16 rows to fp32, and e^x.
+// What the compiled kernels share below their math: the instruction-set switch, fp16 rows to fp32, and e^x.
 #pragma once
 
 #include <ATen/ATen.h>

@@ -1,0 +1,86 @@
+"""A decode step's element-wise layer math on a CPU, one call of each op at `--rows` sequences (SmolLM2 shapes):
+the torch ops on `--threads` threads, the same ops on one thread, and csrc/layer_math.cpp, interleaved in one
+process. With OMP_WAIT_POLICY=PASSIVE each torch op over ~100k floats is a parallel region that first wakes the
+sleeping OpenMP threads; the one-thread column shows what the wake-ups cost. `cos/sin` is RoPE's angle table
+(no kernel: a step now computes it once, not once per layer).
+
+    python -m benchmarks.layer_math_cost --rows 120 --out benchmarks/results/layer_math_cost
+"""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")     # before torch loads OpenMP
+
+import argparse  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from benchmarks.common import kernels_missing, time_interleaved, timing_summary, write_ab  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.layer_math_cost", description=__doc__.split("\n\n")[0])
+    p.add_argument("--rows", type=int, default=120, help="sequences of a decode step")
+    p.add_argument("--calls", type=int, default=200, help="calls per timed block")
+    p.add_argument("--repeats", type=int, default=6)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out", type=Path, default=Path("benchmarks/results/layer_math_cost"))
+    a = p.parse_args(argv)
+    import torch
+    import torch.nn.functional as F
+    from flexgen_h2o.models import fused, ops
+    if kernels_missing():
+        return 2
+    gen = torch.Generator().manual_seed(0)
+    x, w = torch.randn(a.rows, 1, 576, generator=gen), torch.randn(576, generator=gen).half()
+    gate, up = torch.randn(a.rows, 1, 1536, generator=gen), torch.randn(a.rows, 1, 1536, generator=gen)
+    scratch = torch.empty_like(gate)
+    q = torch.randn(a.rows, 1, 9 * 64, generator=gen).view(a.rows, 1, 9, 64).transpose(1, 2)
+    positions = torch.randint(500, 1100, (a.rows, 1), generator=gen)
+    inv_freq = ops.rope_inv_freq(64, 100000.0)                                     # SmolLM2's
+    cos, sin = (t[:, None] for t in ops.rope_cos_sin(positions, inv_freq, torch.float32))
+
+    def torch_ops(fn, threads: int):
+        def run() -> None:
+            torch.set_num_threads(threads)
+            os.environ[fused.LAYER_MATH_SWITCH] = "0"
+            fn()
+        return run
+
+    def kernel(fn):
+        def run() -> None:
+            torch.set_num_threads(1)          # the kernel is serial at this size; the scratch copy stays serial
+            os.environ.pop(fused.LAYER_MATH_SWITCH, None)
+            fn()
+        return run
+
+    ops_to_time = {
+        "RMSNorm": (lambda: ops.rms_norm(x, w, 1e-5), lambda: ops.rms_norm(x, w, 1e-5)),
+        # the kernel writes into its gate: a copy into scratch first, so its figure is an upper bound
+        "silu(gate) * up": (lambda: F.silu(gate) * up, lambda: fused.silu_mul_(scratch.copy_(gate), up)),
+        "RoPE of q": (lambda: ops.apply_rope(q, cos, sin), lambda: ops.apply_rope(q, cos, sin)),
+        "cos/sin": (lambda: ops.rope_cos_sin(positions, inv_freq, torch.float32), None),
+    }
+    before = torch.get_num_threads()
+    summary = {}
+    try:
+        for name, (torch_fn, kernel_fn) in ops_to_time.items():
+            run = {f"torch, {a.threads} threads": torch_ops(torch_fn, a.threads),
+                   "torch, 1 thread": torch_ops(torch_fn, 1)}
+            if kernel_fn is not None:
+                run["kernel"] = kernel(kernel_fn)
+            summary[name] = timing_summary(time_interleaved(run, a.repeats, a.calls), f"torch, {a.threads} threads")
+    finally:
+        torch.set_num_threads(before)
+        os.environ.pop(fused.LAYER_MATH_SWITCH, None)
+    us = {name: {case: 1e3 * ms for case, ms in s["median_ms"].items()} for name, s in summary.items()}
+    result = {"args": {k: str(v) for k, v in vars(a).items()}, "ops": summary, "median_us": us}
+    write_ab(a.out, result, "median_us",
+             lambda name, cases: f"{name} ({a.rows} rows, median of {a.repeats}): "
+                                 + ", ".join(f"{case} {t:.1f} us" for case, t in cases.items()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
