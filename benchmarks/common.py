@@ -221,3 +221,18 @@ def module_at(rev: str, path: str, name: str):
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
     return module
+
+
+def kernels_at(rev: str):
+    """The compiled kernels (flexgen_h2o/models/csrc) as they were at git revision `rev`, built under another
+    extension name beside the working tree's (an A/B of a kernel change in one process)."""
+    from flexgen_h2o.models import fused
+    csrc = fused.CSRC.relative_to(REPO_ROOT)
+    build_dir = Path(tempfile.gettempdir()) / f"flexgen_h2o_csrc_{rev}"
+    folder = build_dir / csrc
+    if not folder.is_dir():
+        build_dir.mkdir(parents=True, exist_ok=True)
+        archive = subprocess.run(["git", "archive", rev, str(csrc)], cwd=REPO_ROOT, capture_output=True,
+                                 check=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(build_dir)], input=archive, check=True)
+    return fused.build(sorted(folder.glob("*.cpp")), tag="_" + rev)

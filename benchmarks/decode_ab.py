@@ -5,14 +5,17 @@ compiled, torch, ...), so the VM's drift lands on both alike.
 Everything else is the same engine, prompts (Wikipedia windows) and cache rules as benchmarks/profile_decode.py;
 every call decodes from one shared prefill (Engine.prefill), so only the decode attention differs. The figure
 is the median decode step of each call (its first step, which commits the kept prompt rows, left out).
-`--switch layer-math` turns only csrc/layer_math.cpp off on the torch side; `--phase prefill` times whole prompt
-passes (a one-token generate each, no shared prefill) instead of decode steps.
+`--switch layer-math` turns only csrc/layer_math.cpp off on the torch side; `--base REV` compares the working
+tree's kernels with those of git revision REV instead (both compiled); `--phase prefill` times whole prompt passes
+(a one-token generate each, no shared prefill) instead of decode steps.
 
     python -m benchmarks.decode_ab --batch 120 --prompt-len 512 --out benchmarks/results/decode_ab
     # only the layer math (RMSNorm, SwiGLU's gate, RoPE: csrc/layer_math.cpp) switched, every other kernel on
     python -m benchmarks.decode_ab --switch layer-math --cases h2o --out benchmarks/results/decode_ab_layer_math
     # the same switch over whole prompt passes (SmolLM2, 4 x 2048)
     python -m benchmarks.decode_ab --switch layer-math --phase prefill --cases h2o --batch 4 --prompt-len 2048
+    # a kernel change: models/csrc as it was at 09ad2d5 (built beside the working tree's) against the working tree
+    python -m benchmarks.decode_ab --base 09ad2d5 --cases h2o --out benchmarks/results/decode_ab_kernels
 """
 from __future__ import annotations
 
@@ -24,9 +27,9 @@ import argparse  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from benchmarks.common import kernels_missing, median, write_ab  # noqa: E402
+from typing import Callable  # noqa: E402
 
-SIDES = {"torch": "0", "compiled": "1"}     # models/fused's switch during each side's decode
+from benchmarks.common import kernels_at, kernels_missing, median, write_ab  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -42,10 +45,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--switch", choices=["all", "layer-math"], default="all",
                    help="what the torch side turns off: every compiled kernel, or only the layer math")
+    p.add_argument("--base", metavar="REV", help="the other side: every compiled kernel as it was at this git "
+                   "revision, instead of the torch ops (--switch is then unused)")
     p.add_argument("--phase", choices=["decode", "prefill"], default="decode",
                    help="prefill: time whole prompt passes (generate one token) instead of decode steps")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/decode_ab"))
     return p
+
+
+def sides(a: argparse.Namespace) -> dict[str, Callable[[], None]]:
+    """The two sides, baseline first, each as what it sets before its calls: the torch ops (the switch at 0)
+    against the compiled kernels, or REV's kernels against the working tree's."""
+    from flexgen_h2o.models import fused
+    if a.base:
+        base, current = kernels_at(a.base), fused.module()
+        return {f"kernels@{a.base}": lambda: fused._state.__setitem__("module", base),
+                "compiled": lambda: fused._state.__setitem__("module", current)}
+    switch = fused.ENV_SWITCH if a.switch == "all" else fused.LAYER_MATH_SWITCH
+    return {"torch": lambda: os.environ.__setitem__(switch, "0"),
+            "compiled": lambda: os.environ.__setitem__(switch, "1")}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -56,20 +74,23 @@ def main(argv: list[str] | None = None) -> int:
     from flexgen_h2o.models import fused
     if kernels_missing():
         return 2
-    switch = fused.ENV_SWITCH if a.switch == "all" else fused.LAYER_MATH_SWITCH
     _, engine, prompts, rules = setup(a)
+    current, switches = fused.module(), (fused.ENV_SWITCH, fused.LAYER_MATH_SWITCH)
+    side_setup = sides(a)
+    baseline = next(iter(side_setup))
     gen = GenerationConfig(max_new_tokens=a.steps + 1 if a.phase == "decode" else 1, stop_at_eos=False)
     steps: dict[str, list[float]] = {}
     try:
         kept = engine.prefill(prompts) if a.phase == "decode" else None
         for case in a.cases:                                    # warm-up: each rule's buffers, both sides
-            for side_value in SIDES.values():
-                os.environ[switch] = side_value
+            for use in side_setup.values():
+                use()
                 engine.generate(prompts, GenerationConfig(max_new_tokens=3, stop_at_eos=False),
                                 eviction=rules[case], prefilled=kept)
         for rep in range(a.repeats):
-            for case, side in [(c, s) for c in a.cases for s in (SIDES if rep % 2 == 0 else reversed(SIDES))]:
-                os.environ[switch] = SIDES[side]
+            for case, side in [(c, s) for c in a.cases
+                               for s in (list(side_setup) if rep % 2 == 0 else list(side_setup)[::-1])]:
+                side_setup[side]()
                 res = engine.generate(prompts, gen, eviction=rules[case], prefilled=kept)
                 # decode: the median step (0: prefill's logits; 1: the kept rows' commit); prefill: the pass
                 step = (median(res.metrics["step_times_s"][2:]) if a.phase == "decode"
@@ -77,13 +98,15 @@ def main(argv: list[str] | None = None) -> int:
                 steps.setdefault(f"{case}-{side}", []).append(step)
                 print(f"{case:8s} {side:8s}: {a.phase} {1e3 * step:.1f} ms", flush=True)
     finally:
-        os.environ.pop(switch, None)
+        for switch in switches:
+            os.environ.pop(switch, None)
+        fused._state["module"] = current
         engine.close()
     result = {"args": {k: str(v) for k, v in vars(a).items()}, "step_s": steps,
-              "torch_over_compiled": {c: median(steps[f"{c}-torch"]) / median(steps[f"{c}-compiled"])
-                                      for c in a.cases}}
-    write_ab(a.out, result, "torch_over_compiled",
-             lambda case, r: f"{case}: torch ops {1e3 * median(steps[case + '-torch']):.1f} ms, compiled "
+              f"{baseline}_over_compiled": {c: median(steps[f"{c}-{baseline}"]) / median(steps[f"{c}-compiled"])
+                                            for c in a.cases}}
+    write_ab(a.out, result, f"{baseline}_over_compiled",
+             lambda case, r: f"{case}: {baseline} {1e3 * median(steps[f'{case}-{baseline}']):.1f} ms, compiled "
                              f"{1e3 * median(steps[case + '-compiled']):.1f} ms a "
                              f"{'step' if a.phase == 'decode' else 'prompt pass'} "
                              f"(median of {a.repeats}): {r:.2f}x")

@@ -4,6 +4,8 @@ torch's GEMM; `kernel` converts it a few rows at a time in L1 (models/csrc/half_
 SmolLM2 layer's projections and its LM head, at `--rows` rows (the batch of a decode step).
 
     python -m benchmarks.linear_cost --rows 120 --out benchmarks/results/linear_cost
+    # a change to the kernel: `kernel@REV` is half_linear.cpp as it was at git revision REV, built beside it
+    python -m benchmarks.linear_cost --rows 120 --base 09ad2d5 --out benchmarks/results/linear_cost_ab
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import argparse  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from benchmarks.common import kernels_missing, time_interleaved, timing_summary, write_timings  # noqa: E402
+from benchmarks.common import kernels_at, kernels_missing, time_interleaved, timing_summary, write_timings  # noqa: E402
 
 # (out features, in features) of SmolLM2-135M's matrices, with how many of each a decode step multiplies
 SHAPES = {"q/o (576 x 576)": (576, 576, 60), "k/v (192 x 576)": (192, 576, 60),
@@ -29,10 +31,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--calls", type=int, default=5, help="calls per timed block")
     p.add_argument("--repeats", type=int, default=6)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--base", metavar="REV", help="also time the kernels of this git revision (case kernel@REV)")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/linear_cost"))
     a = p.parse_args(argv)
     import torch
-    from flexgen_h2o.models import ops
+    from flexgen_h2o.models import fused, ops
     if kernels_missing():
         return 2
     torch.set_num_threads(a.threads)
@@ -40,22 +43,33 @@ def main(argv: list[str] | None = None) -> int:
     weights = {name: (torch.randn(n, k, generator=gen) * 0.05).half() for name, (n, k, _) in SHAPES.items()}
     xs = {name: torch.randn(a.rows, k, generator=gen) for name, (_, k, _) in SHAPES.items()}
     limit = ops.HALF_LINEAR_MAX_ROWS
+    current = fused.module()
+    builds = {"kernel": current, **({f"kernel@{a.base}": kernels_at(a.base)} if a.base else {})}
 
-    def step(kernel: bool) -> None:
+    def use(build) -> None:
+        """ops.linear through `build`'s kernel (None: through the BLAS path)."""
+        ops.HALF_LINEAR_MAX_ROWS = a.rows if build is not None else 0
+        fused._state["module"] = build or current
+
+    def step(build=None) -> None:
         """One decode step's worth of products: every matrix as often as the model multiplies it."""
-        ops.HALF_LINEAR_MAX_ROWS = a.rows if kernel else 0
+        use(build)
         for name, (_, _, count) in SHAPES.items():
             for _ in range(count):
                 ops.linear(xs[name], weights[name])
 
     try:
-        times = time_interleaved({"blas": lambda: step(False), "kernel": lambda: step(True)}, a.repeats, a.calls)
-        ops.HALF_LINEAR_MAX_ROWS = 0
+        cases = {"blas": step, **{name: (lambda b=build: step(b)) for name, build in builds.items()}}
+        times = time_interleaved(cases, a.repeats, a.calls)
+        use(None)
         blas = {name: ops.linear(xs[name], weights[name]) for name in SHAPES}
-        ops.HALF_LINEAR_MAX_ROWS = a.rows
-        worst = max((ops.linear(xs[name], weights[name]) - blas[name]).abs().max().item() for name in SHAPES)
+        worst = 0.0
+        for build in builds.values():
+            use(build)
+            worst = max(worst, *((ops.linear(xs[n], weights[n]) - blas[n]).abs().max().item() for n in SHAPES))
     finally:
         ops.HALF_LINEAR_MAX_ROWS = limit
+        fused._state["module"] = current
     result = {"args": {k: str(v) for k, v in vars(a).items()}, **timing_summary(times, "blas"),
               "max_abs_difference": worst}
     write_timings(a.out, result, "blas", f"a decode step's linear layers ({a.rows} rows, SmolLM2 shapes, "

@@ -5,10 +5,11 @@ Decode (default): one prefill (Engine.prefill, not profiled), one warm-up decode
 steps timed without the profiler and one under it. Each case decodes from the same prefill at the same batch, so
 only the cache rule differs. `--phase prefill`: the prompt pass instead (generate one token, timed once without
 and once under the profiler, after a warm-up), per case, since H2O's prefill also accumulates scores. The ops
-fall into groups (GEMM, attention, KV eviction bookkeeping, copies and casts, element-wise, other) by name; the
-table gives each group's self CPU time per unit and its share (`--device cuda`: its own kernels' GPU time, and a
-Chrome trace). A decode profile also holds generate's one-time setup (committing the kept prompt rows), spread
-over the steps.
+fall into groups (each compiled kernel of models/csrc, profiled as a range `csrc::<name>`; GEMM, attention, KV
+eviction bookkeeping, copies and casts, element-wise, other) by name; the table gives each group's self CPU time
+per unit and its share, and on a CPU the wall time no op accounts for (Python, thread wake-ups) (`--device
+cuda`: its own kernels' GPU time, and a Chrome trace). A decode profile also holds generate's one-time setup
+(committing the kept prompt rows), spread over the steps.
 
     python -m benchmarks.profile_decode --batch 54 --prompt-len 2048 --out benchmarks/results/profile_decode
     python -m benchmarks.profile_decode --phase prefill --batch 4 --out benchmarks/results/profile_prefill
@@ -26,12 +27,21 @@ import argparse  # noqa: E402
 import json  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
+import time  # noqa: E402
+from contextlib import contextmanager  # noqa: E402
 from pathlib import Path  # noqa: E402
+from types import SimpleNamespace  # noqa: E402
+from typing import Callable, Iterator  # noqa: E402
 
 import numpy as np  # noqa: E402
 
 # first matching group wins; names are aten op names as the profiler reports them
 GROUPS: list[tuple[str, tuple[str, ...]]] = [
+    # the compiled kernels (models/csrc), which profile as ranges of their own under named_kernels()
+    ("kernel: linear (half_linear)", ("csrc::half_linear",)),
+    ("kernel: attention", ("csrc::decode_attention", "csrc::scored_prompt_attention")),
+    ("kernel: KV commit and eviction", ("csrc::commit_step",)),
+    ("kernel: layer math (RMSNorm, SwiGLU, RoPE)", ("csrc::rms_norm_rows", "csrc::silu_mul_", "csrc::rope_rows")),
     ("GEMM (linear, matmul)", ("aten::mm", "aten::addmm", "aten::bmm", "aten::linear", "aten::matmul",
                                "aten::baddbmm")),
     ("attention (sdpa, softmax)", ("aten::_scaled_dot_product", "aten::scaled_dot_product", "aten::softmax",
@@ -50,6 +60,35 @@ GROUPS: list[tuple[str, tuple[str, ...]]] = [
                                      "aten::ge", "aten::le", "aten::logical", "aten::bitwise", "aten::clamp",
                                      "aten::embedding", "aten::cumsum", "aten::maximum", "aten::minimum")),
 ]
+
+
+KERNEL_PREFIX = "csrc::"
+OUTSIDE = "outside any op (Python, thread wake-ups)"
+
+
+@contextmanager
+def named_kernels() -> Iterator[None]:
+    """Each compiled kernel call as a profiler range named csrc::<kernel>, so the profile times the kernels too
+    (they are pybind functions, not torch ops, and would otherwise show only as the time between ops)."""
+    import torch
+    from flexgen_h2o.models import fused
+    ext = fused.module()
+    if ext is None:
+        yield
+        return
+
+    def named(name: str, fn: Callable) -> Callable:
+        def call(*args, **kwargs):
+            with torch.profiler.record_function(KERNEL_PREFIX + name):
+                return fn(*args, **kwargs)
+        return call
+
+    fused._state["module"] = SimpleNamespace(**{name: named(name, getattr(ext, name)) for name in dir(ext)
+                                                if not name.startswith("_") and callable(getattr(ext, name))})
+    try:
+        yield
+    finally:
+        fused._state["module"] = ext
 
 
 def group_of(op: str) -> str:
@@ -175,8 +214,10 @@ def main(argv: list[str] | None = None) -> int:
             run()                                                                       # warm-up
             plain = units(run())
             plain = plain[1:] if a.phase == "decode" else plain                       # step 0: prefill's logits
-            with profile(activities=activities) as prof:
+            with profile(activities=activities) as prof, named_kernels():
+                began = time.perf_counter()
                 profiled = units(run())
+                call_s = time.perf_counter() - began
             if on_gpu:
                 prof.export_chrome_trace(str(a.out / f"trace_{case}.json"))
             # on a GPU the kernels also appear as rows of their own: count each once, under the op launching it
@@ -191,6 +232,8 @@ def main(argv: list[str] | None = None) -> int:
                      "timed": "self GPU" if on_gpu else "self CPU",
                      # on a GPU, kernel time well under the wall time means the device waited (copies, host)
                      "busy_ms_per_step": 1e3 * sum(r[1] for r in rows) / steps,
+                     # on a CPU, the call's wall time that no op (nor kernel range) accounts for
+                     "outside_ms_per_step": None if on_gpu else 1e3 * (call_s - sum(r[1] for r in rows)) / steps,
                      "top_ops": [{"op": op, "ms_per_step": 1e3 * s / steps, "calls_per_step": c / steps}
                                  for op, s, c in top]}
             if machine:
@@ -216,7 +259,9 @@ def markdown(report: dict, a: argparse.Namespace) -> str:
                  f"{e['step_ms_median'] / e['bound_step_ms']:.2f}x") if "bound_step_ms" in e else ""
         lines += [f"## {case}: {unit} {e['step_ms_median']:.1f} ms (under the profiler "
                   f"{e['step_ms_profiled_median']:.1f} ms){bound}", "",
-                  f"{e['timed']} time of all ops: {e['busy_ms_per_step']:.1f} ms per {unit}", "",
+                  f"{e['timed']} time of all ops: {e['busy_ms_per_step']:.1f} ms per {unit}"
+                  + (f"; {OUTSIDE}: {e['outside_ms_per_step']:.1f} ms (the profiled call's wall time less its "
+                     f"ops' self time, per {unit})" if e.get("outside_ms_per_step") is not None else ""), "",
                   f"| group | ms per {unit} | calls per {unit} | share of {e['timed']} |", "|---|---|---|---|"]
         lines += [f"| {g['group']} | {g['ms_per_step']:.1f} | {g['calls_per_step']:.0f} | {100 * g['share']:.0f} % |"
                   for g in e["groups"]]

@@ -28,9 +28,11 @@ def _step(b, h, g, s, d, capacity, free=0.3, seed=0, q_scale=1.0):
 
 
 SHAPES = [
-    (3, 9, 3, 409, 64, 410),     # SmolLM2's GQA at 20 % of 2k: 51 blocks of 8 keys and a tail of 1
-    (2, 4, 4, 17, 64, 20),       # MHA (OPT), one head per group
-    (2, 8, 2, 13, 80, 13),       # 4 heads per group, 80 dims: a block of 8 vectors and one of 2
+    (3, 9, 3, 409, 64, 410),     # SmolLM2's GQA at 20 % of 2k: 102 blocks of 4 keys and a tail of 1
+    (2, 4, 4, 17, 64, 20),       # MHA (OPT), one head per group: two blocks of 8 keys and a tail of 1
+    (2, 8, 2, 13, 80, 13),       # 4 heads per group (three at once, then one), 80 dims: 4 + 4 + 2 vectors
+    (2, 12, 2, 37, 32, 40),      # 6 heads per group: two passes of three; 37 keys, blocks of 4 and a tail of 1
+    (2, 4, 2, 30, 64, 30),       # 2 heads per group
     (1, 6, 3, 7, 12, 9),         # 12 dims, not a multiple of 8: the plain C++ loops; fewer keys than a block
     (4, 2, 1, 1, 64, 1),         # a window of one slot: the new token alone
 ]

@@ -122,7 +122,7 @@ def test_a_failed_build_falls_back_to_torch_ops_and_says_why_once(monkeypatch, c
     def no_compiler():
         raise RuntimeError("Ninja is required to load C++ extensions")
     monkeypatch.setattr(fused, "_state", {})
-    monkeypatch.setattr(fused, "_build", no_compiler)
+    monkeypatch.setattr(fused, "build", no_compiler)
     q = torch.zeros(1, 2, 3, 4)
     assert not fused.usable(q) and not fused.usable(q)
     err = capsys.readouterr().err
@@ -135,7 +135,7 @@ def test_a_failed_build_falls_back_to_torch_ops_and_says_why_once(monkeypatch, c
 
 def test_the_switch_turns_it_off_without_building(monkeypatch):
     monkeypatch.setattr(fused, "_state", {})
-    monkeypatch.setattr(fused, "_build", lambda: pytest.fail("must not build when switched off"))
+    monkeypatch.setattr(fused, "build", lambda: pytest.fail("must not build when switched off"))
     monkeypatch.setenv(fused.ENV_SWITCH, "0")
     assert fused.module() is None and fused.unavailable_reason() is None
     assert not fused.usable(torch.zeros(1, 1, 2, 2))

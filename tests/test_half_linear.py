@@ -19,13 +19,16 @@ def _pair(m: int, k: int, n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Te
     (1, 64, 5),           # one row, one partial weight tile
     (7, 13, 9),           # k not a multiple of 8, row and column tiles cut at both edges
     (200, 1536, 10),      # several row blocks and a partial tile
+    (11, 1200, 33),       # three row tiles and a partial one of 2; eight weight tiles and a partial one of 1
+    (4, 8, 16),           # k of one vector: no tail
+    (3, 0, 5),            # no k: zeros, as torch gives
 ])
 def test_kernel_gives_the_product_of_the_upcast_weight(kernel, m, k, n):
     x, w = _pair(m, k, n)
     out = kernel.half_linear(x, w)
     ref = x.double() @ w.double().T
     assert out.shape == (m, n) and out.dtype == torch.float32
-    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5 * k ** 0.5)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5 * max(k, 1) ** 0.5)
 
 
 def test_kernel_is_the_same_on_one_thread_and_two(kernel):

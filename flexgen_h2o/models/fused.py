@@ -3,9 +3,10 @@
 - Prompt (csrc/scored_attention.cpp): the attention output and every key's attention mass in one pass whose 3 MB
   blocks of logits stay in the core's caches; the same math as torch ops (ops.grouped_attention) makes 16 MB
   blocks that every pass reads from L3 or DRAM.
-- Decode (csrc/decode_attention.cpp): one step over the fp16 cache read in place, each key or value row
-  converted once into an fp32 copy in L2 and read there by every query head of its group; the torch ops
-  (ops.narrow_decode_attention) upcast the window with copy_ and multiply it with small batched GEMMs.
+- Decode (csrc/decode_attention.cpp): one step over the fp16 cache read in place, each key or value vector
+  converted in a register and used there by up to three query heads of its group, the window's lines requested
+  ahead of use; the torch ops (ops.narrow_decode_attention) upcast the window with copy_ and multiply it with
+  small batched GEMMs.
 - Commit (csrc/commit_step.cpp, called by kv.cache.KVCache): a decode step's K/V row, position and attention
   mass written into a CPU-homed cache and H2O's victim chosen, one pass per (sequence, KV head) column, where
   kv/h2o.py's rules as torch ops make ~40 passes over the whole window.
@@ -58,13 +59,15 @@ def isa_flags() -> list[str]:
     return []
 
 
-def _build() -> ModuleType:
+def build(sources: list[Path] = SOURCES, tag: str = "") -> ModuleType:
+    """Compile (or load from the cache) the kernels from these sources, the include folder beside them. A tag
+    names another build (benchmarks.common.kernels_at: an older revision's kernels beside these)."""
     from torch.utils.cpp_extension import load     # imported late: it pulls in setuptools
     flags = isa_flags()
     # -fopenmp: the prompt kernel sets its threads' OpenMP team size (the libgomp torch has loaded is the one
     # used). The name carries the instruction set, so a cache directory shared by two kinds of CPU keeps both
-    return load(name="flexgen_h2o_kernels" + ("_avx2" if flags else ""), sources=[str(p) for p in SOURCES],
-                extra_cflags=["-O3", "-fopenmp", *flags], extra_include_paths=[str(CSRC)],
+    return load(name="flexgen_h2o_kernels" + tag + ("_avx2" if flags else ""), sources=[str(p) for p in sources],
+                extra_cflags=["-O3", "-fopenmp", *flags], extra_include_paths=[str(sources[0].parent)],
                 extra_ldflags=["-fopenmp"], verbose=False)
 
 
@@ -78,7 +81,7 @@ def module() -> ModuleType | None:
         if "module" in _state or "reason" in _state:
             return _state.get("module")                                  # type: ignore[return-value]
         try:
-            _state["module"] = _build()
+            _state["module"] = build()
         except Exception as exc:                   # no compiler, no ninja, no Python headers: run without it
             reason = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
             _state["reason"] = reason

@@ -71,3 +71,38 @@ def test_layer_math_cost_times_each_op_on_both_thread_counts_and_the_kernel(kern
                for c in us.values())
     assert "kernel" in us["RMSNorm"] and "kernel" not in us["cos/sin"]
     assert fused.LAYER_MATH_SWITCH not in os.environ
+
+
+@pytest.mark.slow
+def test_decode_ab_base_times_another_build_of_the_kernels(kernel, tmp_path, monkeypatch):
+    """--base REV: one side runs REV's build (here a stand-in that counts its linear calls), the other the
+    working tree's; afterwards the working tree's is back in place."""
+    from types import SimpleNamespace
+    current = kernel.module()
+    calls = []
+    base = SimpleNamespace(**{name: getattr(current, name) for name in dir(current) if not name.startswith("_")})
+    base.half_linear = lambda *a: calls.append(1) or current.half_linear(*a)
+    monkeypatch.setattr(decode_ab, "kernels_at", lambda rev: base if rev == "abc123" else pytest.fail(rev))
+    assert decode_ab.main(["--batch", "2", "--prompt-len", "24", "--steps", "3", "--repeats", "2", "--cases", "h2o",
+                           "--hh-size", "4", "--recent-size", "4", "--threads", "1", "--out", str(tmp_path),
+                           "--base", "abc123"]) == 0
+    result = json.loads((tmp_path / "results.json").read_text())
+    assert set(result["step_s"]) == {"h2o-kernels@abc123", "h2o-compiled"}
+    assert set(result["kernels@abc123_over_compiled"]) == {"h2o"}
+    # warm-up (3 tokens) and two timed calls (4 tokens) on the base side: 30 linear calls per token's step
+    assert len(calls) > 0 and kernel.module() is current
+
+
+def test_kernels_at_builds_the_revisions_own_sources(tmp_path, monkeypatch):
+    import subprocess
+    from benchmarks.common import REPO_ROOT, kernels_at
+    from flexgen_h2o.models import fused
+    built = {}
+    monkeypatch.setattr(fused, "build", lambda sources, tag: built.update(sources=sources, tag=tag) or "module")
+    assert kernels_at("HEAD") == "module" and built["tag"] == "_HEAD"
+    names = {p.name for p in built["sources"]}
+    assert "bindings.cpp" in names and "half_linear.cpp" in names
+    for path in built["sources"]:
+        rel = fused.CSRC.relative_to(REPO_ROOT) / path.name
+        at_head = subprocess.run(["git", "show", f"HEAD:{rel}"], cwd=REPO_ROOT, capture_output=True, check=True)
+        assert path.read_bytes() == at_head.stdout

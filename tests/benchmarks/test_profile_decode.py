@@ -3,7 +3,7 @@ import argparse
 
 import pytest
 
-from benchmarks.profile_decode import group_of, grouped, markdown
+from benchmarks.profile_decode import OUTSIDE, group_of, grouped, markdown, named_kernels
 
 
 def test_ops_fall_into_their_groups():
@@ -13,6 +13,22 @@ def test_ops_fall_into_their_groups():
     assert group_of("aten::_to_copy") == group_of("aten::copy_") == "copies and casts"
     assert group_of("aten::mul") == "element-wise and reductions"
     assert group_of("aten::view").startswith("other")
+    assert group_of("csrc::half_linear") == "kernel: linear (half_linear)"
+    assert group_of("csrc::commit_step").startswith("kernel: KV commit")
+
+
+def test_the_compiled_kernels_profile_under_their_own_names(kernel):
+    import torch
+    from torch.profiler import profile
+    real = kernel.module()
+    x, w = torch.randn(3, 16), torch.randn(5, 16).half()
+    with profile() as prof, named_kernels():
+        assert kernel.module() is not real
+        out = kernel.half_linear(x, w)
+    assert kernel.module() is real
+    torch.testing.assert_close(out, x @ w.float().T)
+    keys = {e.key: e.count for e in prof.key_averages()}
+    assert keys.get("csrc::half_linear") == 1
 
 
 def test_grouped_sums_per_step_and_sorts_by_time():
@@ -27,10 +43,14 @@ def test_markdown_states_the_ratio_to_the_bound():
     case = {"step_ms_median": 400.0, "step_ms_profiled_median": 430.0, "bound_step_ms": 100.0,
             "bound_limit": "compute", "groups": grouped([("aten::mm", 1.0, 8)], 8),
             "top_ops": [{"op": "aten::mm", "ms_per_step": 125.0, "calls_per_step": 1}],
-            "timed": "self GPU", "busy_ms_per_step": 125.0}
+            "timed": "self GPU", "busy_ms_per_step": 125.0, "outside_ms_per_step": None}
     md = markdown({"cases": {"h2o": case}}, argparse.Namespace(model="m", batch=4, prompt_len=16, phase="decode"))
     assert "measured / bound 4.00x" in md and "| GEMM (linear, matmul) | 125.0 | 1 | 100 % |" in md
     assert "self GPU time of all ops: 125.0 ms per decode step" in md and "share of self GPU |" in md
+    assert OUTSIDE not in md
+    case.update(timed="self CPU", outside_ms_per_step=75.0)
+    md = markdown({"cases": {"h2o": case}}, argparse.Namespace(model="m", batch=4, prompt_len=16, phase="decode"))
+    assert f"{OUTSIDE}: 75.0 ms" in md
 
 
 def test_percent_places_the_weights_and_the_bound_counts_the_disk_share():

@@ -4,8 +4,10 @@
 // The torch-op path (ops.narrow_decode_attention) upcasts the window to fp32 a block of sequences at a time with
 // copy_ and multiplies it with batched GEMMs of r query rows. At SmolLM2's batch 120 x 3 KV heads x 409 slots that
 // is ~565 M elements converted per step (~1.6 G elements/s through copy_ on this project's VM) and bmm at
-// ~19 GFLOP/s. Here each thread takes one (sequence, KV head) at a time and converts each key or value row once,
-// into a row in L1, where every query head of the group uses it: the window is read once, as fp16.
+// ~19 GFLOP/s. Here each thread takes one (sequence, KV head) at a time and reads its window once, as fp16: each
+// key or value vector is converted in a register and used there by up to three query heads of the group at once.
+// (Converting rows into an fp32 scratch first, the previous version, spent a third of the kernel's time storing
+// the converted rows and loading them back.)
 //
 // Built with -mavx2 -mfma -mf16c where the CPU has them (models/fused.py decides); elsewhere the same loops run
 // as plain C++, which the compiler vectorises as it can.
@@ -22,104 +24,154 @@
 
 namespace {
 
-float dot(const float* a, const float* b, int64_t d) {
-  float sum = 0.0f;
-  for (int64_t i = 0; i < d; ++i) sum += a[i] * b[i];
-  return sum;
+constexpr int64_t PREFETCH_ROWS = 32;  // how far ahead of the rows in use their lines are requested
+constexpr int64_t HEADS_AT_ONCE = 3;   // query heads per pass over the window: their sums fill 12 of 16 registers
+
+// logits[j * ld + i] = q_j . key_i for the R heads q (R x d) over s fp16 keys: the plain loops
+void logits_plain(const float* q, int64_t R, const at::Half* keys, int64_t s, int64_t d, int64_t ld, float* logits) {
+  for (int64_t i = 0; i < s; ++i)
+    for (int64_t j = 0; j < R; ++j) {
+      float sum = 0.0f;
+      for (int64_t c = 0; c < d; ++c) sum += q[j * d + c] * static_cast<float>(keys[i * d + c]);
+      logits[j * ld + i] = sum;
+    }
 }
 
 #ifdef FLEXGEN_H2O_AVX2
+// ask for rows [i, i + n) of the window (s rows of d halves) ahead of their use: a column's window comes from DRAM
+// (the whole cache is ~0.5 GB at the s2048 batch), and the loops below are short enough to wait on every line
+inline void prefetch_rows(const at::Half* rows, int64_t i, int64_t n, int64_t s, int64_t d) {
+  const int64_t end = std::min(i + n, s) * d;
+  for (int64_t at = i * d; at < end; at += 32) __builtin_prefetch(rows + at);   // 32 halves: one 64-byte line
+}
+
+inline __m256 load_half8(const at::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
 // the eight lanes of x[u] summed, into lane u of the result
-inline __m256 sum_each(const __m256* x) {
+inline __m256 sum_each8(const __m256* x) {
   const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(x[0], x[1]), _mm256_hadd_ps(x[2], x[3]));
   const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(x[4], x[5]), _mm256_hadd_ps(x[6], x[7]));
   return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
 }
+
+// the eight lanes of x[u] summed, into lane u of the result, for four vectors
+inline __m128 sum_each4(const __m256* x) {
+  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(x[0], x[1]), _mm256_hadd_ps(x[2], x[3]));
+  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+// logits_plain for d % 8 == 0: ROWS keys at a time, each 8-wide piece converted once and multiplied by all R
+// heads; a horizontal sum per (head, block of ROWS keys) rather than per logit
+template <int R, int ROWS>
+void logits_avx2(const float* q, const at::Half* keys, int64_t s, int64_t d, int64_t ld, float* logits) {
+  int64_t i = 0;
+  for (; i + ROWS <= s; i += ROWS) {
+    prefetch_rows(keys, i + PREFETCH_ROWS, ROWS, s, d);
+    __m256 acc[R][ROWS];
+    for (int j = 0; j < R; ++j)
+      for (int u = 0; u < ROWS; ++u) acc[j][u] = _mm256_setzero_ps();
+    for (int64_t c = 0; c < d; c += 8)
+#pragma GCC unroll 8
+      for (int u = 0; u < ROWS; ++u) {
+        const __m256 k = load_half8(keys + (i + u) * d + c);
+#pragma GCC unroll 3
+        for (int j = 0; j < R; ++j) acc[j][u] = _mm256_fmadd_ps(_mm256_loadu_ps(q + j * d + c), k, acc[j][u]);
+      }
+    for (int j = 0; j < R; ++j) {
+      if (ROWS == 8) _mm256_storeu_ps(logits + j * ld + i, sum_each8(acc[j]));
+      else _mm_storeu_ps(logits + j * ld + i, sum_each4(acc[j]));
+    }
+  }
+  logits_plain(q, R, keys + i * d, s - i, d, ld, logits + i);
+}
+
+// out_j[c0, c0 + 8 NC) += sum_i w_j[i] value_i[c0, ...) for R heads (weights w_j at w + j * ld); rows whose R
+// weights are all 0 are skipped (masked slots: their fp16 rows may hold anything), and so is row `skip`
+template <int R, int NC>
+void values_avx2(const float* w, int64_t ld, const at::Half* values, int64_t s, int64_t d, int64_t c0,
+                 int64_t skip, float* out) {
+  __m256 acc[R][NC];
+  for (int j = 0; j < R; ++j)
+    for (int c = 0; c < NC; ++c) acc[j][c] = _mm256_loadu_ps(out + j * d + c0 + 8 * c);
+  for (int64_t i = 0; i < s; ++i) {
+    bool any = false;
+    for (int j = 0; j < R; ++j) any |= w[j * ld + i] != 0.0f;
+    if (c0 == 0) prefetch_rows(values, i + PREFETCH_ROWS, 1, s, d);
+    if (!any || i == skip) continue;
+#pragma GCC unroll 4
+    for (int c = 0; c < NC; ++c) {
+      const __m256 v = load_half8(values + i * d + c0 + 8 * c);
+#pragma GCC unroll 3
+      for (int j = 0; j < R; ++j) acc[j][c] = _mm256_fmadd_ps(_mm256_set1_ps(w[j * ld + i]), v, acc[j][c]);
+    }
+  }
+  for (int j = 0; j < R; ++j)
+    for (int c = 0; c < NC; ++c) _mm256_storeu_ps(out + j * d + c0 + 8 * c, acc[j][c]);
+}
+
+template <int R>
+void values_blocks(const float* w, int64_t ld, const at::Half* values, int64_t s, int64_t d, int64_t skip,
+                   float* out) {
+  for (int64_t c0 = 0; c0 < d; c0 += 32)            // four vectors of d per pass: 4 R sums in registers
+    switch ((d - c0) / 8) {
+      case 1: values_avx2<R, 1>(w, ld, values, s, d, c0, skip, out); break;
+      case 2: values_avx2<R, 2>(w, ld, values, s, d, c0, skip, out); break;
+      case 3: values_avx2<R, 3>(w, ld, values, s, d, c0, skip, out); break;
+      default: values_avx2<R, 4>(w, ld, values, s, d, c0, skip, out); break;
+    }
+}
 #endif
 
-// logits[i] = q . rows[i] for the n rows of d floats. Eight rows at a time share one reduction: a horizontal sum
-// per row would cost more instructions than its FMAs (d = 64).
-void dot_rows(const float* q, const float* rows, int64_t n, int64_t d, float* logits) {
-  int64_t i = 0;
+// logits of R <= HEADS_AT_ONCE heads over s keys
+void head_logits(const float* q, int64_t R, const at::Half* keys, int64_t s, int64_t d, int64_t ld, float* logits) {
 #ifdef FLEXGEN_H2O_AVX2
   if (d % 8 == 0) {
-    for (; i + 8 <= n; i += 8) {
-      __m256 acc[8];
-      for (int u = 0; u < 8; ++u) acc[u] = _mm256_setzero_ps();
-      for (int64_t c = 0; c < d; c += 8) {
-        const __m256 qv = _mm256_loadu_ps(q + c);
-#pragma GCC unroll 8
-        for (int u = 0; u < 8; ++u) acc[u] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(rows + (i + u) * d + c), acc[u]);
-      }
-      _mm256_storeu_ps(logits + i, sum_each(acc));
+    switch (R) {
+      case 1: return logits_avx2<1, 8>(q, keys, s, d, ld, logits);
+      case 2: return logits_avx2<2, 4>(q, keys, s, d, ld, logits);
+      default: return logits_avx2<3, 4>(q, keys, s, d, ld, logits);
     }
   }
 #endif
-  for (; i < n; ++i) logits[i] = dot(q, rows + i * d, d);
+  logits_plain(q, R, keys, s, d, ld, logits);
 }
 
-#ifdef FLEXGEN_H2O_AVX2
-// out[c0, c0 + 8 NC) += sum_i w[i] rows[i][c0, c0 + 8 NC), the NC vectors of the sum held in registers
-template <int NC>
-void weighted_block(const float* w, const float* rows, int64_t n, int64_t d, int64_t c0, float* out) {
-  __m256 acc[NC];
-  for (int c = 0; c < NC; ++c) acc[c] = _mm256_loadu_ps(out + c0 + 8 * c);
-  for (int64_t i = 0; i < n; ++i) {
-    if (w[i] == 0.0f) continue;                   // masked slots: nothing to add, and never read their rows
-    const __m256 wv = _mm256_set1_ps(w[i]);
-    const float* row = rows + i * d + c0;
-#pragma GCC unroll 8
-    for (int c = 0; c < NC; ++c) acc[c] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(row + 8 * c), acc[c]);
-  }
-  for (int c = 0; c < NC; ++c) _mm256_storeu_ps(out + c0 + 8 * c, acc[c]);
-}
-#endif
-
-// out[0, d) += sum_i w[i] rows[i], skipping rows whose weight is 0
-void weighted_rows(const float* w, const float* rows, int64_t n, int64_t d, float* out) {
+// out (R x d) += the weighted sum of s fp16 value rows for R <= HEADS_AT_ONCE heads, as values_avx2 says
+void head_values(const float* w, int64_t R, int64_t ld, const at::Half* values, int64_t s, int64_t d, int64_t skip,
+                 float* out) {
 #ifdef FLEXGEN_H2O_AVX2
   if (d % 8 == 0) {
-    for (int64_t c0 = 0; c0 < d; c0 += 64) {
-      switch (std::min<int64_t>(8, (d - c0) / 8)) {
-        case 8: weighted_block<8>(w, rows, n, d, c0, out); break;
-        case 7: weighted_block<7>(w, rows, n, d, c0, out); break;
-        case 6: weighted_block<6>(w, rows, n, d, c0, out); break;
-        case 5: weighted_block<5>(w, rows, n, d, c0, out); break;
-        case 4: weighted_block<4>(w, rows, n, d, c0, out); break;
-        case 3: weighted_block<3>(w, rows, n, d, c0, out); break;
-        case 2: weighted_block<2>(w, rows, n, d, c0, out); break;
-        default: weighted_block<1>(w, rows, n, d, c0, out); break;
-      }
+    switch (R) {
+      case 1: return values_blocks<1>(w, ld, values, s, d, skip, out);
+      case 2: return values_blocks<2>(w, ld, values, s, d, skip, out);
+      default: return values_blocks<3>(w, ld, values, s, d, skip, out);
     }
-    return;
   }
 #endif
-  for (int64_t i = 0; i < n; ++i) {
-    if (w[i] == 0.0f) continue;
-    for (int64_t c = 0; c < d; ++c) out[c] += w[i] * rows[i * d + c];
+  for (int64_t i = 0; i < s; ++i) {
+    if (i == skip) continue;
+    for (int64_t j = 0; j < R; ++j) {
+      const float wi = w[j * ld + i];
+      if (wi == 0.0f) continue;
+      for (int64_t c = 0; c < d; ++c) out[j * d + c] += wi * static_cast<float>(values[i * d + c]);
+    }
   }
 }
 
-// A softmax over n logits in place, each first offset by its mask's bias (0 or -inf). Masked entries come out
-// exactly 0; at least one entry must be unmasked.
-void masked_softmax(float* line, const float* bias, int64_t n) {
-  int64_t i = 0;
+// A softmax over n logits in place; masked entries hold -inf and come out exactly 0. At least one is finite.
+void softmax(float* line, int64_t n) {
   float top = -std::numeric_limits<float>::infinity(), sum = 0.0f;
+  int64_t i = 0;
 #ifdef FLEXGEN_H2O_AVX2
   __m256 topv = _mm256_set1_ps(top);
-  for (; i + 8 <= n; i += 8) {
-    const __m256 x = _mm256_add_ps(_mm256_loadu_ps(line + i), _mm256_loadu_ps(bias + i));
-    _mm256_storeu_ps(line + i, x);
-    topv = _mm256_max_ps(topv, x);
-  }
+  for (; i + 8 <= n; i += 8) topv = _mm256_max_ps(topv, _mm256_loadu_ps(line + i));
   alignas(32) float lanes[8];
   _mm256_store_ps(lanes, topv);
   top = *std::max_element(lanes, lanes + 8);
 #endif
-  for (; i < n; ++i) {
-    line[i] += bias[i];
-    top = std::max(top, line[i]);
-  }
+  for (; i < n; ++i) top = std::max(top, line[i]);
   i = 0;
 #ifdef FLEXGEN_H2O_AVX2
   const __m256 topb = _mm256_set1_ps(top);
@@ -154,39 +206,36 @@ struct Problem {
   float* mass;                    // (b, g, s), or null
 };
 
-// Every row of one (sequence, KV head) window in fp32, the new token's unrounded row at its slot, and the mask
-// as a bias. Rows of invalid slots are zeroed: they are multiplied (by a 0 weight in the dot products), so they
-// must be finite, whatever a freed slot of the cache holds.
-void window_rows(const at::Half* src, const float* new_row, int64_t new_slot, const bool* valid, int64_t s,
-                 int64_t d, float* rows, float* bias) {
-  for (int64_t i = 0; i < s; ++i) {
-    if (i == new_slot)
-      std::copy(new_row, new_row + d, rows + i * d);
-    else if (valid[i])
-      half_to_float(src + i * d, rows + i * d, d);
-    else
-      std::fill(rows + i * d, rows + (i + 1) * d, 0.0f);
-    if (bias != nullptr) bias[i] = valid[i] ? 0.0f : -std::numeric_limits<float>::infinity();
-  }
-}
-
-// the (sequence bi, KV head gi) column: r query heads over s slots. rows: s x d floats of scratch (at most a
-// few hundred KB: L2), so each key and value row is converted from fp16 once and read from cache by every head
-void attend_column(const Problem& p, int64_t bi, int64_t gi, float* qs, float* probs, float* rows, float* bias) {
+// the (sequence bi, KV head gi) column: r query heads over s slots, up to HEADS_AT_ONCE heads per pass over the
+// window. The new token's key and value are the unrounded fp32 rows (k_new, v_new), not its slot's fp16 copy
+void attend_column(const Problem& p, int64_t bi, int64_t gi, float* qs, float* probs) {
   const int64_t bg = bi * p.g + gi, s = p.s, d = p.d, r = p.r;
   const bool* valid = p.valid + bg * s;
   const int64_t new_slot = p.slot[bg];
   const float* q = p.q + bg * r * d;
+  const float* k_new = p.k_new + bg * d;
+  const float* v_new = p.v_new + bg * d;
   for (int64_t i = 0; i < r * d; ++i) qs[i] = q[i] * p.scale;
-  window_rows(p.k + bi * p.kb + gi * p.kg, p.k_new + bg * d, new_slot, valid, s, d, rows, bias);
-  for (int64_t j = 0; j < r; ++j) {               // the new token is always valid: no row is all masked
-    dot_rows(qs + j * d, rows, s, d, probs + j * s);
-    masked_softmax(probs + j * s, bias, s);
+  const at::Half* keys = p.k + bi * p.kb + gi * p.kg;
+  for (int64_t j0 = 0; j0 < r; j0 += HEADS_AT_ONCE)
+    head_logits(qs + j0 * d, std::min(HEADS_AT_ONCE, r - j0), keys, s, d, s, probs + j0 * s);
+  constexpr float masked = -std::numeric_limits<float>::infinity();
+  for (int64_t j = 0; j < r; ++j) {
+    float* line = probs + j * s;
+    for (int64_t i = 0; i < s; ++i)         // a masked slot's row may hold anything: its logit is overwritten
+      if (!valid[i]) line[i] = masked;
+    float sum = 0.0f;
+    for (int64_t c = 0; c < d; ++c) sum += qs[j * d + c] * k_new[c];
+    line[new_slot] = sum;
+    softmax(line, s);                       // the new token is always valid: no line is all masked
   }
-  window_rows(p.v + bi * p.vb + gi * p.vg, p.v_new + bg * d, new_slot, valid, s, d, rows, nullptr);
   float* out = p.out + bg * r * d;
   std::fill(out, out + r * d, 0.0f);
-  for (int64_t j = 0; j < r; ++j) weighted_rows(probs + j * s, rows, s, d, out + j * d);
+  const at::Half* values = p.v + bi * p.vb + gi * p.vg;
+  for (int64_t j0 = 0; j0 < r; j0 += HEADS_AT_ONCE)
+    head_values(probs + j0 * s, std::min(HEADS_AT_ONCE, r - j0), s, values, s, d, new_slot, out + j0 * d);
+  for (int64_t j = 0; j < r; ++j)
+    for (int64_t c = 0; c < d; ++c) out[j * d + c] += probs[j * s + new_slot] * v_new[c];
   if (p.mass != nullptr) {
     float* mass = p.mass + bg * s;
     std::copy(probs, probs + s, mass);
@@ -238,9 +287,8 @@ std::vector<at::Tensor> decode_attention(const at::Tensor& q, const at::Tensor& 
             want_mass ? mass.data_ptr<float>() : nullptr};
   // columns are small (r x s x d): a few per task keeps the scheduling cost below the work
   at::parallel_for(0, b * g, 4, [&](int64_t begin, int64_t end) {
-    std::vector<float> qs(r * d), probs(r * s), rows(s * d), bias(s);
-    for (int64_t col = begin; col < end; ++col)
-      attend_column(p, col / g, col % g, qs.data(), probs.data(), rows.data(), bias.data());
+    std::vector<float> qs(r * d), probs(r * s);
+    for (int64_t col = begin; col < end; ++col) attend_column(p, col / g, col % g, qs.data(), probs.data());
   });
   return {out, mass};
 }

@@ -64,6 +64,7 @@ at::Tensor half_linear(const at::Tensor& x, const at::Tensor& w) {
   const int64_t m = x.size(0), k = x.size(1), n = w.size(0);
   at::Tensor out = at::empty({m, n}, x.options());
   if (m == 0 || n == 0) return out;
+  if (k == 0) return out.zero_();               // an empty sum (and x_rows below divides by k)
   const float* xd = x.data_ptr<float>();
   const at::Half* wd = w.data_ptr<at::Half>();
   float* od = out.data_ptr<float>();
