@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -228,11 +229,21 @@ def kernels_at(rev: str):
     extension name beside the working tree's (an A/B of a kernel change in one process)."""
     from flexgen_h2o.models import fused
     csrc = fused.CSRC.relative_to(REPO_ROOT)
-    build_dir = Path(tempfile.gettempdir()) / f"flexgen_h2o_csrc_{rev}"
+    # keyed by the commit, not the name: HEAD or a branch names other sources once it moves
+    commit = subprocess.run(["git", "rev-parse", "--short=12", f"{rev}^{{commit}}"], cwd=REPO_ROOT,
+                            capture_output=True, text=True, check=True).stdout.strip()
+    build_dir = Path(tempfile.gettempdir()) / f"flexgen_h2o_csrc_{commit}"
     folder = build_dir / csrc
-    if not folder.is_dir():
-        build_dir.mkdir(parents=True, exist_ok=True)
-        archive = subprocess.run(["git", "archive", rev, str(csrc)], cwd=REPO_ROOT, capture_output=True,
-                                 check=True).stdout
-        subprocess.run(["tar", "-x", "-C", str(build_dir)], input=archive, check=True)
-    return fused.build(sorted(folder.glob("*.cpp")), tag="_" + rev)
+    if not folder.is_dir():                           # extracted beside it, then renamed: whole or absent
+        staging = tempfile.mkdtemp(dir=build_dir.parent, prefix=build_dir.name + ".")
+        try:
+            archive = subprocess.run(["git", "archive", commit, str(csrc)], cwd=REPO_ROOT, capture_output=True,
+                                     check=True).stdout
+            subprocess.run(["tar", "-x", "-C", staging], input=archive, check=True)
+            os.rename(staging, build_dir)
+        except OSError:
+            if not folder.is_dir():                   # not another process extracting the same commit first
+                raise
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    return fused.build(sorted(folder.glob("*.cpp")), tag="_" + commit)
