@@ -26,7 +26,6 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")     # before torch loads Ope
 import argparse  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
-
 from typing import Callable  # noqa: E402
 
 from benchmarks.common import kernels_at, kernels_missing, median, write_ab  # noqa: E402
