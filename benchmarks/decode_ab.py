@@ -52,14 +52,13 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def sides(a: argparse.Namespace) -> dict[str, Callable[[], None]]:
+def sides(a: argparse.Namespace) -> dict[str, Callable[[], object]]:
     """The two sides, baseline first, each as what it sets before its calls: the torch ops (the switch at 0)
     against the compiled kernels, or REV's kernels against the working tree's."""
     from flexgen_h2o.models import fused
     if a.base:
         base, current = kernels_at(a.base), fused.module()
-        return {f"kernels@{a.base}": lambda: fused._state.__setitem__("module", base),
-                "compiled": lambda: fused._state.__setitem__("module", current)}
+        return {f"kernels@{a.base}": lambda: fused.use(base), "compiled": lambda: fused.use(current)}
     switch = fused.ENV_SWITCH if a.switch == "all" else fused.LAYER_MATH_SWITCH
     return {"torch": lambda: os.environ.__setitem__(switch, "0"),
             "compiled": lambda: os.environ.__setitem__(switch, "1")}
@@ -99,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for switch in switches:
             os.environ.pop(switch, None)
-        fused._state["module"] = current
+        fused.use(current)
         engine.close()
     result = {"args": {k: str(v) for k, v in vars(a).items()}, "step_s": steps,
               f"{baseline}_over_compiled": {c: median(steps[f"{c}-{baseline}"]) / median(steps[f"{c}-compiled"])

@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     def use(build) -> None:
         """ops.linear through `build`'s kernel (None: through the BLAS path)."""
         ops.HALF_LINEAR_MAX_ROWS = a.rows if build is not None else 0
-        fused._state["module"] = build or current
+        fused.use(build or current)
 
     def step(build=None) -> None:
         """One decode step's worth of products: every matrix as often as the model multiplies it."""
@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
             worst = max(worst, *((ops.linear(xs[n], weights[n]) - blas[n]).abs().max().item() for n in SHAPES))
     finally:
         ops.HALF_LINEAR_MAX_ROWS = limit
-        fused._state["module"] = current
+        fused.use(current)
     result = {"args": {k: str(v) for k, v in vars(a).items()}, **timing_summary(times, "blas"),
               "max_abs_difference": worst}
     write_timings(a.out, result, "blas", f"a decode step's linear layers ({a.rows} rows, SmolLM2 shapes, "

@@ -83,12 +83,12 @@ def named_kernels() -> Iterator[None]:
                 return fn(*args, **kwargs)
         return call
 
-    fused._state["module"] = SimpleNamespace(**{name: named(name, getattr(ext, name)) for name in dir(ext)
-                                                if not name.startswith("_") and callable(getattr(ext, name))})
+    fused.use(SimpleNamespace(**{name: named(name, getattr(ext, name)) for name in dir(ext)
+                                 if not name.startswith("_") and callable(getattr(ext, name))}))
     try:
         yield
     finally:
-        fused._state["module"] = ext
+        fused.use(ext)
 
 
 def group_of(op: str) -> str:

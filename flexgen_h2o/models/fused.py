@@ -90,6 +90,14 @@ def module() -> ModuleType | None:
         return _state.get("module")                                      # type: ignore[return-value]
 
 
+def use(ext: object) -> ModuleType | None:
+    """Make module() return `ext` (another build of the kernels, or the built one wrapped: the A/B and profiling
+    benchmarks) and return the module it replaces, to be put back with use() again."""
+    replaced = module()
+    _state["module"] = ext
+    return replaced
+
+
 def unavailable_reason() -> str | None:
     """Why module() gave None, after it was called (None when it is built or switched off)."""
     return _state.get("reason")                                          # type: ignore[return-value]
