@@ -22,6 +22,10 @@ def _pair(m: int, k: int, n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Te
     (11, 1200, 33),       # three row tiles and a partial one of 2; eight weight tiles and a partial one of 1
     (4, 8, 16),           # k of one vector: no tail
     (3, 0, 5),            # no k: zeros, as torch gives
+    (2, 13, 9),           # the few-row path (weight converted in registers): two rows, a k tail, a partial tile
+    (3, 576, 1537),       # three rows, one weight row past the last tile of four
+    (6, 1536, 7),         # six rows against a partial tile of two
+    (5, 40, 3),           # five rows, fewer weight rows than one tile
 ])
 def test_kernel_gives_the_product_of_the_upcast_weight(kernel, m, k, n):
     x, w = _pair(m, k, n)
@@ -43,6 +47,16 @@ def test_kernel_is_the_same_on_one_thread_and_two(kernel):
     finally:
         torch.set_num_threads(before)
     assert torch.equal(one, two)
+
+
+@pytest.mark.parametrize("k", [576, 1536, 13])
+def test_a_rows_outputs_do_not_depend_on_the_rows_beside_it(kernel, k):
+    """Every path (few rows, converted in registers; more rows, converted into L1) sums each dot product in one
+    order, so a sequence's outputs are the same bits at any batch size: batch-1 decoding and a batch agree."""
+    x, w = _pair(40, k, 37)
+    whole = kernel.half_linear(x, w)
+    for m in list(range(1, 10)) + [16, 39]:
+        assert torch.equal(kernel.half_linear(x[:m].contiguous(), w), whole[:m]), m
 
 
 def test_bad_inputs_are_refused_by_name(kernel):

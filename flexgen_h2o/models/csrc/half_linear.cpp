@@ -8,11 +8,16 @@
 //
 // The micro-kernel holds an MR x NR tile of dot products in registers, each one a vector of partial sums along
 // k (both x and w have k contiguous), reduced once at the end of k.
+//
+// With at most DIRECT_MAX_ROWS rows of x (batch-1 decoding, a few streams) each weight element is used by so few
+// rows that storing it converted into L1 and reading it back costs more than converting it in a register at each
+// use: direct_tile converts in registers and never stores it (2.7x the batch-1 step's linear layers).
 #include "kernels.h"
 
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <cmath>
 #include <vector>
 
 #include "simd.h"
@@ -21,6 +26,24 @@ namespace {
 
 constexpr int64_t MR = 3, NR = 4;             // 12 accumulators + 3 rows of x + 1 of w: the 16 AVX2 registers
 constexpr int64_t X_BLOCK_BYTES = 288 << 10;  // rows of x per pass over a thread's weight rows: stays in L2
+
+// the tail's multiply-add, fused where the build has FMA: every path rounds it the same way
+inline float madd(float a, float b, float c) {
+#ifdef FLEXGEN_H2O_AVX2
+  return std::fma(a, b, c);
+#else
+  return a * b + c;
+#endif
+}
+
+#ifdef FLEXGEN_H2O_AVX2
+// four vectors of partial sums -> their four sums, each as ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7)):
+// one order for every kernel path, so a row's outputs do not depend on how many rows came with it
+inline void sum_four(__m256 a, __m256 b, __m256 c, __m256 d, float* out) {
+  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+}
+#endif
 
 // out[i][j] (row stride ldo) = x_i . w_j for i < mr, j < NR; x rows have stride k, w rows (fp32, in L1) too
 void tile(const float* x, int64_t mr, const float* w, int64_t k, float* out, int64_t ldo, int64_t nr) {
@@ -41,16 +64,68 @@ void tile(const float* x, int64_t mr, const float* w, int64_t k, float* out, int
       acc[2][j] = _mm256_fmadd_ps(x2, wv, acc[2][j]);
     }
   }
-  for (int64_t i = 0; i < MR; ++i) {            // four vectors -> their four sums
-    const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(acc[i][0], acc[i][1]), _mm256_hadd_ps(acc[i][2], acc[i][3]));
-    _mm_storeu_ps(sums[i], _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
-  }
+  for (int64_t i = 0; i < MR; ++i) sum_four(acc[i][0], acc[i][1], acc[i][2], acc[i][3], sums[i]);
 #endif
   for (; c < k; ++c)                            // the tail of k (all of it without AVX2)
     for (int64_t i = 0; i < MR; ++i)
-      for (int64_t j = 0; j < NR; ++j) sums[i][j] += xr[i][c] * w[j * k + c];
+      for (int64_t j = 0; j < NR; ++j) sums[i][j] = madd(xr[i][c], w[j * k + c], sums[i][j]);
   for (int64_t i = 0; i < mr; ++i)
     for (int64_t j = 0; j < nr; ++j) out[i * ldo + j] = sums[i][j];
+}
+
+// Few rows: R rows of x (all of them) against C weight rows read as fp16 and converted in registers. Past the
+// last weight row (nc < C) the last row is read again and its sums are never stored.
+template <int64_t R, int64_t C>
+void direct_tile(const float* x, const at::Half* w, int64_t k, float* out, int64_t ldo, int64_t nc) {
+  const at::Half* wr[C];
+  for (int64_t j = 0; j < C; ++j) wr[j] = w + std::min(j, nc - 1) * k;
+  float sums[R][C] = {};
+  int64_t c = 0;
+#ifdef FLEXGEN_H2O_AVX2
+  __m256 acc[R][C];
+  for (int64_t i = 0; i < R; ++i)
+    for (int64_t j = 0; j < C; ++j) acc[i][j] = _mm256_setzero_ps();
+  for (; c + 8 <= k; c += 8) {
+    __m256 xv[R];
+    for (int64_t i = 0; i < R; ++i) xv[i] = _mm256_loadu_ps(x + i * k + c);
+    for (int64_t j = 0; j < C; ++j) {
+      const __m256 wv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wr[j] + c)));
+      for (int64_t i = 0; i < R; ++i) acc[i][j] = _mm256_fmadd_ps(xv[i], wv, acc[i][j]);
+    }
+  }
+  for (int64_t i = 0; i < R; ++i)
+    for (int64_t j = 0; j < C; j += 4) {        // as tile() reduces them, so a row's sums are the same bits
+      float four[4];
+      const __m256 zero = _mm256_setzero_ps();
+      sum_four(acc[i][j], acc[i][j + 1], j + 2 < C ? acc[i][j + 2] : zero, j + 3 < C ? acc[i][j + 3] : zero, four);
+      for (int64_t q = j; q < std::min(C, j + 4); ++q) sums[i][q] = four[q - j];
+    }
+#endif
+  for (; c < k; ++c)
+    for (int64_t i = 0; i < R; ++i)
+      for (int64_t j = 0; j < C; ++j) sums[i][j] = madd(x[i * k + c], static_cast<float>(wr[j][c]), sums[i][j]);
+  for (int64_t i = 0; i < R; ++i)
+    for (int64_t j = 0; j < nc; ++j) out[i * ldo + j] = sums[i][j];
+}
+
+// Threads split the weight rows only where each gets enough work: below it, waking the sleeping OpenMP thread
+// (OMP_WAIT_POLICY=PASSIVE) costs more than the thread saves. Few rows are bound by reading the weight (bytes),
+// more rows by their multiply-adds (FLOPs). At one row on this project's 2-core VM, 1 MB a thread took 1.6x the
+// time of 4 MB a thread (benchmarks.linear_cost --rows 1: only the 57 MB head is then split).
+constexpr int64_t MIN_BYTES_PER_THREAD = 4 << 20;
+constexpr int64_t MIN_FLOPS_PER_THREAD = 8 << 20;
+constexpr int64_t DIRECT_MAX_ROWS = 6;       // above it the buffered tiles were faster (8 and 16 rows measured)
+
+// All R rows of x against C weight rows at a time, the weight converted in registers.
+template <int64_t R, int64_t C>
+void direct(const float* x, const at::Half* w, int64_t k, int64_t n, float* out) {
+  const int64_t tiles = (n + C - 1) / C;
+  const int64_t grain = std::max<int64_t>(1, std::min(MIN_BYTES_PER_THREAD / (C * k * 2),
+                                                      MIN_FLOPS_PER_THREAD / (2 * C * k * R)));
+  at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t)
+      direct_tile<R, C>(x, w + t * C * k, k, out + t * C, n, std::min(C, n - t * C));
+  });
 }
 
 }  // namespace
@@ -68,9 +143,19 @@ at::Tensor half_linear(const at::Tensor& x, const at::Tensor& w) {
   const float* xd = x.data_ptr<float>();
   const at::Half* wd = w.data_ptr<at::Half>();
   float* od = out.data_ptr<float>();
+  switch (m) {              // R x C accumulators + R rows of x + 1 of w, of the 16 AVX2 registers
+    case 1: direct<1, 8>(xd, wd, k, n, od); return out;
+    case 2: direct<2, 4>(xd, wd, k, n, od); return out;
+    case 3: direct<3, 4>(xd, wd, k, n, od); return out;
+    case 4: direct<4, 2>(xd, wd, k, n, od); return out;
+    case 5: direct<5, 2>(xd, wd, k, n, od); return out;
+    case DIRECT_MAX_ROWS: direct<DIRECT_MAX_ROWS, 2>(xd, wd, k, n, od); return out;
+    default: break;
+  }
   const int64_t x_rows = std::max<int64_t>(MR, X_BLOCK_BYTES / (k * 4) / MR * MR);
   const int64_t tiles = (n + NR - 1) / NR;
-  at::parallel_for(0, tiles, 8, [&](int64_t begin, int64_t end) {
+  const int64_t grain = std::max<int64_t>(8, MIN_FLOPS_PER_THREAD / (2 * NR * k * m));
+  at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> wbuf(NR * k, 0.0f);
     for (int64_t r0 = 0; r0 < m; r0 += x_rows) {
       const int64_t r1 = std::min(m, r0 + x_rows);
