@@ -24,6 +24,7 @@
 
 namespace {
 
+constexpr int64_t MIN_SLOTS_PER_THREAD = 16 << 10;  // ~0.3 ms of a thread's work at ~20 ns a slot (3 heads)
 constexpr int64_t PREFETCH_ROWS = 32;  // how far ahead of the rows in use their lines are requested
 constexpr int64_t HEADS_AT_ONCE = 3;   // query heads per pass over the window: their sums fill 12 of 16 registers
 
@@ -285,8 +286,10 @@ std::vector<at::Tensor> decode_attention(const at::Tensor& q, const at::Tensor& 
             k_new_c.data_ptr<float>(), v_new_c.data_ptr<float>(), static_cast<float>(scale),
             mean_pool ? 1.0f / static_cast<float>(r) : 1.0f, out.data_ptr<float>(),
             want_mass ? mass.data_ptr<float>() : nullptr};
-  // columns are small (r x s x d): a few per task keeps the scheduling cost below the work
-  at::parallel_for(0, b * g, 4, [&](int64_t begin, int64_t end) {
+  // a thread takes at least MIN_SLOTS_PER_THREAD (sequence, KV head, slot) rows: waking the sleeping OpenMP thread
+  // (OMP_WAIT_POLICY=PASSIVE) costs ~0.1 ms on this project's VM, more than a small step's whole attention
+  const int64_t grain = std::max<int64_t>(1, MIN_SLOTS_PER_THREAD / std::max<int64_t>(1, s));
+  at::parallel_for(0, b * g, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> qs(r * d), probs(r * s);
     for (int64_t col = begin; col < end; ++col) attend_column(p, col / g, col % g, qs.data(), probs.data());
   });
