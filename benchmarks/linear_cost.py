@@ -1,7 +1,8 @@
 """A decode step's linear layers against fp16 weights on a CPU: ops.linear's two paths, interleaved in one process
 (blas, kernel, then kernel, blas, ...). `blas` upcasts the weight a chunk of rows at a time and multiplies with
-torch's GEMM; `kernel` converts it a few rows at a time in L1 (models/csrc/half_linear.cpp). The shapes are one
-SmolLM2 layer's projections and its LM head, at `--rows` rows (the batch of a decode step).
+torch's GEMM; `kernel` converts it a few rows at a time in L1 (models/csrc/half_linear.cpp). The shapes are
+SmolLM2's projections and its LM head, one weight tensor per layer as in the model (a step reads 270 MB of them
+from memory), at `--rows` rows (the batch of a decode step).
 
     python -m benchmarks.linear_cost --rows 120 --out benchmarks/results/linear_cost
     # a change to the kernel: `kernel@REV` is half_linear.cpp as it was at git revision REV, built beside it
@@ -40,7 +41,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     torch.set_num_threads(a.threads)
     gen = torch.Generator().manual_seed(0)
-    weights = {name: (torch.randn(n, k, generator=gen) * 0.05).half() for name, (n, k, _) in SHAPES.items()}
+    # one tensor per layer, as in the model: a step streams all 270 MB of them from memory, where one tensor per
+    # shape multiplied `count` times stays in the caches (the L3 holds every layer's matrix of one shape)
+    weights = {name: [(torch.randn(n, k, generator=gen) * 0.05).half() for _ in range(count)]
+               for name, (n, k, count) in SHAPES.items()}
     xs = {name: torch.randn(a.rows, k, generator=gen) for name, (_, k, _) in SHAPES.items()}
     limit = ops.HALF_LINEAR_MAX_ROWS
     current = fused.module()
@@ -54,19 +58,19 @@ def main(argv: list[str] | None = None) -> int:
     def step(build=None) -> None:
         """One decode step's worth of products: every matrix as often as the model multiplies it."""
         use(build)
-        for name, (_, _, count) in SHAPES.items():
-            for _ in range(count):
-                ops.linear(xs[name], weights[name])
+        for name in SHAPES:
+            for w in weights[name]:
+                ops.linear(xs[name], w)
 
     try:
         cases = {"blas": step, **{name: (lambda b=build: step(b)) for name, build in builds.items()}}
         times = time_interleaved(cases, a.repeats, a.calls)
         use(None)
-        blas = {name: ops.linear(xs[name], weights[name]) for name in SHAPES}
+        blas = {name: ops.linear(xs[name], weights[name][0]) for name in SHAPES}
         worst = 0.0
         for build in builds.values():
             use(build)
-            worst = max(worst, *((ops.linear(xs[n], weights[n]) - blas[n]).abs().max().item() for n in SHAPES))
+            worst = max(worst, *((ops.linear(xs[n], weights[n][0]) - blas[n]).abs().max().item() for n in SHAPES))
     finally:
         ops.HALF_LINEAR_MAX_ROWS = limit
         fused.use(current)

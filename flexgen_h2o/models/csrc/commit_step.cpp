@@ -20,7 +20,6 @@
 
 namespace {
 
-constexpr int64_t MIN_SLOTS_PER_THREAD = 64 << 10;  // ~0.3 ms of a thread's work at ~4 ns a slot scanned
 enum Rule : int64_t { kKeepAll = 0, kExact = 1, kAverage = 2, kPort = 3 };
 
 void store_row(at::Half* dst, const float* src, int64_t d) {
@@ -99,10 +98,7 @@ void commit_columns(const at::Tensor& k, const at::Tensor& v, float* score, int3
                     int64_t g, int64_t cap, int64_t d, int64_t s, Rule rule, const Budget& budget, int64_t* victims) {
   T* k_data = k.data_ptr<T>();
   T* v_data = v.data_ptr<T>();
-  // a thread takes at least MIN_SLOTS_PER_THREAD slots to scan: waking the sleeping OpenMP thread costs more than
-  // a small step's whole commit
-  const int64_t grain = std::max<int64_t>(1, MIN_SLOTS_PER_THREAD / std::max<int64_t>(1, s));
-  at::parallel_for(0, b * g, grain, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, b * g, 16, [&](int64_t begin, int64_t end) {
     std::vector<int32_t> scratch;
     for (int64_t col = begin; col < end; ++col) {
       const int64_t row = col * cap + slot[col];

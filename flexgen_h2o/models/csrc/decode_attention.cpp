@@ -24,7 +24,7 @@
 
 namespace {
 
-constexpr int64_t MIN_SLOTS_PER_THREAD = 16 << 10;  // ~0.3 ms of a thread's work at ~20 ns a slot (3 heads)
+constexpr int64_t MIN_SLOTS_PER_THREAD = 2 << 10;   // batch 4 x 3 heads x 101 slots on one thread, 16 x 3 on two
 constexpr int64_t PREFETCH_ROWS = 32;  // how far ahead of the rows in use their lines are requested
 constexpr int64_t HEADS_AT_ONCE = 3;   // query heads per pass over the window: their sums fill 12 of 16 registers
 

@@ -38,7 +38,7 @@ inline float madd(float a, float b, float c) {
 
 #ifdef FLEXGEN_H2O_AVX2
 // four vectors of partial sums -> their four sums, each as ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7)):
-// one order for every kernel path, so a row's outputs do not depend on how many rows came with it
+// the order tile() reduces in, so a row's outputs do not depend on how many rows came with it
 inline void sum_four(__m256 a, __m256 b, __m256 c, __m256 d, float* out) {
   const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
   _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
@@ -64,7 +64,10 @@ void tile(const float* x, int64_t mr, const float* w, int64_t k, float* out, int
       acc[2][j] = _mm256_fmadd_ps(x2, wv, acc[2][j]);
     }
   }
-  for (int64_t i = 0; i < MR; ++i) sum_four(acc[i][0], acc[i][1], acc[i][2], acc[i][3], sums[i]);
+  for (int64_t i = 0; i < MR; ++i) {            // four vectors -> their four sums
+    const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(acc[i][0], acc[i][1]), _mm256_hadd_ps(acc[i][2], acc[i][3]));
+    _mm_storeu_ps(sums[i], _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+  }
 #endif
   for (; c < k; ++c)                            // the tail of k (all of it without AVX2)
     for (int64_t i = 0; i < MR; ++i)
@@ -154,8 +157,7 @@ at::Tensor half_linear(const at::Tensor& x, const at::Tensor& w) {
   }
   const int64_t x_rows = std::max<int64_t>(MR, X_BLOCK_BYTES / (k * 4) / MR * MR);
   const int64_t tiles = (n + NR - 1) / NR;
-  const int64_t grain = std::max<int64_t>(8, MIN_FLOPS_PER_THREAD / (2 * NR * k * m));
-  at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, tiles, 8, [&](int64_t begin, int64_t end) {
     std::vector<float> wbuf(NR * k, 0.0f);
     for (int64_t r0 = 0; r0 < m; r0 += x_rows) {
       const int64_t r1 = std::min(m, r0 + x_rows);
