@@ -5,6 +5,7 @@ So a report can be rebuilt at any time (`--report-only`), also from a partial ru
 from __future__ import annotations
 
 from pathlib import Path
+from statistics import median
 
 from flexgen_h2o.eval.grid import parse_budget
 from flexgen_h2o.eval.results import load_results
@@ -106,8 +107,30 @@ def perplexity_section(data: dict, out: Path) -> str:
         png = out / f"perplexity_{corpus}.png"
         _budget_plot(recs, prefix, lambda r: r["ppl"], "perplexity", f"Perplexity ({corpus})", png, log_y=True)
         parts += [f"### {corpus}", _table(header, rows), f"![perplexity {corpus}]({png.name})"]
+        header, rows = item_ratio_table(recs, prefix, ITEM_TABLE_BUDGET)
+        if rows:
+            parts += [f"Each window's perplexity at {ITEM_TABLE_BUDGET} over full's on the same window (one window "
+                      "whose text copies from far back can carry the corpus figure):", _table(header, rows)]
     parts.append("`*`: the budget held the whole sequence, so nothing was evicted (identical to full).")
     return "\n\n".join(parts)
+
+
+ITEM_TABLE_BUDGET = "20%"     # the budget the issue's perplexity targets name
+
+
+def item_ratio_table(records: dict, prefix: str, budget: str) -> tuple[list[str], list[list[str]]]:
+    """One row per window (item) of a corpus, one column per policy at `budget`: the window's perplexity over
+    full's on the same window, then the median over windows. Empty without full or without such points."""
+    full = records.get(prefix + "full")
+    points = {r["policy"]: r for k, r in records.items()
+              if k.startswith(prefix) and r.get("budget") == budget and not r.get("rolling") and "item_ppl" in r}
+    if not full or not points or "item_ppl" not in full:
+        return [], []
+    base = full["item_ppl"]
+    ratios = {p: [x / b for x, b in zip(r["item_ppl"], base)] for p, r in points.items()}
+    rows = [[str(i), _fmt(b)] + [f"{ratios[p][i]:.3f}" for p in points] for i, b in enumerate(base)]
+    rows.append(["median", _fmt(median(base))] + [f"{median(ratios[p]):.3f}" for p in points])
+    return ["window", "full ppl", *points], rows
 
 
 def summarization_section(data: dict, out: Path) -> str:
