@@ -11,7 +11,7 @@
 //
 // With at most DIRECT_MAX_ROWS rows of x (batch-1 decoding, a few streams) each weight element is used by so few
 // rows that storing it converted into L1 and reading it back costs more than converting it in a register at each
-// use: direct_tile converts in registers and never stores it (2.7x the batch-1 step's linear layers).
+// use: direct_tile converts in registers and never stores it (1.5x the batch-1 step's linear layers).
 #include "kernels.h"
 
 #include <ATen/Parallel.h>
@@ -113,8 +113,8 @@ void direct_tile(const float* x, const at::Half* w, int64_t k, float* out, int64
 
 // Threads split the weight rows only where each gets enough work: below it, waking the sleeping OpenMP thread
 // (OMP_WAIT_POLICY=PASSIVE) costs more than the thread saves. Few rows are bound by reading the weight (bytes),
-// more rows by their multiply-adds (FLOPs). At one row on this project's 2-core VM, 1 MB a thread took 1.6x the
-// time of 4 MB a thread (benchmarks.linear_cost --rows 1: only the 57 MB head is then split).
+// more rows by their multiply-adds (FLOPs). At one row on this project's 2-core VM, the whole decode step with
+// 1 MB a thread took 1.17x the time of 4 MB a thread (benchmarks.decode_ab: only the 57 MB head is then split).
 constexpr int64_t MIN_BYTES_PER_THREAD = 4 << 20;
 constexpr int64_t MIN_FLOPS_PER_THREAD = 8 << 20;
 constexpr int64_t DIRECT_MAX_ROWS = 6;       // above it the buffered tiles were faster (8 and 16 rows measured)
