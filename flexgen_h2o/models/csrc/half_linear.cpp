@@ -38,7 +38,7 @@ inline float madd(float a, float b, float c) {
 
 #ifdef FLEXGEN_H2O_AVX2
 // four vectors of partial sums -> their four sums, each as ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7)):
-// the order tile() reduces in, so a row's outputs do not depend on how many rows came with it
+// both tiles reduce through it, so a row's outputs do not depend on how many rows came with it
 inline void sum_four(__m256 a, __m256 b, __m256 c, __m256 d, float* out) {
   const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
   _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
@@ -64,10 +64,7 @@ void tile(const float* x, int64_t mr, const float* w, int64_t k, float* out, int
       acc[2][j] = _mm256_fmadd_ps(x2, wv, acc[2][j]);
     }
   }
-  for (int64_t i = 0; i < MR; ++i) {            // four vectors -> their four sums
-    const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(acc[i][0], acc[i][1]), _mm256_hadd_ps(acc[i][2], acc[i][3]));
-    _mm_storeu_ps(sums[i], _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
-  }
+  for (int64_t i = 0; i < MR; ++i) sum_four(acc[i][0], acc[i][1], acc[i][2], acc[i][3], sums[i]);
 #endif
   for (; c < k; ++c)                            // the tail of k (all of it without AVX2)
     for (int64_t i = 0; i < MR; ++i)
@@ -97,7 +94,7 @@ void direct_tile(const float* x, const at::Half* w, int64_t k, float* out, int64
     }
   }
   for (int64_t i = 0; i < R; ++i)
-    for (int64_t j = 0; j < C; j += 4) {        // as tile() reduces them, so a row's sums are the same bits
+    for (int64_t j = 0; j < C; j += 4) {        // C = 2: the missing pair reduced as zeros
       float four[4];
       const __m256 zero = _mm256_setzero_ps();
       sum_four(acc[i][j], acc[i][j + 1], j + 2 < C ? acc[i][j + 2] : zero, j + 3 < C ? acc[i][j + 3] : zero, four);
@@ -113,8 +110,8 @@ void direct_tile(const float* x, const at::Half* w, int64_t k, float* out, int64
 
 // Threads split the weight rows only where each gets enough work: below it, waking the sleeping OpenMP thread
 // (OMP_WAIT_POLICY=PASSIVE) costs more than the thread saves. Few rows are bound by reading the weight (bytes),
-// more rows by their multiply-adds (FLOPs). At one row on this project's 2-core VM, the whole decode step with
-// 1 MB a thread took 1.17x the time of 4 MB a thread (benchmarks.decode_ab: only the 57 MB head is then split).
+// more rows by their multiply-adds (FLOPs). At one row on this project's 2-core VM the whole decode step took
+// 1.17x as long with 1 MB a thread as with 4 MB, where only the 57 MB head is split (docs/suite.md).
 constexpr int64_t MIN_BYTES_PER_THREAD = 4 << 20;
 constexpr int64_t MIN_FLOPS_PER_THREAD = 8 << 20;
 constexpr int64_t DIRECT_MAX_ROWS = 6;       // above it the buffered tiles were faster (8 and 16 rows measured)
