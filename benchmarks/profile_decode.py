@@ -13,6 +13,9 @@ cuda`: its own kernels' GPU time, and a Chrome trace). A decode profile also hol
 
     python -m benchmarks.profile_decode --batch 54 --prompt-len 2048 --out benchmarks/results/profile_decode
     python -m benchmarks.profile_decode --phase prefill --batch 4 --out benchmarks/results/profile_prefill
+    # --shapes: also the GEMM calls by input shape, with their FLOP rates (the profiler records shapes)
+    python -m benchmarks.profile_decode --phase prefill --batch 4 --cases h2o --shapes \
+        --out benchmarks/results/profile_prefill_shapes
     # the disk512+128 shape: OPT-1.3B dummy weights read from files, a 103-slot H2O window as at 20 % of 512
     python -m benchmarks.profile_decode --model opt-1.3b --dummy-weights --percent 0 0 100 0 100 0 --batch 58 \
         --prompt-len 128 --hh-size 51 --recent-size 51 --cases h2o --out benchmarks/results/profile_decode_disk
@@ -110,6 +113,36 @@ def grouped(rows: list[tuple[str, float, int]], steps: int) -> list[dict]:
                     "share": v[0] / total} for k, v in acc.items()), key=lambda r: -r["ms_per_step"])
 
 
+def gemm_flops(op: str, shapes: list) -> float:
+    """FLOPs of one call of a GEMM op from its input shapes (0 where the op or its shapes are not a GEMM's). An
+    `out=` tensor comes after the two factors; addmm's added tensor comes before them."""
+    if op in ("aten::mm", "aten::bmm"):
+        mats = shapes[:2]
+    elif op in ("aten::addmm", "aten::addmm_", "aten::baddbmm"):
+        mats = shapes[1:3]
+    else:
+        return 0.0
+    if len(mats) != 2 or any(not isinstance(m, list) or len(m) not in (2, 3) for m in mats) \
+            or mats[0][-1] != mats[1][-2]:
+        return 0.0
+    (*lead, m, k), n = mats[0], mats[1][-1]
+    return 2.0 * m * k * n * (lead[0] if lead else 1)
+
+
+def gemm_by_shape(prof, units: int) -> list[dict]:
+    """The GEMM ops grouped by input shape (the profile must record shapes), largest total first."""
+    rows = []
+    for e in prof.key_averages(group_by_input_shape=True):
+        if group_of(e.key) != "GEMM (linear, matmul)":
+            continue
+        flops = gemm_flops(e.key, e.input_shapes)
+        secs = e.self_cpu_time_total / 1e6
+        rows.append({"op": e.key, "shapes": str(e.input_shapes), "ms_per_step": 1e3 * secs / units,
+                     "calls_per_step": e.count / units,
+                     "gflops": flops * e.count / secs / 1e9 if secs and flops else None})
+    return sorted(rows, key=lambda r: -r["ms_per_step"])
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m benchmarks.profile_decode", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m")
@@ -129,6 +162,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="weights, KV and activations placement, as the CLI's --percent (default: all resident); "
                         "weights with a disk share are read from a dummy store's files, as in the suite")
     p.add_argument("--machine-json", type=Path, help="the suite's machine.json: adds the step's roofline bound")
+    p.add_argument("--shapes", action="store_true",
+                   help="also record input shapes: a table of the GEMM calls by shape, with their FLOP rates")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/profile_decode"))
     return p
 
@@ -214,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
             run()                                                                       # warm-up
             plain = units(run())
             plain = plain[1:] if a.phase == "decode" else plain                       # step 0: prefill's logits
-            with profile(activities=activities) as prof, named_kernels():
+            with profile(activities=activities, record_shapes=a.shapes) as prof, named_kernels():
                 began = time.perf_counter()
                 profiled = units(run())
                 call_s = time.perf_counter() - began
@@ -236,6 +271,8 @@ def main(argv: list[str] | None = None) -> int:
                      "outside_ms_per_step": None if on_gpu else 1e3 * (call_s - sum(r[1] for r in rows)) / steps,
                      "top_ops": [{"op": op, "ms_per_step": 1e3 * s / steps, "calls_per_step": c / steps}
                                  for op, s, c in top]}
+            if a.shapes:
+                entry["gemm_by_shape"] = gemm_by_shape(prof, steps)
             if machine:
                 kv_bytes = kv_tokens * cfg.kv_bytes_per_token(2)                             # fp16 K and V
                 entry.update(step_bound(machine, cfg, a.phase, a.batch, a.prompt_len, kv_tokens, kv_bytes,
@@ -267,6 +304,10 @@ def markdown(report: dict, a: argparse.Namespace) -> str:
                   for g in e["groups"]]
         lines += ["", f"| top op | ms per {unit} | calls per {unit} |", "|---|---|---|"]
         lines += [f"| `{o['op']}` | {o['ms_per_step']:.1f} | {o['calls_per_step']:.0f} |" for o in e["top_ops"]]
+        if e.get("gemm_by_shape"):
+            lines += ["", f"| GEMM op | input shapes | ms per {unit} | calls per {unit} | GFLOP/s |", "|---|---|---|---|---|"]
+            lines += [f"| `{g['op']}` | {g['shapes']} | {g['ms_per_step']:.1f} | {g['calls_per_step']:.0f} | "
+                      + (f"{g['gflops']:.1f} |" if g["gflops"] else "- |") for g in e["gemm_by_shape"][:12]]
         lines.append("")
     return "\n".join(lines)
 

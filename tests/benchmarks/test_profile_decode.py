@@ -76,3 +76,45 @@ def test_percent_places_the_weights_and_the_bound_counts_the_disk_share():
     resident_bound = step_bound(machine, cfg, "decode", 8, 64, 20, 1e6)
     assert got["bound_limit"] == "io" and resident_bound["bound_limit"] == "compute"
     assert got["bound_step_ms"] == pytest.approx(1e3 * (n * 2 / 0.1e9 + 8 * 1e6 / 100e9))
+
+
+def test_gemm_flops_reads_the_factors_from_the_input_shapes():
+    from benchmarks.profile_decode import gemm_flops
+    assert gemm_flops("aten::mm", [[4096, 576], [576, 1536]]) == 2.0 * 4096 * 576 * 1536
+    assert gemm_flops("aten::mm", [[128, 2048], [2048, 64], [128, 64]]) == 2.0 * 128 * 2048 * 64   # out= last
+    assert gemm_flops("aten::bmm", [[9, 128, 64], [9, 64, 2048]]) == 2.0 * 9 * 128 * 64 * 2048
+    assert gemm_flops("aten::addmm", [[1536], [4096, 576], [576, 1536], [], []]) == 2.0 * 4096 * 576 * 1536
+    assert gemm_flops("aten::addmm_", [[128, 64], [128, 2048], [2048, 64], [], []]) == 2.0 * 128 * 2048 * 64
+    assert gemm_flops("aten::mm", [[4, 5], [6, 7]]) == 0.0            # mismatched inner sizes: not a GEMM's
+    assert gemm_flops("aten::add", [[4, 5], [4, 5]]) == 0.0
+
+
+def test_shapes_flag_adds_the_gemm_table():
+    from benchmarks.profile_decode import build_parser, markdown
+    a = build_parser().parse_args(["--phase", "prefill", "--shapes"])
+    assert a.shapes
+    entry = {"step_ms_median": 10.0, "step_ms_profiled_median": 11.0, "timed": "self CPU", "busy_ms_per_step": 9.0,
+             "outside_ms_per_step": 1.0, "groups": [], "top_ops": [],
+             "gemm_by_shape": [{"op": "aten::mm", "shapes": "[[4096, 576], [576, 1536]]", "ms_per_step": 60.0,
+                                "calls_per_step": 1.0, "gflops": 120.8},
+                               {"op": "aten::mm", "shapes": "[[1], [2]]", "ms_per_step": 1.0,
+                                "calls_per_step": 2.0, "gflops": None}]}
+    md = markdown({"cases": {"h2o": entry}}, a)
+    assert "| `aten::mm` | [[4096, 576], [576, 1536]] | 60.0 | 1 | 120.8 |" in md
+    assert "| `aten::mm` | [[1], [2]] | 1.0 | 2 | - |" in md
+
+
+def test_gemm_by_shape_groups_a_real_profile():
+    import torch
+    from torch.profiler import profile
+    from benchmarks.profile_decode import gemm_by_shape
+    a, b = torch.randn(64, 32), torch.randn(32, 48)
+    with profile(record_shapes=True) as prof:
+        for _ in range(3):
+            torch.mm(a, b)
+        torch.mm(b.t(), a.t())                          # a second shape
+        torch.relu(a)                                   # not a GEMM: left out
+    rows = {r["shapes"]: r for r in gemm_by_shape(prof, units=1)}
+    assert rows["[[64, 32], [32, 48]]"]["calls_per_step"] == 3
+    assert rows["[[48, 32], [32, 64]]"]["calls_per_step"] == 1
+    assert all(r["op"] == "aten::mm" and r["gflops"] > 0 for r in rows.values())
