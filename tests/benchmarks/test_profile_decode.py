@@ -108,13 +108,13 @@ def test_gemm_by_shape_groups_a_real_profile():
     import torch
     from torch.profiler import profile
     from benchmarks.profile_decode import gemm_by_shape
-    a, b = torch.randn(64, 32), torch.randn(32, 48)
+    a, b = torch.randn(256, 128), torch.randn(128, 192)   # big enough for a nonzero time
     with profile(record_shapes=True) as prof:
         for _ in range(3):
             torch.mm(a, b)
         torch.mm(b.t(), a.t())                          # a second shape
         torch.relu(a)                                   # not a GEMM: left out
     rows = {r["shapes"]: r for r in gemm_by_shape(prof, units=1)}
-    assert rows["[[64, 32], [32, 48]]"]["calls_per_step"] == 3
-    assert rows["[[48, 32], [32, 64]]"]["calls_per_step"] == 1
+    assert rows["[[256, 128], [128, 192]]"]["calls_per_step"] == 3
+    assert rows["[[192, 128], [128, 256]]"]["calls_per_step"] == 1
     assert all(r["op"] == "aten::mm" and r["gflops"] > 0 for r in rows.values())
