@@ -115,7 +115,8 @@ def grouped(rows: list[tuple[str, float, int]], steps: int) -> list[dict]:
 
 def gemm_flops(op: str, shapes: list) -> float:
     """FLOPs of one call of a GEMM op from its input shapes (0 where the op or its shapes are not a GEMM's). An
-    `out=` tensor comes after the two factors; addmm's added tensor comes before them."""
+    `out=` tensor comes after the two factors; addmm's added tensor comes before them. Not the profiler's
+    `with_flops`: it counts 0 for the in-place addmm_ that the prompt attention accumulates with."""
     if op in ("aten::mm", "aten::bmm"):
         mats = shapes[:2]
     elif op in ("aten::addmm", "aten::addmm_", "aten::baddbmm"):
@@ -129,14 +130,16 @@ def gemm_flops(op: str, shapes: list) -> float:
     return 2.0 * m * k * n * (lead[0] if lead else 1)
 
 
-def gemm_by_shape(prof, units: int) -> list[dict]:
-    """The GEMM ops grouped by input shape (the profile must record shapes), largest total first."""
+def gemm_by_shape(prof, units: int, on_gpu: bool = False) -> list[dict]:
+    """The GEMM ops grouped by input shape (the profile must record shapes), largest total first; timed as the
+    groups are (self GPU time on a GPU), each op once, under the CPU op launching it."""
+    from torch.autograd import DeviceType
     rows = []
     for e in prof.key_averages(group_by_input_shape=True):
-        if group_of(e.key) != "GEMM (linear, matmul)":
+        if e.device_type != DeviceType.CPU or group_of(e.key) != "GEMM (linear, matmul)":
             continue
         flops = gemm_flops(e.key, e.input_shapes)
-        secs = e.self_cpu_time_total / 1e6
+        secs = (e.self_device_time_total if on_gpu else e.self_cpu_time_total) / 1e6
         rows.append({"op": e.key, "shapes": str(e.input_shapes), "ms_per_step": 1e3 * secs / units,
                      "calls_per_step": e.count / units,
                      "gflops": flops * e.count / secs / 1e9 if secs and flops else None})
@@ -272,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
                      "top_ops": [{"op": op, "ms_per_step": 1e3 * s / steps, "calls_per_step": c / steps}
                                  for op, s, c in top]}
             if a.shapes:
-                entry["gemm_by_shape"] = gemm_by_shape(prof, steps)
+                entry["gemm_by_shape"] = gemm_by_shape(prof, steps, on_gpu)
             if machine:
                 kv_bytes = kv_tokens * cfg.kv_bytes_per_token(2)                             # fp16 K and V
                 entry.update(step_bound(machine, cfg, a.phase, a.batch, a.prompt_len, kv_tokens, kv_bytes,

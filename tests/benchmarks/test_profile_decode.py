@@ -113,8 +113,11 @@ def test_gemm_by_shape_groups_a_real_profile():
         for _ in range(3):
             torch.mm(a, b)
         torch.mm(b.t(), a.t())                          # a second shape
+        torch.zeros(256, 192).addmm_(a, b)              # in place: the profiler's own FLOP count gives it 0
         torch.relu(a)                                   # not a GEMM: left out
-    rows = {r["shapes"]: r for r in gemm_by_shape(prof, units=1)}
-    assert rows["[[256, 128], [128, 192]]"]["calls_per_step"] == 3
-    assert rows["[[192, 128], [128, 256]]"]["calls_per_step"] == 1
-    assert all(r["op"] == "aten::mm" and r["gflops"] > 0 for r in rows.values())
+    rows = {(r["op"], r["shapes"]): r for r in gemm_by_shape(prof, units=1)}
+    assert rows[("aten::mm", "[[256, 128], [128, 192]]")]["calls_per_step"] == 3
+    assert rows[("aten::mm", "[[192, 128], [128, 256]]")]["calls_per_step"] == 1
+    assert rows[("aten::addmm_", "[[256, 192], [256, 128], [128, 192], [], []]")]["calls_per_step"] == 1
+    assert not any(op == "aten::relu" for op, _ in rows)
+    assert all(r["gflops"] > 0 for r in rows.values())
