@@ -2,9 +2,12 @@
 the torch ops on `--threads` threads, the same ops on one thread, and csrc/layer_math.cpp, interleaved in one
 process. With OMP_WAIT_POLICY=PASSIVE each torch op over ~100k floats is a parallel region that first wakes the
 sleeping OpenMP threads; the one-thread column shows what the wake-ups cost. `cos/sin` is RoPE's angle table
-(no kernel: a step now computes it once, not once per layer).
+(no kernel: a step now computes it once, not once per layer). `--tokens T` times a prompt's rows instead (T
+tokens per sequence), where the kernel splits the work across `--threads` threads.
 
     python -m benchmarks.layer_math_cost --rows 120 --out benchmarks/results/layer_math_cost
+    # a prompt pass's chunk: 2 sequences of 2,048 tokens
+    python -m benchmarks.layer_math_cost --rows 2 --tokens 2048 --calls 5 --out benchmarks/results/layer_math_prompt
 """
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ from benchmarks.common import kernels_missing, time_interleaved, timing_summary,
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.layer_math_cost", description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", type=int, default=120, help="sequences of a decode step")
+    p.add_argument("--tokens", type=int, default=1, help="tokens per sequence (1: a decode step; more: a prompt)")
     p.add_argument("--calls", type=int, default=200, help="calls per timed block")
     p.add_argument("--repeats", type=int, default=6)
     p.add_argument("--threads", type=int, default=2)
@@ -33,11 +37,12 @@ def main(argv: list[str] | None = None) -> int:
     if kernels_missing():
         return 2
     gen = torch.Generator().manual_seed(0)
-    x, w = torch.randn(a.rows, 1, 576, generator=gen), torch.randn(576, generator=gen).half()
-    gate, up = torch.randn(a.rows, 1, 1536, generator=gen), torch.randn(a.rows, 1, 1536, generator=gen)
+    b, t = a.rows, a.tokens
+    x, w = torch.randn(b, t, 576, generator=gen), torch.randn(576, generator=gen).half()
+    gate, up = torch.randn(b, t, 1536, generator=gen), torch.randn(b, t, 1536, generator=gen)
     scratch = torch.empty_like(gate)
-    q = torch.randn(a.rows, 1, 9 * 64, generator=gen).view(a.rows, 1, 9, 64).transpose(1, 2)
-    positions = torch.randint(500, 1100, (a.rows, 1), generator=gen)
+    q = torch.randn(b, t, 9 * 64, generator=gen).view(b, t, 9, 64).transpose(1, 2)       # split_heads' view
+    positions = torch.randint(500, 1100, (b, 1), generator=gen) + torch.arange(t)
     inv_freq = ops.rope_inv_freq(64, 100000.0)                                     # SmolLM2's
     cos, sin = (t[:, None] for t in ops.rope_cos_sin(positions, inv_freq, torch.float32))
 
@@ -50,7 +55,8 @@ def main(argv: list[str] | None = None) -> int:
 
     def kernel(fn):
         def run() -> None:
-            torch.set_num_threads(1)          # the kernel is serial at this size; the scratch copy stays serial
+            # a decode step's tensors run serially in the kernel (so does the scratch copy); a prompt's split
+            torch.set_num_threads(1 if t == 1 else a.threads)
             os.environ.pop(fused.LAYER_MATH_SWITCH, None)
             fn()
         return run
@@ -77,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     us = {name: {case: 1e3 * ms for case, ms in s["median_ms"].items()} for name, s in summary.items()}
     result = {"args": {k: str(v) for k, v in vars(a).items()}, "ops": summary, "median_us": us}
     write_ab(a.out, result, "median_us",
-             lambda name, cases: f"{name} ({a.rows} rows, median of {a.repeats}): "
+             lambda name, cases: f"{name} ({a.rows} rows x {t} tokens, median of {a.repeats}): "
                                  + ", ".join(f"{case} {t:.1f} us" for case, t in cases.items()))
     return 0
 

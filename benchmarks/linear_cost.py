@@ -4,6 +4,13 @@ torch's GEMM; `kernel` converts it a few rows at a time in L1 (models/csrc/half_
 SmolLM2's projections and its LM head, one weight tensor per layer as in the model (a step reads 270 MB of them
 from memory), at `--rows` rows (the batch of a decode step).
 
+`blas-fp32` multiplies the same values kept in fp32 (540 MB, twice the engine's resident weights) with torch's
+GEMM and nothing else: what this CPU's BLAS gives the step's shapes with no conversion at all. `peak-gemm` is
+benchmarks/machine.py's prefill-shape product (2048 x 2048 x 2048 fp32), the rate the roofline prices FLOPs at,
+timed in the same rotation so the VM's drift lands on it too. The JSON has each case's GFLOP/s and each linear
+case's time over its FLOPs at the peak case's rate (how far the step's linear layers alone are from their share
+of the bound; docs/suite.md).
+
     python -m benchmarks.linear_cost --rows 120 --out benchmarks/results/linear_cost
     # a change to the kernel: `kernel@REV` is half_linear.cpp as it was at git revision REV, built beside it
     python -m benchmarks.linear_cost --rows 120 --base 09ad2d5 --out benchmarks/results/linear_cost_ab
@@ -24,6 +31,7 @@ from benchmarks.common import kernels_at, kernels_missing, time_interleaved, tim
 SHAPES = {"q/o (576 x 576)": (576, 576, 60), "k/v (192 x 576)": (192, 576, 60),
           "gate/up (1536 x 576)": (1536, 576, 60), "down (576 x 1536)": (576, 1536, 30),
           "head (49152 x 576)": (49152, 576, 1)}
+PEAK_ROWS = 2048            # benchmarks/machine.py's prefill-shape GEMM: the rate the roofline's bound uses
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -46,6 +54,10 @@ def main(argv: list[str] | None = None) -> int:
     weights = {name: [(torch.randn(n, k, generator=gen) * 0.05).half() for _ in range(count)]
                for name, (n, k, count) in SHAPES.items()}
     xs = {name: torch.randn(a.rows, k, generator=gen) for name, (_, k, _) in SHAPES.items()}
+    # the same values in fp32, multiplied as x @ w.t() with no conversion (the BLAS's own rate at these shapes)
+    weights32 = {name: [w.float() for w in ws] for name, ws in weights.items()}
+    flops = sum(2 * a.rows * n * k * count for n, k, count in SHAPES.values())
+    square = [torch.randn(PEAK_ROWS, PEAK_ROWS, generator=gen) for _ in range(2)]
     limit = ops.HALF_LINEAR_MAX_ROWS
     current = fused.module()
     builds = {"kernel": current, **({f"kernel@{a.base}": kernels_at(a.base)} if a.base else {})}
@@ -62,22 +74,36 @@ def main(argv: list[str] | None = None) -> int:
             for w in weights[name]:
                 ops.linear(xs[name], w)
 
+    def step_fp32() -> None:
+        for name in SHAPES:
+            for w in weights32[name]:
+                torch.mm(xs[name], w.t())
+
     try:
-        cases = {"blas": step, **{name: (lambda b=build: step(b)) for name, build in builds.items()}}
+        cases = {"blas": step, "blas-fp32": step_fp32,
+                 **{name: (lambda b=build: step(b)) for name, build in builds.items()},
+                 "peak-gemm": lambda: torch.mm(*square)}
         times = time_interleaved(cases, a.repeats, a.calls)
         use(None)
         blas = {name: ops.linear(xs[name], weights[name][0]) for name in SHAPES}
-        worst = 0.0
+        worst = max((torch.mm(xs[n], weights32[n][0].t()) - blas[n]).abs().max().item() for n in SHAPES)
         for build in builds.values():
             use(build)
             worst = max(worst, *((ops.linear(xs[n], weights[n][0]) - blas[n]).abs().max().item() for n in SHAPES))
     finally:
         ops.HALF_LINEAR_MAX_ROWS = limit
         fused.use(current)
-    result = {"args": {k: str(v) for k, v in vars(a).items()}, **timing_summary(times, "blas"),
+    summary = timing_summary(times, "blas")
+    case_flops = {n: (2 * PEAK_ROWS ** 3 if n == "peak-gemm" else flops) for n in times}
+    rates = {n: case_flops[n] / ms / 1e6 for n, ms in summary["median_ms"].items()}
+    result = {"args": {k: str(v) for k, v in vars(a).items()}, **summary, "flops_per_step": flops,
+              "GFLOPs": rates, "over_peak_bound": {n: rates["peak-gemm"] / r for n, r in rates.items()
+                                                   if n != "peak-gemm"},
               "max_abs_difference": worst}
     write_timings(a.out, result, "blas", f"a decode step's linear layers ({a.rows} rows, SmolLM2 shapes, "
                                        f"{a.threads} threads, median of {a.repeats}; max |difference| {worst:.1e})")
+    print("GFLOP/s: " + ", ".join(f"{n} {r:.1f}" for n, r in result["GFLOPs"].items()) + "; time over the FLOPs "
+          "at the peak case's rate: " + ", ".join(f"{n} {r:.2f}x" for n, r in result["over_peak_bound"].items()))
     return 0
 
 

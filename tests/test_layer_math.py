@@ -1,5 +1,5 @@
-"""The compiled layer math (csrc/layer_math.cpp: RMSNorm, SwiGLU's gate, RoPE for one token) against the torch
-ops it replaces for a decode step's rows, and ops' dispatch to it (decode-sized inputs only)."""
+"""The compiled layer math (csrc/layer_math.cpp: RMSNorm, SwiGLU's gate, RoPE) against the torch ops it replaces,
+for a decode step's rows and a prompt's, and ops' dispatch to it."""
 from __future__ import annotations
 
 import pytest
@@ -48,9 +48,44 @@ def test_rope_matches_the_torch_ops_on_a_head_view(kernel, b, h, d):
     x = torch.randn(b, 1, h * d, generator=gen).view(b, 1, h, d).transpose(1, 2)
     angles = torch.rand(b, 1, 1, d, generator=gen) * 100
     cos, sin = angles.cos(), angles.sin()
-    got = kernel.rope_decode(x, cos, sin)
+    got = kernel.rope(x, cos, sin)
     assert got.shape == (b, h, 1, d) and got.is_contiguous()
-    torch.testing.assert_close(got, _torch_rope(x, cos, sin), rtol=1e-6, atol=1e-6)
+    assert torch.equal(got, _torch_rope(x, cos, sin))        # products rounded, then added: the same bits
+
+
+@pytest.mark.parametrize("b, h, t, d", [(2, 9, 2048, 64), (3, 3, 5, 8), (1, 2, 7, 10), (2, 1, 3, 2)])
+def test_rope_of_a_prompt_matches_the_torch_ops_bit_for_bit_on_any_thread_count(kernel, b, h, t, d):
+    """A prompt's q or k as split_heads makes it, (b, h, t, d) over (b, t, h * d), each (sequence, token) with its
+    own angles; SmolLM2's q of two 2,048-token prompts (2.4M floats) splits across threads. d = 10 and 2 leave a
+    tail of each half to the scalar loop."""
+    gen = torch.Generator().manual_seed(t)
+    x = torch.randn(b, t, h * d, generator=gen).view(b, t, h, d).transpose(1, 2)
+    angles = torch.rand(b, 1, t, d, generator=gen) * 1000
+    cos, sin = angles.cos(), angles.sin()
+    want = _torch_rope(x, cos, sin)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        two = kernel.rope(x, cos, sin)
+        torch.set_num_threads(1)
+        one = kernel.rope(x, cos, sin)
+    finally:
+        torch.set_num_threads(before)
+    assert two.shape == (b, h, t, d) and two.is_contiguous()
+    assert torch.equal(two, want) and torch.equal(one, want)
+
+
+def test_a_build_whose_rope_takes_one_token_keeps_prompts_on_the_torch_ops(kernel, monkeypatch):
+    """benchmarks' --base loads an older revision's kernels, whose rope_rows rejects t > 1: ops must not send it
+    a prompt (that build has no rope_rows_takes_prompts), and still send it a decode token."""
+    from types import SimpleNamespace
+    calls, built = [], fused.module()
+    old = SimpleNamespace(rope_rows=lambda x, c, s: calls.append(x.shape[2]) or built.rope_rows(x, c, s))
+    monkeypatch.setattr(fused, "module", lambda: old)
+    x, cos = torch.randn(2, 3, 4, 8), torch.randn(2, 1, 4, 8)
+    assert torch.equal(ops.apply_rope(x, cos, cos), _torch_rope(x, cos, cos)) and calls == []
+    ops.apply_rope(x[:, :, :1], cos[:, :, :1], cos[:, :, :1])
+    assert calls == [1]
 
 
 def test_a_prompt_sized_tensor_split_across_threads_gives_the_same_values(kernel):
@@ -74,7 +109,7 @@ def test_a_prompt_sized_tensor_split_across_threads_gives_the_same_values(kernel
 
 def test_ops_send_fp32_cpu_math_to_the_kernel(kernel, monkeypatch):
     calls = []
-    for name in ("rms_norm", "silu_mul_", "rope_decode"):
+    for name in ("rms_norm", "silu_mul_", "rope"):
         real = getattr(fused, name)
         monkeypatch.setattr(fused, name, lambda *a, _real=real, _n=name: calls.append(_n) or _real(*a))
     w = torch.randn(64).half()
@@ -83,11 +118,13 @@ def test_ops_send_fp32_cpu_math_to_the_kernel(kernel, monkeypatch):
     ops.swiglu_mlp(torch.randn(4, 1, 16), *(torch.randn(32, 16), torch.randn(32, 16), torch.randn(16, 32)))
     cos = torch.randn(120, 1, 1, 64)
     ops.apply_rope(torch.randn(120, 9, 1, 64), cos, cos)            # one token, SmolLM2's q at batch 120: kernel
-    ops.apply_rope(torch.randn(4, 2, 5, 8), torch.randn(4, 1, 5, 8), torch.randn(4, 1, 5, 8))   # prompt
-    assert calls == ["rms_norm", "silu_mul_", "rope_decode"]
+    ops.apply_rope(torch.randn(4, 2, 5, 8), torch.randn(4, 1, 5, 8), torch.randn(4, 1, 5, 8))   # prompt: kernel
+    ops.apply_rope(torch.randn(4, 2, 5, 8), torch.randn(4, 2, 5, 8), torch.randn(4, 2, 5, 8))   # per-head angles
+    assert calls == ["rms_norm", "silu_mul_", "rope", "rope"]
     monkeypatch.setenv(fused.LAYER_MATH_SWITCH, "0")                                   # switched off on its own
     ops.rms_norm(torch.randn(8, 1, 64), w, 1e-5)
-    assert calls == ["rms_norm", "silu_mul_", "rope_decode"]
+    ops.apply_rope(torch.randn(4, 2, 5, 8), torch.randn(4, 1, 5, 8), torch.randn(4, 1, 5, 8))
+    assert calls == ["rms_norm", "silu_mul_", "rope", "rope"]
 
 
 def test_step_context_computes_rope_angles_once_per_positions():

@@ -50,10 +50,12 @@ from tests.test_layer_math import _torch_rms_norm, _torch_rope
 import torch.nn.functional as F
 x, w, g, u = torch.randn(7, 1, 13), torch.randn(13).half(), torch.randn(5, 1, 30) * 4, torch.randn(5, 1, 30)
 xr, angles = torch.randn(3, 1, 2 * 10).view(3, 1, 2, 10).transpose(1, 2), torch.rand(3, 1, 1, 10) * 50
+xp, ap = torch.randn(2, 4, 3 * 10).view(2, 4, 3, 10).transpose(1, 2), torch.rand(2, 1, 4, 10) * 50   # a prompt
 worst["layer_math"] = max((fused.rms_norm(x, w, 1e-5) - _torch_rms_norm(x, w, 1e-5)).abs().max().item(),
                           (fused.silu_mul_(g.clone(), u) - F.silu(g) * u).abs().max().item(),
-                          (fused.rope_decode(xr, angles.cos(), angles.sin())
-                           - _torch_rope(xr, angles.cos(), angles.sin())).abs().max().item())
+                          (fused.rope(xr, angles.cos(), angles.sin())
+                           - _torch_rope(xr, angles.cos(), angles.sin())).abs().max().item(),
+                          (fused.rope(xp, ap.cos(), ap.sin()) - _torch_rope(xp, ap.cos(), ap.sin())).abs().max().item())
 print(json.dumps(worst))
 """
 

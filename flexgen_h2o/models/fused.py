@@ -13,9 +13,9 @@
 - Linear (csrc/half_linear.cpp, called by ops.linear for a decode step's few rows): x @ w.T with the fp16 weight
   converted a few rows at a time in L1, where the torch path upcasts chunks of it into a scratch buffer and hands
   them to the BLAS.
-- Layer math (csrc/layer_math.cpp, called by ops): RMSNorm, SwiGLU's gate and one token's RoPE in one pass each,
-  a decode step's on the calling thread, where each torch op is a parallel region that wakes the sleeping
-  OpenMP threads (OMP_WAIT_POLICY=PASSIVE).
+- Layer math (csrc/layer_math.cpp, called by ops): RMSNorm, SwiGLU's gate and RoPE in one pass each, a decode
+  step's on the calling thread, where each torch op is a parallel region that wakes the sleeping OpenMP threads
+  (OMP_WAIT_POLICY=PASSIVE); a prompt's across the threads, one pass where RoPE's torch ops make five.
 
 They are built with torch's C++ extension loader (a C++ compiler and ninja) and cached in
 TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions), so only the first process after a change pays the
@@ -176,8 +176,15 @@ def silu_mul_(gate: Tensor, up: Tensor) -> Tensor:
     return module().silu_mul_(gate, up.contiguous())
 
 
-def rope_decode(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """ops.apply_rope for one token: x (b, h, 1, d) by cos, sin (b, 1, 1, d), as a new contiguous tensor."""
+def rope_usable(x: Tensor) -> bool:
+    """layer_math_usable, and for a prompt (t > 1) a build whose rope_rows takes prompts: one built from an older
+    revision (benchmarks' --base) takes one token only, so its prompts keep the torch ops."""
+    return layer_math_usable(x) and (x.shape[2] == 1 or getattr(module(), "rope_rows_takes_prompts", False))
+
+
+def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """ops.apply_rope's values bit for bit: x (b, h, t, d) by cos, sin (b, 1, t, d), as a new contiguous tensor.
+    A decode step's token runs on the calling thread, a prompt's rows across torch's threads."""
     return module().rope_rows(x, cos.contiguous(), sin.contiguous())
 
 

@@ -109,3 +109,25 @@ def test_kernels_at_builds_the_revisions_own_sources(tmp_path, monkeypatch):
         rel = fused.CSRC.relative_to(REPO_ROOT) / path.name
         at_head = subprocess.run(["git", "show", f"HEAD:{rel}"], cwd=REPO_ROOT, capture_output=True, check=True)
         assert path.read_bytes() == at_head.stdout
+
+
+def test_linear_cost_times_both_paths_and_the_fp32_blas_with_their_flop_rates(kernel, tmp_path, capsys):
+    assert linear_cost.main(["--rows", "3", "--calls", "1", "--repeats", "2", "--threads", "1",
+                             "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "results.json").read_text())
+    assert set(result["ms_per_layer"]) == {"blas", "blas-fp32", "kernel", "peak-gemm"}
+    assert all(len(t) == 2 and all(x > 0 for x in t) for t in result["ms_per_layer"].values())
+    # SmolLM2's step: 30 layers of q, k, v, o, gate, up, down and the 49152 x 576 head, 2 FLOPs a weight a row
+    per_row = 2 * (30 * (2 * 576 * 576 + 2 * 192 * 576 + 3 * 1536 * 576) + 49152 * 576)
+    assert result["flops_per_step"] == 3 * per_row
+    rates = result["GFLOPs"]
+    for case, ms in result["median_ms"].items():
+        flops = 2 * 2048 ** 3 if case == "peak-gemm" else 3 * per_row
+        assert rates[case] == pytest.approx(flops / (ms * 1e-3) / 1e9)
+    # each linear case's time over the time its FLOPs take at the peak case's rate
+    assert set(result["over_peak_bound"]) == {"blas", "blas-fp32", "kernel"}
+    for case, ratio in result["over_peak_bound"].items():
+        assert ratio == pytest.approx(result["median_ms"][case] / (3 * per_row / rates["peak-gemm"] / 1e6))
+    # the three compute the same products: fp16 weights upcast exactly, so only the summation order differs
+    assert 0 <= result["max_abs_difference"] < 1e-4
+    assert "GFLOP/s: blas " in capsys.readouterr().out

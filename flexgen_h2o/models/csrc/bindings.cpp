@@ -12,4 +12,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm_rows", &rms_norm_rows, release);
   m.def("silu_mul_", &silu_mul_, release);
   m.def("rope_rows", &rope_rows, release);
+  m.attr("rope_rows_takes_prompts") = true;   // t > 1 (older builds: one token; models/fused.rope_usable)
 }

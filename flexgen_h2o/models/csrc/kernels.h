@@ -24,7 +24,7 @@ at::Tensor commit_step(const at::Tensor& k, const at::Tensor& v, const at::Tenso
 at::Tensor half_linear(const at::Tensor& x, const at::Tensor& w);
 
 // A decode step's element-wise layer math on the calling thread (layer_math.cpp): RMSNorm of fp32 rows with an
-// fp16 or fp32 weight; silu(gate) * up into gate; RoPE of (b, h, 1, d) rows by per-sequence cos and sin.
+// fp16 or fp32 weight; silu(gate) * up into gate; RoPE of (b, h, t, d) rows by per-(sequence, token) cos and sin.
 at::Tensor rms_norm_rows(const at::Tensor& x, const at::Tensor& weight, double eps);
 at::Tensor silu_mul_(at::Tensor& gate, const at::Tensor& up);
 at::Tensor rope_rows(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
