@@ -120,6 +120,8 @@ def test_ops_send_fp32_cpu_math_to_the_kernel(kernel, monkeypatch):
     ops.apply_rope(torch.randn(120, 9, 1, 64), cos, cos)            # one token, SmolLM2's q at batch 120: kernel
     ops.apply_rope(torch.randn(4, 2, 5, 8), torch.randn(4, 1, 5, 8), torch.randn(4, 1, 5, 8))   # prompt: kernel
     ops.apply_rope(torch.randn(4, 2, 5, 8), torch.randn(4, 2, 5, 8), torch.randn(4, 2, 5, 8))   # per-head angles
+    half_angles = torch.randn(4, 1, 5, 8).half()                                   # angles of another dtype
+    ops.apply_rope(torch.randn(4, 2, 5, 8), half_angles, half_angles)
     assert calls == ["rms_norm", "silu_mul_", "rope", "rope"]
     monkeypatch.setenv(fused.LAYER_MATH_SWITCH, "0")                                   # switched off on its own
     ops.rms_norm(torch.randn(8, 1, 64), w, 1e-5)

@@ -65,8 +65,9 @@ def rope_cos_sin(positions: Tensor, inv_freq: Tensor, dtype: torch.dtype) -> tup
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """x (..., d) rotated by the angles in cos/sin, which broadcast against x."""
+    # angles per (sequence, token), shared by the heads, on a CPU: one pass (a decode token's on one thread)
     if (x.dim() == 4 and x.stride(3) == 1 and cos.shape == sin.shape == (x.shape[0], 1, *x.shape[2:])
-            and cos.dtype == sin.dtype == x.dtype and fused.rope_usable(x)):      # per-sequence angles on a CPU: one pass (a decode token's on one thread)
+            and cos.dtype == sin.dtype == x.dtype and fused.rope_usable(x)):
         return fused.rope(x, cos, sin)
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
