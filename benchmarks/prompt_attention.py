@@ -4,6 +4,8 @@ compiled kernel (models/fused.py, output and key mass in one pass). SmolLM2's sh
 3 KV heads, head size 64. Random q, k, v; no pads.
 
     python -m benchmarks.prompt_attention --out benchmarks/results/prompt_attention
+    # a kernel change: `scored-kernel@REV` is csrc/ as it was at git revision REV, built beside the working tree's
+    python -m benchmarks.prompt_attention --base 1f7d688 --out benchmarks/results/prompt_attention_ab
 """
 from __future__ import annotations
 
@@ -15,7 +17,8 @@ import argparse  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from benchmarks.common import kernels_missing, time_interleaved, timing_summary, write_timings  # noqa: E402
+from benchmarks.common import (kernels_at, kernels_missing, time_interleaved, timing_summary,  # noqa: E402
+                               write_timings)
 
 CASES = ("sdpa", "scored-torch", "scored-kernel")
 
@@ -29,6 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--repeats", type=int, default=6)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--base", metavar="REV", help="also time the kernels of this git revision (scored-kernel@REV)")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/prompt_attention"))
     a = p.parse_args(argv)
     import torch
@@ -42,15 +46,31 @@ def main(argv: list[str] | None = None) -> int:
     k, v = (torch.randn(b, a.kv_heads, t, d, generator=gen) for _ in range(2))
     scale = d ** -0.5
     mask = ops.causal_pad_mask(torch.ones(b, t, dtype=torch.bool))
+    current = fused.module()
+
+    def kernel_of(build):
+        def run():
+            fused.use(build)
+            return fused.scored_prompt_attention(q, k, v, None, scale)
+        return run
+
     run = {"sdpa": lambda: ops.grouped_attention(q, k, v, mask, scale, causal_only=True),
            "scored-torch": lambda: ops.grouped_attention(q, k, v, mask, scale, want_scores=True, causal_only=True),
-           "scored-kernel": lambda: fused.scored_prompt_attention(q, k, v, None, scale)}
-    outputs = {name: f()[0] for name, f in run.items()}                     # warm-up, and the same output
-    if not all(torch.allclose(outputs["sdpa"], o, atol=1e-4) for o in outputs.values()):
-        print("error: the three paths disagree", file=sys.stderr)
-        return 2
+           "scored-kernel": kernel_of(current),
+           **({f"scored-kernel@{a.base}": kernel_of(kernels_at(a.base))} if a.base else {})}
+    try:
+        results = {name: f() for name, f in run.items()}                      # warm-up, and the same values
+        same_out = all(torch.allclose(results["sdpa"][0], out, atol=1e-4) for out, _ in results.values())
+        same_mass = all(torch.allclose(results["scored-torch"][1], mass, rtol=1e-4, atol=1e-4)
+                        for _, mass in results.values() if mass is not None)
+        if not (same_out and same_mass):
+            print("error: the paths disagree (output or key mass)", file=sys.stderr)
+            return 2
+        times = time_interleaved(run, a.repeats)
+    finally:
+        fused.use(current)
     result = {"args": {key: str(val) for key, val in vars(a).items()},
-              **timing_summary(time_interleaved(run, a.repeats), "sdpa")}
+              **timing_summary(times, "sdpa")}
     write_timings(a.out, result, "sdpa", f"prompt attention per layer ({b} x {a.heads}/{a.kv_heads} heads x {t}, "
                                          f"{a.threads} threads, median of {a.repeats})", digits=1)
     return 0

@@ -1,8 +1,9 @@
 """The compiled CPU kernels for H2O's attention (csrc/), built on first use.
 
 - Prompt (csrc/scored_attention.cpp): the attention output and every key's attention mass in one pass whose 3 MB
-  blocks of logits stay in the core's caches; the same math as torch ops (ops.grouped_attention) makes 16 MB
-  blocks that every pass reads from L3 or DRAM.
+  blocks of logits stay in the core's caches, with a softmax over each query's own keys that adds the row into
+  the mass as it scales it; the same math as torch ops (ops.grouped_attention) makes 16 MB blocks that every
+  pass reads from L3 or DRAM.
 - Decode (csrc/decode_attention.cpp): one step over the fp16 cache read in place, each key or value vector
   converted in a register and used there by up to three query heads of its group, the window's lines requested
   ahead of use; the torch ops (ops.narrow_decode_attention) upcast the window with copy_ and multiply it with

@@ -163,33 +163,8 @@ void head_values(const float* w, int64_t R, int64_t ld, const at::Half* values, 
 
 // A softmax over n logits in place; masked entries hold -inf and come out exactly 0. At least one is finite.
 void softmax(float* line, int64_t n) {
-  float top = -std::numeric_limits<float>::infinity(), sum = 0.0f;
-  int64_t i = 0;
-#ifdef FLEXGEN_H2O_AVX2
-  __m256 topv = _mm256_set1_ps(top);
-  for (; i + 8 <= n; i += 8) topv = _mm256_max_ps(topv, _mm256_loadu_ps(line + i));
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, topv);
-  top = *std::max_element(lanes, lanes + 8);
-#endif
-  for (; i < n; ++i) top = std::max(top, line[i]);
-  i = 0;
-#ifdef FLEXGEN_H2O_AVX2
-  const __m256 topb = _mm256_set1_ps(top);
-  __m256 acc = _mm256_setzero_ps();
-  for (; i + 8 <= n; i += 8) {
-    const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(line + i), topb));
-    _mm256_storeu_ps(line + i, e);
-    acc = _mm256_add_ps(acc, e);
-  }
-  sum = horizontal_sum(acc);
-#endif
-  for (; i < n; ++i) {
-    line[i] = std::exp(line[i] - top);
-    sum += line[i];
-  }
-  const float inv = 1.0f / sum;
-  for (i = 0; i < n; ++i) line[i] *= inv;
+  const float inv = 1.0f / softmax_numerators(line, n);
+  for (int64_t i = 0; i < n; ++i) line[i] *= inv;
 }
 
 struct Problem {

@@ -5,7 +5,9 @@
 // blocks of logits too large for L2, so every pass over them (the QK product's write, softmax, the PV product
 // and the column sum) goes to L3 or DRAM. Here each thread owns one (sequence, KV group, query block) at a
 // time, and the block's logits stay in its caches from the QK product to the column sum. Products are ATen GEMMs,
-// single-threaded inside the parallel region, so the FLOPs run at the BLAS's rate.
+// single-threaded inside the parallel region, so the FLOPs run at the BLAS's rate. The softmax is this file's:
+// each row over only the keys its query sees, and its last pass also adds the row into the key mass, where
+// torch's softmax over the whole block width and a separate column-sum product read the block twice more.
 //
 // Masking follows models/ops.causal_pad_mask: query i sees key j iff j <= i and key j is valid, and always
 // sees itself. Pad queries add nothing to the column sums.
@@ -15,8 +17,11 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <cmath>
 #include <limits>
 #include <vector>
+
+#include "simd.h"
 
 namespace {
 
@@ -26,10 +31,29 @@ struct Shape {
   int64_t b, h, t, d, g, r, q_block, blocks, pairs;
 };
 
+// One row of logits to probabilities in place: softmax over line[0, n), the keys its query sees (masked ones
+// already -inf), zeros over [n, width) for the PV product; mass (when the query counts) gets the row added.
+void softmax_row(float* line, int64_t n, int64_t width, float* mass) {
+  const float inv = 1.0f / softmax_numerators(line, n);
+  int64_t j = 0;
+#ifdef FLEXGEN_H2O_AVX2
+  const __m256 inv8 = _mm256_set1_ps(inv);
+  for (; j + 8 <= n; j += 8) {
+    const __m256 p = _mm256_mul_ps(_mm256_loadu_ps(line + j), inv8);
+    _mm256_storeu_ps(line + j, p);
+    if (mass != nullptr) _mm256_storeu_ps(mass + j, _mm256_add_ps(_mm256_loadu_ps(mass + j), p));
+  }
+#endif
+  for (; j < n; ++j) {
+    line[j] *= inv;
+    if (mass != nullptr) mass[j] += line[j];
+  }
+  std::fill(line + n, line + width, 0.0f);
+}
+
 void attend_block(const Shape& s, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out,
                   const std::vector<std::vector<int64_t>>& pads, const bool* valid, double scale, int64_t bi,
-                  int64_t gi, int64_t block, at::Tensor& qbuf, at::Tensor& logits, at::Tensor& weights,
-                  float* mass) {
+                  int64_t gi, int64_t block, at::Tensor& qbuf, at::Tensor& logits, float* mass) {
   const int64_t start = block * s.q_block, stop = std::min(s.t, start + s.q_block);
   const int64_t tq = stop - start, rows = s.r * tq;
   for (int64_t j = 0; j < s.r; ++j) {
@@ -39,27 +63,22 @@ void attend_block(const Shape& s, const at::Tensor& q, const at::Tensor& k, cons
   at::Tensor block_logits = logits.narrow(0, 0, rows * stop).view({rows, stop});
   at::mm_out(block_logits, qbuf.narrow(0, 0, rows), k[bi][gi].narrow(0, 0, stop).t());
   float* data = block_logits.data_ptr<float>();
-  float* w = weights.data_ptr<float>();
   const float hidden = -std::numeric_limits<float>::infinity();
   const std::vector<int64_t>& seq_pads = pads[bi];
   for (int64_t row = 0; row < rows; ++row) {
     const int64_t i = start + row % tq;
     float* line = data + row * stop;
-    std::fill(line + i + 1, line + stop, hidden);             // keys after the query
-    for (int64_t p : seq_pads) {                              // pad keys before it (pads are few)
+    for (int64_t p : seq_pads) {                              // pad keys before the query (pads are few)
       if (p >= i) break;
       line[p] = hidden;
     }
-    w[row] = (valid == nullptr || valid[bi * s.t + i]) ? 1.0f : 0.0f;
+    // keys [0, i] only; a pad query's row is still computed (its output is unused) but adds no mass
+    softmax_row(line, i + 1, stop, (valid == nullptr || valid[bi * s.t + i]) ? mass : nullptr);
   }
-  // in place: each row is read whole (its max, then its exponentials) before its values are overwritten
-  at::_softmax_out(block_logits, block_logits, 1, false);
   for (int64_t j = 0; j < s.r; ++j) {
     at::Tensor dst = out[bi][gi * s.r + j].narrow(0, start, tq);
     at::mm_out(dst, block_logits.narrow(0, j * tq, tq), v[bi][gi].narrow(0, 0, stop));
   }
-  at::Tensor mass_row = at::from_blob(mass, {1, stop}, logits.options());
-  mass_row.addmm_(weights.narrow(1, 0, rows), block_logits);   // += valid-weighted column sums
 }
 
 // While alive, the calling thread's GEMMs run alone: left at the team's size, MKL wakes a nested team on every
@@ -111,16 +130,14 @@ std::vector<at::Tensor> scored_prompt_attention(const at::Tensor& q, const at::T
     OneThreadGemms alone;
     at::Tensor qbuf = at::empty({s.r * s.q_block, s.d}, q.options());
     at::Tensor logits = at::empty({s.r * s.q_block * s.t}, q.options());
-    at::Tensor weights = at::empty({1, s.r * s.q_block}, q.options());
     float* mine = partial[at::get_thread_num()].data_ptr<float>();
     for (int64_t task = begin; task < end; ++task) {
       const int64_t bg = task / s.pairs, pair = task % s.pairs;
       const int64_t bi = bg / s.g, gi = bg % s.g;
-      attend_block(s, q, k, v, out, pads, valid, scale, bi, gi, pair, qbuf, logits, weights, mine + bg * s.t);
+      attend_block(s, q, k, v, out, pads, valid, scale, bi, gi, pair, qbuf, logits, mine + bg * s.t);
       const int64_t mirror = s.blocks - 1 - pair;
       if (mirror != pair)
-        attend_block(s, q, k, v, out, pads, valid, scale, bi, gi, mirror, qbuf, logits, weights,
-                     mine + bg * s.t);
+        attend_block(s, q, k, v, out, pads, valid, scale, bi, gi, mirror, qbuf, logits, mine + bg * s.t);
     }
   });
   return {out, partial.sum(0)};

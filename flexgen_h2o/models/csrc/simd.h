@@ -3,7 +3,10 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <limits>
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
@@ -49,3 +52,35 @@ inline __m256 exp_nonpositive(__m256 x) {
   return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(scale)), in_range);
 }
 #endif
+
+// The numerators of a softmax over line[0, n) in place, e^(x - max), and their sum. Masked entries hold -inf and
+// come out exactly 0; at least one entry must be finite. The caller scales by 1 / sum (the decode and prompt
+// kernels each fold their own work into that pass).
+inline float softmax_numerators(float* line, int64_t n) {
+  float top = -std::numeric_limits<float>::infinity(), sum = 0.0f;
+  int64_t i = 0;
+#ifdef FLEXGEN_H2O_AVX2
+  __m256 topv = _mm256_set1_ps(top);
+  for (; i + 8 <= n; i += 8) topv = _mm256_max_ps(topv, _mm256_loadu_ps(line + i));
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, topv);
+  top = *std::max_element(lanes, lanes + 8);
+#endif
+  for (; i < n; ++i) top = std::max(top, line[i]);
+  i = 0;
+#ifdef FLEXGEN_H2O_AVX2
+  const __m256 topb = _mm256_set1_ps(top);
+  __m256 acc = _mm256_setzero_ps();
+  for (; i + 8 <= n; i += 8) {
+    const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(line + i), topb));
+    _mm256_storeu_ps(line + i, e);
+    acc = _mm256_add_ps(acc, e);
+  }
+  sum = horizontal_sum(acc);
+#endif
+  for (; i < n; ++i) {
+    line[i] = std::exp(line[i] - top);
+    sum += line[i];
+  }
+  return sum;
+}
