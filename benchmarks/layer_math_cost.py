@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {"args": {k: str(v) for k, v in vars(a).items()}, "ops": summary, "median_us": us}
     write_ab(a.out, result, "median_us",
              lambda name, cases: f"{name} ({a.rows} rows x {t} tokens, median of {a.repeats}): "
-                                 + ", ".join(f"{case} {t:.1f} us" for case, t in cases.items()))
+                                 + ", ".join(f"{case} {us:.1f} us" for case, us in cases.items()))
     return 0
 
 

@@ -184,7 +184,8 @@ def rope_usable(x: Tensor) -> bool:
 
 
 def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """ops.apply_rope's values bit for bit: x (b, h, t, d) by cos, sin (b, 1, t, d), as a new contiguous tensor.
+    """ops.apply_rope's values bit for bit on x86 (csrc/layer_math.cpp says why): x (b, h, t, d) by cos, sin
+    (b, 1, t, d), as a new contiguous tensor.
     A decode step's token runs on the calling thread, a prompt's rows across torch's threads."""
     return module().rope_rows(x, cos.contiguous(), sin.contiguous())
 

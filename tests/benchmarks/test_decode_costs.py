@@ -62,6 +62,22 @@ def test_decode_ab_times_prompt_passes_with_phase_prefill(kernel, tmp_path):
     assert all(len(t) == 2 and all(x > 0 for x in t) for t in result["step_s"].values())
 
 
+def test_layer_math_cost_at_prompt_size_runs_the_kernel_on_the_threads_asked_for(kernel, tmp_path, capsys,
+                                                                                 monkeypatch):
+    """--tokens T: a prompt's rows (b, T, ...); the kernel cases run on --threads threads, not on one."""
+    import torch
+    seen = []
+    real = kernel.rope
+    monkeypatch.setattr(kernel, "rope",
+                        lambda x, c, s: seen.append((tuple(x.shape), torch.get_num_threads())) or real(x, c, s))
+    assert layer_math_cost.main(["--rows", "2", "--tokens", "5", "--calls", "1", "--repeats", "2", "--threads", "2",
+                                 "--out", str(tmp_path)]) == 0
+    assert seen and all(shape == (2, 9, 5, 64) and threads == 2 for shape, threads in seen)
+    us = json.loads((tmp_path / "results.json").read_text())["median_us"]
+    assert set(us["RoPE of q"]) == {"torch, 2 threads", "torch, 1 thread", "kernel"}
+    assert "RoPE of q (2 rows x 5 tokens, median of 2): " in capsys.readouterr().out
+
+
 def test_layer_math_cost_times_each_op_on_both_thread_counts_and_the_kernel(kernel, tmp_path):
     from flexgen_h2o.models import fused
     assert layer_math_cost.main(["--rows", "4", "--calls", "2", "--repeats", "2", "--out", str(tmp_path)]) == 0

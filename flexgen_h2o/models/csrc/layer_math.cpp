@@ -111,7 +111,7 @@ at::Tensor silu_mul_(at::Tensor& gate, const at::Tensor& up) {
 namespace {
 
 // A product kept in a register as it is, rounded. With -mfma GCC fuses `a * b + c` into one FMA (its default
-// -ffp-contract=fast; measured: 25 % of RoPE's values moved in their last bit), where the torch ops round both
+// -ffp-contract=fast; a build without this moved 25 % of RoPE's values in their last bit), where the torch ops round both
 // products and then add. The empty asm hides the value from that fusion and emits no instruction. The portable
 // build on x86 has no FMA to fuse into; on another ISA with FMA a build may fuse (an ulp from the torch ops).
 template <typename T>

@@ -17,7 +17,6 @@
 #include <omp.h>
 
 #include <algorithm>
-#include <cmath>
 #include <limits>
 #include <vector>
 
