@@ -17,7 +17,7 @@ from torch import Tensor
 
 from flexgen_h2o.backend import get_backend
 from flexgen_h2o.config import ConfigError, GenerationConfig, GenerationResult, OffloadPolicy, split_by_fraction
-from flexgen_h2o.kv import EvictionConfig, get_policy, policy_for
+from flexgen_h2o.kv import EvictionConfig, RowBudgets, get_policy, policy_for
 from flexgen_h2o.kv.cache import KVCache, StagingBuffers, gather_slots
 from flexgen_h2o.kv.mixed import SplitKVCache
 from flexgen_h2o.memory import ComputeTier, DiskTier, HostTier, OffloadDir, check_space
@@ -149,7 +149,9 @@ class Engine:
             raise ConfigError("--position-rolling applies to RoPE models (Llama); OPT keys carry no rotation")
         return eviction
 
-    def _make_cache(self, layer, batch: int, budget, policy, generator, rolling: bool) -> SplitKVCache:
+    def _make_cache(self, layer, batch: int, budget: RowBudgets, policy, generator, rolling: bool) -> SplitKVCache:
+        """One GPU batch's cache of one layer: every tier's part allocates the batch's largest capacity (so the
+        parts stage into one window) and keeps its own rows' budgets."""
         parts = []
         split = split_by_fraction(batch, self.offload.tier_fractions("cache"))
         # attention reads the window on the compute device, or where the KV lives with cpu_cache_compute
@@ -157,7 +159,7 @@ class Engine:
         host_attention = self.offload.cpu_cache_compute and off_device and self.device.type != "cpu"
         in_place = self.offload.kv_read_in_place("cpu" if host_attention else self.device.type, rolling, batch)
         for lo, hi, kind in split:
-            cache = KVCache(layer.kv_spec(), hi - lo, budget.capacity, policy, budget, dtype=self.kv_dtype,
+            cache = KVCache(layer.kv_spec(), hi - lo, budget.capacity, policy, budget.part(lo, hi), dtype=self.kv_dtype,
                             alloc=lambda shape, dtype, kind=kind: self._alloc(kind, shape, dtype), tier_kind=kind,
                             rolling=rolling, generator=generator, staging=self.kv_staging, read_in_place=in_place)
             parts.append((lo, hi, cache))
@@ -278,7 +280,8 @@ class Engine:
             raise ConfigError(f"prompt ({prompt_len}) + new tokens ({n_new}) exceed the context window "
                               f"({self.model.max_seq_len}) of {self.model.name}; shorten them or use "
                               "--position-rolling (Llama)")
-        budget = ev.resolve(prompt_len, n_new)
+        # each sequence's budget from its own real prompt length (h2o-port: the block's, as the port does)
+        budget = ev.resolve_rows([len(p) for p in prompts], per_seq_max or [gen.max_new_tokens] * len(prompts))
         # a prefill kept for later rules keeps every token and still needs the scores, which `full` skips
         policy = get_policy(ev.policy) if capture is not None else policy_for(ev, budget)
         self.release()
@@ -300,10 +303,11 @@ class Engine:
         batches = []
         for lo in range(0, len(prompts), gbs):
             hi = min(len(prompts), lo + gbs)
+            rows = budget.part(lo, hi)
             b = BatchState(seq_index=list(range(lo, hi)), prompt_ids=ids[lo:hi], token_valid=valid[lo:hi],
-                           real_len=valid[lo:hi].sum(1))
+                           real_len=valid[lo:hi].sum(1), kept_max=torch.tensor(rows.values("budget")))
             generator = ev.generator()
-            b.caches = {l: self._make_cache(layer, hi - lo, budget, policy, generator, ev.position_rolling)
+            b.caches = {l: self._make_cache(layer, hi - lo, rows, policy, generator, ev.position_rolling)
                         for l, layer in enumerate(self.layers) if layer.kind == "attn"}
             if prefilled is not None:          # this rule's choice of the kept prompt rows, as a prefill makes it
                 for l, (k, v, score, pos) in prefilled.layers[len(batches)].items():
@@ -334,7 +338,7 @@ class Engine:
         parts = RunParts(backend=self.backend, layers=self.layers, groups=self.groups, weights=self.weights,
                          device=self.device, compute_dtype=self.compute_dtype, needs_scores=policy.needs_scores,
                          rolling=ev.position_rolling, score_reduce=ev.score_reduce,
-                         budget=budget.budget, prefill_rows=prefill_rows, async_lanes=self._async_lanes(),
+                         prefill_rows=prefill_rows, async_lanes=self._async_lanes(),
                          prefill_by_rows=self.offload.prefill_by_rows(self.device.type),
                          on_logits=on_logits,
                          should_stop=lambda token: stops.all_done or token + 1 >= n_new)

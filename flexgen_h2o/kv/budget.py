@@ -10,14 +10,19 @@ Counting rules (ANCHORS.md §2.2, §2.5, §2.11):
 - `local` and `sink` have no heavy hitters: the heavy share goes to the recent window, so they run at the same
   budget as h2o with the same flags. `sink` defaults to 4 sink tokens (StreamingLLM); `local` has none.
 
-A Budget is per (sequence, KV head) and is the same for every sequence of a batch; a sequence with fewer real
-tokens simply fills its slots later (eviction starts once its own count of valid slots exceeds the budget).
+A Budget is one sequence's, per KV head, from its own real prompt length (padding excluded), as the H2O HF code
+and the Llama recipe take it: a prompt keeps the same slots alone, in any batch, in any block cut and after any
+resume. A block allocates one slot count for all its sequences (RowBudgets.capacity, its largest) and each
+sequence evicts down to its own budget. `h2o-port` keeps the FlexGen port's per-block semantics instead: every
+sequence of a block gets the budget of the block's padded length (RowBudgets.per_block).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Sequence
 
 import torch
+from torch import Tensor
 
 POLICY_NAMES = ("full", "h2o", "h2o-port", "h2o-avg", "local", "sink", "random")
 HEAVY_HITTER_POLICIES = ("h2o", "h2o-port", "h2o-avg")      # rank prompt tokens by attention
@@ -50,6 +55,65 @@ class Budget:
     def evicts(self) -> bool:
         """False when the budget can hold every token of the run (the cache is then a plain full cache)."""
         return self.policy != "full" and (self.max_tokens is None or self.budget < self.max_tokens)
+
+    def col(self, name: str, like: Tensor) -> int:
+        """The count `name` (heavy, recent or budget) for every column: one int (RowBudgets gives a tensor)."""
+        return int(getattr(self, name))
+
+
+@dataclass(frozen=True)
+class RowBudgets:
+    """A block's budgets, one Budget per sequence in row order. The cache allocates `capacity` slots for every row
+    (the largest row's); the policies read each row's counts through col(), an int where the rows agree (the common
+    case: a bucket of equal-length prompts, with no per-column tensor) and a (b, 1, ...) tensor where they differ."""
+    rows: tuple[Budget, ...]
+    _cols: dict = field(default_factory=dict, compare=False, repr=False)     # (name, device, dims) -> tensor
+
+    def __post_init__(self) -> None:
+        if not self.rows:
+            raise ValueError("RowBudgets needs at least one row")
+        if len({(r.sink, r.policy) for r in self.rows}) != 1:
+            raise ValueError("the rows of a block share the sink count and the policy")
+
+    @classmethod
+    def uniform(cls, budget: Budget, n: int) -> "RowBudgets":
+        return cls((budget,) * n)
+
+    @property
+    def policy(self) -> str:
+        return self.rows[0].policy
+
+    @property
+    def sink(self) -> int:
+        return self.rows[0].sink
+
+    @property
+    def capacity(self) -> int:
+        return max(r.capacity for r in self.rows)
+
+    @property
+    def evicts(self) -> bool:
+        return any(r.evicts for r in self.rows)
+
+    def values(self, name: str) -> list[int]:
+        return [int(getattr(r, name)) for r in self.rows]
+
+    def col(self, name: str, like: Tensor) -> int | Tensor:
+        """Each row's `name` shaped to broadcast against `like` (b, ...) on its device; an int if the rows agree."""
+        vals = self.values(name)
+        if len(set(vals)) == 1:
+            return vals[0]
+        key = (name, like.device, like.dim())
+        if key not in self._cols:
+            self._cols[key] = torch.tensor(vals, dtype=torch.long, device=like.device).view(-1, *[1] * (like.dim() - 1))
+        return self._cols[key]
+
+    def part(self, lo: int, hi: int) -> "RowBudgets":
+        """The rows [lo, hi): a GPU batch of the block, or one tier's share of it."""
+        return RowBudgets(self.rows[lo:hi])
+
+    def __len__(self) -> int:
+        return len(self.rows)
 
 
 @dataclass(frozen=True)
@@ -112,7 +176,7 @@ class EvictionConfig:
         return self.sink_size if self.sink_size is not None else DEFAULT_SINKS.get(self.policy, 0)
 
     def resolve(self, prompt_len: int, gen_len: int) -> Budget:
-        """Slot counts for a run with `prompt_len` prompt tokens (the padded length) and `gen_len` new tokens."""
+        """One sequence's slot counts, for `prompt_len` prompt tokens and `gen_len` new tokens."""
         if prompt_len < 1 or gen_len < 0:
             raise ValueError(f"need prompt_len >= 1 and gen_len >= 0, got {prompt_len} and {gen_len}")
         # the last generated token is never written, but keep room for gen_len >= 1 so capacity > any prompt
@@ -136,6 +200,20 @@ class EvictionConfig:
             raise ValueError(f"the eviction budget is 0 slots for prompt_len {prompt_len} ({self.describe_request()}); "
                              f"raise the ratio or give sizes in slots")
         return Budget(sink, heavy, recent, policy=self.policy, max_tokens=max_tokens)
+
+    def resolve_rows(self, prompt_lens: Sequence[int], gen_lens: Sequence[int]) -> RowBudgets:
+        """Each sequence's budget from its own real prompt length and new tokens. h2o-port: the port's per-block
+        budget, from the block's longest prompt (its padded length) and largest generation, for every row."""
+        if len(prompt_lens) != len(gen_lens) or not prompt_lens:
+            raise ValueError(f"need one gen length per prompt, got {len(prompt_lens)} and {len(gen_lens)}")
+        if self.per_block:
+            return RowBudgets.uniform(self.resolve(max(prompt_lens), max(gen_lens)), len(prompt_lens))
+        return RowBudgets(tuple(self.resolve(n, g) for n, g in zip(prompt_lens, gen_lens)))
+
+    @property
+    def per_block(self) -> bool:
+        """The FlexGen port's ratio semantics: a block's budget from its padded length (--h2o-variant port)."""
+        return self.policy == "h2o-port"
 
     def _heavy_recent(self, prompt_len: int) -> tuple[int, int]:
         heavy_given = self.hh_size is not None or self.hh_ratio is not None
@@ -194,4 +272,33 @@ def describe(budget: Budget, prompt_len: int, gen_len: int, kv_bytes_per_token: 
             f"{_fmt_bytes(budget.capacity * kv_bytes_per_token)} instead of {full_bytes}")
     if not budget.evicts:
         line += " (budget covers the whole run: nothing is evicted)"
+    return line
+
+
+def _span(values: Sequence[float], fmt: str = "{:g}") -> str:
+    lo, hi = min(values), max(values)
+    return fmt.format(lo) if lo == hi else f"{fmt.format(lo)}-{fmt.format(hi)}"
+
+
+def describe_rows(budgets: Sequence[Budget], prompt_lens: Sequence[int], gen_lens: Sequence[int],
+                  kv_bytes_per_token: float) -> str:
+    """describe() for a job of many prompts, each with its own budget: the range of slots per sequence
+    (`KV cache: h2o, 21-102 slots/seq ...`), and the bytes of the largest allocation. One line either way."""
+    if len({(b, n, g) for b, n, g in zip(budgets, prompt_lens, gen_lens)}) == 1:
+        return describe(budgets[0], prompt_lens[0], gen_lens[0], kv_bytes_per_token)
+    totals = [n + g for n, g in zip(prompt_lens, gen_lens)]
+    full_bytes = _fmt_bytes(max(totals) * kv_bytes_per_token)
+    if budgets[0].policy == "full":
+        return f"KV cache: full, {_span(totals)} slots/seq (prompt + new tokens); up to {full_bytes}"
+    parts = [f"{_span(vals)} {what}" for vals, what in (([b.sink for b in budgets], "sink"),
+                                                        ([b.heavy for b in budgets], "heavy"),
+                                                        ([b.recent for b in budgets], "recent")) if max(vals)]
+    pct = [100.0 * b.budget / max(t, 1) for b, t in zip(budgets, totals)]
+    cap = max(b.capacity for b in budgets)
+    per = "the block's longest prompt" if budgets[0].policy == "h2o-port" else "each prompt's own length"
+    line = (f"KV cache: {budgets[0].policy}, {_span([b.budget for b in budgets])} slots/seq "
+            f"({' + '.join(parts)}; from {per}) = {_span(pct, '{:.1f}')}% of prompt + new tokens; "
+            f"up to {_fmt_bytes(cap * kv_bytes_per_token)} instead of {full_bytes}")
+    if not any(b.evicts for b in budgets):
+        line += " (the budgets cover the whole run: nothing is evicted)"
     return line

@@ -22,6 +22,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
+from flexgen_h2o.kv.budget import Budget, RowBudgets
 from flexgen_h2o.kv.select import pack_kept
 from flexgen_h2o.models import fused
 from flexgen_h2o.models.layer import KVSpec, KVView, LayerOutput
@@ -77,12 +78,20 @@ def gather_slots(x: Tensor, index: Tensor) -> Tensor:
 
 
 class KVCache:
-    def __init__(self, spec: KVSpec, batch: int, capacity: int, policy, budget, *,
+    def __init__(self, spec: KVSpec, batch: int, capacity: int, policy, budget: Budget | RowBudgets, *,
                  dtype: torch.dtype = torch.float16, alloc: Allocator = _plain_alloc, tier_kind: str = "compute",
                  rolling: bool = False, generator: torch.Generator | None = None,
                  staging: StagingBuffers | None = None, read_in_place: bool = False):
         """staging: reuse buffers for the compute-dtype windows staged on a CPU (None: a fresh copy each time).
-        read_in_place: stage hands out the cache's own window (OffloadPolicy.kv_read_in_place decides)."""
+        read_in_place: stage hands out the cache's own window (OffloadPolicy.kv_read_in_place decides).
+        budget: one Budget for every sequence, or RowBudgets with one per sequence (each evicts down to its own)."""
+        if isinstance(budget, RowBudgets) and len(budget) != batch:
+            raise ValueError(f"{len(budget)} sequence budgets for a cache of {batch} sequences")
+        rows = budget.rows if isinstance(budget, RowBudgets) else (budget,) * batch
+        # the compiled commit's per-sequence counts, made once
+        self._row_counts = tuple(torch.tensor([getattr(r, n) for r in rows], dtype=torch.long)
+                                 for n in ("recent", "budget"))
+        self._uniform_counts = len({(r.recent, r.budget) for r in rows}) == 1
         self.spec, self.batch, self.capacity = spec, batch, capacity
         self.staging, self.read_in_place = staging, read_in_place
         self.policy, self.budget, self.rolling, self.generator = policy, budget, rolling, generator
@@ -199,9 +208,13 @@ class KVCache:
         if self._compiled_commit():
             rule = COMPILED_RULES[self.policy.name]
             mass = out.scores.to(self.score.device) if out.scores is not None else torch.empty(0)
-            fused.module().commit_step(self.k, self.v, self.score, self.pos, slot, out.k_new.to(self.k.device),
-                                       out.v_new.to(self.k.device), new_pos.to(self.k.device), mass, s, rule,
-                                       self.budget.sink, self.budget.recent, self.budget.budget)
+            ext = fused.module()
+            recent, budget = self._row_counts
+            if not getattr(ext, "commit_takes_row_budgets", False):      # an older revision's build (--base)
+                recent, budget = int(recent[0]), int(budget[0])
+            ext.commit_step(self.k, self.v, self.score, self.pos, slot, out.k_new.to(self.k.device),
+                            out.v_new.to(self.k.device), new_pos.to(self.k.device), mass, s, rule,
+                            self.budget.sink, recent, budget)
         else:
             self._commit_with_torch_ops(slot, s, out, new_pos)
         self.n_used = s
@@ -210,9 +223,12 @@ class KVCache:
 
     def _compiled_commit(self) -> bool:
         """The compiled commit (models/csrc/commit_step.cpp) takes a CPU-homed cache's step under the rules it
-        implements; GPU caches and the random and window rules run kv/'s torch ops."""
+        implements; GPU caches and the random and window rules run kv/'s torch ops (and so does a block of unequal
+        budgets under an older revision's build, whose commit takes one budget)."""
+        ext = fused.module()
         return (self.policy.name in COMPILED_RULES and self.k.device.type == "cpu" and self.k.is_contiguous()
-                and self.k.dtype in (torch.float16, torch.float32) and fused.module() is not None)
+                and self.k.dtype in (torch.float16, torch.float32) and ext is not None
+                and (self._uniform_counts or getattr(ext, "commit_takes_row_budgets", False)))
 
     def _commit_with_torch_ops(self, slot: Tensor, s: int, out: LayerOutput, new_pos: Tensor) -> None:
         write_slot(self.k, slot, out.k_new.to(self.k.device))

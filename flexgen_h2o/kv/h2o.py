@@ -20,17 +20,25 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from flexgen_h2o.kv.budget import Budget
+from flexgen_h2o.kv.budget import Budget, RowBudgets
 from flexgen_h2o.kv.select import NO_VICTIM, argmin_score, expand_positions, keep_prefill, newest_mask, uniform_choice
 
 
-def h2o_candidates(positions: Tensor, budget: Budget) -> tuple[Tensor, Tensor]:
-    """(candidates (b, g, s) bool, over (b, g) bool): who may be evicted, and which columns must evict."""
+def h2o_candidates(positions: Tensor, budget: Budget | RowBudgets) -> tuple[Tensor, Tensor]:
+    """(candidates (b, g, s) bool, over (b, g) bool): who may be evicted, and which columns must evict (each
+    sequence against its own budget)."""
     valid = positions >= 0
     n_valid = valid.sum(dim=-1)
-    over = n_valid > budget.budget
-    candidates = valid & (positions >= budget.sink) & ~newest_mask(positions, valid, budget.recent, n_valid)
+    over = n_valid > budget.col("budget", n_valid)
+    window = newest_mask(positions, valid, budget.col("recent", positions), n_valid)
+    candidates = valid & (positions >= budget.sink) & ~window
     return candidates, over
+
+
+def prefill_keep(positions: Tensor, rank: Tensor | None, budget: Budget | RowBudgets) -> Tensor:
+    """select.keep_prefill with each sequence's own counts."""
+    return keep_prefill(positions, rank, budget.sink, budget.col("heavy", positions), budget.col("recent", positions),
+                        budget.col("budget", positions))
 
 
 def _only_over(victim: Tensor, over: Tensor) -> Tensor:
@@ -47,15 +55,14 @@ class H2OPolicy:
         """What keys are ranked by, in prefill and at every victim choice: the accumulated attention itself."""
         return scores
 
-    def select_prefill(self, scores: Tensor | None, positions: Tensor, budget: Budget,
+    def select_prefill(self, scores: Tensor | None, positions: Tensor, budget: Budget | RowBudgets,
                        generator: torch.Generator | None = None) -> Tensor:
         if scores is None:
             raise ValueError(f"policy {self.name!r} ranks prompt tokens by attention: pass the column sums")
         positions = expand_positions(positions, scores)
-        return keep_prefill(positions, self.rank(scores, positions), budget.sink, budget.heavy, budget.recent,
-                            budget.budget)
+        return prefill_keep(positions, self.rank(scores, positions), budget)
 
-    def choose_victim(self, scores: Tensor, positions: Tensor, budget: Budget,
+    def choose_victim(self, scores: Tensor, positions: Tensor, budget: Budget | RowBudgets,
                       generator: torch.Generator | None = None) -> Tensor:
         positions = expand_positions(positions, scores)
         candidates, over = h2o_candidates(positions, budget)
@@ -83,7 +90,7 @@ class H2OPortPolicy(H2OPolicy):
     """The port's approximation: the token leaving the window always enters the heavy set."""
     name = "h2o-port"
 
-    def choose_victim(self, scores: Tensor, positions: Tensor, budget: Budget,
+    def choose_victim(self, scores: Tensor, positions: Tensor, budget: Budget | RowBudgets,
                       generator: torch.Generator | None = None) -> Tensor:
         positions = expand_positions(positions, scores)
         candidates, over = h2o_candidates(positions, budget)
@@ -102,13 +109,13 @@ class RandomPolicy:
     name = "random"
     needs_scores = False
 
-    def select_prefill(self, scores: Tensor | None, positions: Tensor, budget: Budget,
+    def select_prefill(self, scores: Tensor | None, positions: Tensor, budget: Budget | RowBudgets,
                        generator: torch.Generator | None = None) -> Tensor:
         positions = expand_positions(positions, scores)
         draw = torch.rand(positions.shape, generator=generator, device=positions.device)
-        return keep_prefill(positions, draw, budget.sink, budget.heavy, budget.recent, budget.budget)
+        return prefill_keep(positions, draw, budget)
 
-    def choose_victim(self, scores: Tensor, positions: Tensor, budget: Budget,
+    def choose_victim(self, scores: Tensor, positions: Tensor, budget: Budget | RowBudgets,
                       generator: torch.Generator | None = None) -> Tensor:
         positions = expand_positions(positions, scores)
         candidates, over = h2o_candidates(positions, budget)

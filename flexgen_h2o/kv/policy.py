@@ -10,7 +10,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from flexgen_h2o.kv.budget import POLICY_NAMES, Budget, EvictionConfig
+from flexgen_h2o.kv.budget import POLICY_NAMES, Budget, EvictionConfig, RowBudgets
 from flexgen_h2o.kv.h2o import H2OAveragePolicy, H2OPolicy, H2OPortPolicy, RandomPolicy
 from flexgen_h2o.kv.window import FullPolicy, SinkPolicy, WindowPolicy
 
@@ -19,13 +19,13 @@ class EvictionPolicy(Protocol):
     name: str
     needs_scores: bool          # True: attention must return the per-key mass (the slower, unfused path)
 
-    def select_prefill(self, scores: Tensor | None, positions: Tensor, budget: Budget,
+    def select_prefill(self, scores: Tensor | None, positions: Tensor, budget: Budget | RowBudgets,
                        generator: torch.Generator | None = None) -> Tensor:
         """scores (b, g, p) fp32 column sums over the real queries (None if not needs_scores); positions
         (b, g, p) long, -1 for pads -> keep (b, g, p) bool, at most budget.budget per column, no pads."""
         ...
 
-    def choose_victim(self, scores: Tensor, positions: Tensor, budget: Budget,
+    def choose_victim(self, scores: Tensor, positions: Tensor, budget: Budget | RowBudgets,
                       generator: torch.Generator | None = None) -> Tensor:
         """After a decode step has written its token and added its attention: scores (b, g, s) fp32,
         positions (b, g, s) long (-1 = free) -> victim slot (b, g) long, -1 where the column is within budget."""
@@ -45,7 +45,7 @@ def get_policy(name: str) -> EvictionPolicy:
         raise ValueError(f"unknown eviction policy {name!r}; choose one of {', '.join(POLICY_NAMES)}") from None
 
 
-def policy_for(config: EvictionConfig, budget: Budget) -> EvictionPolicy:
+def policy_for(config: EvictionConfig, budget: Budget | RowBudgets) -> EvictionPolicy:
     """The policy a run uses: the configured one, or `full` when the budget holds the whole run (same slots, the
     fused attention, bit-identical output)."""
     return get_policy(config.policy if budget.evicts else "full")

@@ -22,22 +22,28 @@ def expand_positions(positions: Tensor, like: Tensor | None, shape: tuple[int, .
     return positions.long()
 
 
-def newest_mask(positions: Tensor, valid: Tensor, k: int, n_valid: Tensor | None = None) -> Tensor:
+def newest_mask(positions: Tensor, valid: Tensor, k: int | Tensor, n_valid: Tensor | None = None) -> Tensor:
     """(b, g, s) bool: the k valid slots with the largest positions per column (all valid ones if fewer).
-    n_valid: valid.sum(-1), when the caller has it already (one reduction less per decode step and layer).
+    k: one count, or one per sequence as a (b, 1, 1) tensor (RowBudgets.col). n_valid: valid.sum(-1), when the
+    caller has it already (one reduction less per decode step and layer).
 
     Positions are unique among the valid slots of a column. A recent window is never evicted from, so in a
     cache the k newest positions are consecutive and "position > newest - k" finds them without a top-k, which
     cost ~0.7 ms of a ~4 ms per-layer eviction step at 54 x 3 x 409 slots. The shortcut is checked (a column's
-    count under it must be min(k, its valid count)); any column with a gap falls back to the exact top-k."""
-    if k <= 0:
+    count under it must be min(k, its valid count)); any column with a gap falls back to the exact ranking."""
+    per_row = isinstance(k, Tensor)
+    if not per_row and k <= 0:
         return torch.zeros_like(valid)
     masked = torch.where(valid, positions, torch.full_like(positions, -1))
     newest = masked.amax(dim=-1, keepdim=True)                                     # (b, g, 1)
     window = valid & (masked > newest - k)
     n_valid = valid.sum(dim=-1) if n_valid is None else n_valid
-    if bool((window.sum(dim=-1) == n_valid.clamp(max=k)).all()):
+    expected = torch.minimum(n_valid, k.squeeze(-1)) if per_row else n_valid.clamp(max=k)
+    if bool((window.sum(dim=-1) == expected).all()):
         return window
+    if per_row:     # each row its own k: a slot's rank among its column's positions, newest first
+        ranks = masked.argsort(dim=-1, descending=True).argsort(dim=-1)
+        return valid & (ranks < k)
     k = min(k, positions.shape[-1])
     kth = masked.topk(k, dim=-1).values[..., -1:]                                  # (b, g, 1)
     return valid & (masked >= kth)
@@ -65,11 +71,12 @@ def uniform_choice(candidates: Tensor, generator: torch.Generator | None) -> Ten
     return torch.where(candidates.any(dim=-1), slot, torch.full_like(slot, NO_VICTIM))
 
 
-def top_k_mask(scores: Tensor, positions: Tensor, candidates: Tensor, k: int) -> Tensor:
-    """(b, g, s) bool: the k candidates with the highest scores per column. Ties keep the larger position, the
-    mirror of argmin_score (the smaller position is evicted first), so a prefill selection equals what
-    repeated single evictions would leave."""
-    if k <= 0:
+def top_k_mask(scores: Tensor, positions: Tensor, candidates: Tensor, k: int | Tensor) -> Tensor:
+    """(b, g, s) bool: the k candidates with the highest scores per column (k: one count, or (b, 1, 1) per
+    sequence). Ties keep the larger position, the mirror of argmin_score (the smaller position is evicted
+    first), so a prefill selection equals what repeated single evictions would leave."""
+    per_row = isinstance(k, Tensor)
+    if not per_row and k <= 0:
         return torch.zeros_like(candidates)
     key = torch.where(candidates, scores.float(), torch.full_like(scores, float("-inf"), dtype=torch.float32))
     # two stable sorts = one sort by (score desc, position desc)
@@ -77,16 +84,18 @@ def top_k_mask(scores: Tensor, positions: Tensor, candidates: Tensor, k: int) ->
         dim=-1, descending=True, stable=True)
     by_score = key.gather(-1, by_pos).argsort(dim=-1, descending=True, stable=True)
     order = by_pos.gather(-1, by_score)                                             # (b, g, s)
+    if per_row:
+        return candidates & (order.argsort(dim=-1) < k)
     chosen = torch.zeros_like(candidates)
     chosen.scatter_(-1, order[..., :min(k, order.shape[-1])], True)
     return chosen & candidates
 
 
-def keep_prefill(positions: Tensor, scores: Tensor | None, sink: int, heavy: int, recent: int,
-                 budget: int) -> Tensor:
+def keep_prefill(positions: Tensor, scores: Tensor | None, sink: int, heavy: int | Tensor, recent: int | Tensor,
+                 budget: int | Tensor) -> Tensor:
     """(b, g, p) bool: the prompt rows to keep. Columns with at most `budget` real tokens keep all of them;
     others keep the sinks (position < sink), the `recent` newest real tokens and the `heavy` best-scored of
-    the rest. Pads (position -1) are never kept."""
+    the rest. Pads (position -1) are never kept. heavy, recent, budget: counts, or (b, 1, 1) per sequence."""
     valid = positions >= 0
     n_real = valid.sum(dim=-1, keepdim=True)                                       # (b, g, 1)
     sinks = valid & (positions < sink)

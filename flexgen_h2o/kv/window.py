@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from flexgen_h2o.kv.budget import Budget
+from flexgen_h2o.kv.budget import Budget, RowBudgets
 from flexgen_h2o.kv.select import NO_VICTIM, expand_positions, keep_prefill, oldest
 
 
@@ -20,11 +20,11 @@ class FullPolicy:
     needs_scores = False
     keeps_every_row = True             # KVCache.commit_prefill writes an unpadded prompt as slices
 
-    def select_prefill(self, scores: Tensor | None, positions: Tensor, budget: Budget,
+    def select_prefill(self, scores: Tensor | None, positions: Tensor, budget: Budget | RowBudgets,
                        generator: torch.Generator | None = None) -> Tensor:
         return expand_positions(positions, scores) >= 0
 
-    def choose_victim(self, scores: Tensor, positions: Tensor, budget: Budget,
+    def choose_victim(self, scores: Tensor, positions: Tensor, budget: Budget | RowBudgets,
                       generator: torch.Generator | None = None) -> Tensor:
         b, g = scores.shape[:2]
         return torch.full((b, g), NO_VICTIM, dtype=torch.long, device=scores.device)
@@ -35,17 +35,18 @@ class WindowPolicy:
     name = "local"
     needs_scores = False
 
-    def select_prefill(self, scores: Tensor | None, positions: Tensor, budget: Budget,
+    def select_prefill(self, scores: Tensor | None, positions: Tensor, budget: Budget | RowBudgets,
                        generator: torch.Generator | None = None) -> Tensor:
         positions = expand_positions(positions, scores)
-        window = budget.heavy + budget.recent
-        return keep_prefill(positions, None, budget.sink, 0, window, budget.budget)
+        window = budget.col("heavy", positions) + budget.col("recent", positions)
+        return keep_prefill(positions, None, budget.sink, 0, window, budget.col("budget", positions))
 
-    def choose_victim(self, scores: Tensor, positions: Tensor, budget: Budget,
+    def choose_victim(self, scores: Tensor, positions: Tensor, budget: Budget | RowBudgets,
                       generator: torch.Generator | None = None) -> Tensor:
         positions = expand_positions(positions, scores)
         valid = positions >= 0
-        over = valid.sum(dim=-1) > budget.budget
+        n_valid = valid.sum(dim=-1)
+        over = n_valid > budget.col("budget", n_valid)
         victim = oldest(positions, valid & (positions >= budget.sink))
         return torch.where(over, victim, torch.full_like(victim, NO_VICTIM))
 

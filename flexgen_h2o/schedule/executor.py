@@ -29,6 +29,7 @@ class BatchState:
     prompt_ids: Tensor                   # (b, p) left-padded
     token_valid: Tensor                  # (b, p) bool
     real_len: Tensor                     # (b,) real prompt tokens
+    kept_max: Tensor | None = None       # (b,) each sequence's budget: kept tokens before the current one
     caches: dict[int, Any] = field(default_factory=dict)     # layer index -> SplitKVCache
     activations: Any = None              # where the hidden state rests between layers
     next_ids: Tensor | None = None       # (b,) ids sampled at the last token step
@@ -46,7 +47,6 @@ class RunParts:
     needs_scores: bool
     rolling: bool
     score_reduce: str
-    budget: int                          # kept tokens per (sequence, KV head) before the current one
     prefill_rows: int                    # sequences per layer forward at prefill (OffloadPolicy.prefill_rows)
     on_logits: Callable[[int, int, Tensor], None]   # (token, batch, logits (b, V)) -> stores next ids
     should_stop: Callable[[int], bool]   # after token i: every sequence finished?
@@ -168,8 +168,8 @@ class BlockExecutor:
         return {l: b.caches[l].stage(self.p.device, self.p.compute_dtype, rank) for l in self._attn_layers(group)}
 
     def _new_rank(self, b: BatchState, token: int) -> Tensor:
-        # the new token ranks after every kept token: min(tokens before it, budget) of them survive
-        return torch.clamp(b.real_len + token - 1, max=self.p.budget)
+        # the new token ranks after every kept token: min(tokens before it, its budget) of them survive
+        return torch.minimum(b.real_len + token - 1, b.kept_max)
 
     def _load_hidden(self, token: int, group: int, batch: int) -> Tensor:
         b = self.batches[batch]

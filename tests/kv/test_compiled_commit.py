@@ -95,7 +95,7 @@ def test_bad_windows_are_refused_by_name(kernel):
     row = torch.zeros(B, G, 1, D)
     with pytest.raises(RuntimeError, match="window"):
         kernel.module().commit_step(cache.k, cache.v, cache.score, cache.pos, slot, row, row, torch.arange(B),
-                                    torch.empty(0), CAP + 1, 1, 0, 4, 8)
+                                    torch.empty(0), CAP + 1, 1, 0, torch.full((B,), 4), torch.full((B,), 8))
     with pytest.raises(RuntimeError, match="write slot"):
         kernel.module().commit_step(cache.k, cache.v, cache.score, cache.pos, slot + 5, row, row, torch.arange(B),
-                                    torch.empty(0), 5, 1, 0, 4, 8)
+                                    torch.empty(0), 5, 1, 0, torch.full((B,), 4), torch.full((B,), 8))

@@ -41,8 +41,9 @@ STATE_ATTR = "_h2o_reference_state"   # set on every attention module for the du
 # --- the rule, on plain lists (also the brute-force oracle for tests/kv) ---
 
 def ref_keep_prefill(scores: Sequence[float], positions: Sequence[int], sink: int, heavy: int,
-                     recent: int) -> set[int]:
-    """Indices of the prompt rows to keep. positions[i] = -1 marks a pad."""
+                     recent: int, flip_ties: bool = False) -> set[int]:
+    """Indices of the prompt rows to keep. positions[i] = -1 marks a pad. flip_ties: equal scores keep the older
+    token (the wrong order: tests show with it that a run's choices depend on the tie order)."""
     real = [i for i, p in enumerate(positions) if p >= 0]
     if len(real) <= sink + heavy + recent:
         return set(real)
@@ -51,14 +52,16 @@ def ref_keep_prefill(scores: Sequence[float], positions: Sequence[int], sink: in
     if recent > 0:
         keep |= set(by_age[-recent:])
     others = [i for i in real if i not in keep]
-    others.sort(key=lambda i: (-scores[i], -positions[i]))     # best score first; ties keep the newer token
+    tie = 1 if flip_ties else -1
+    others.sort(key=lambda i: (-scores[i], tie * positions[i]))     # best score first; ties keep the newer token
     keep |= set(others[:heavy])
     return keep
 
 
 def ref_victim(scores: Sequence[float], positions: Sequence[int], sink: int, heavy: int, recent: int,
-               rule: str) -> int | None:
-    """Index to evict among the slots with positions[i] >= 0, or None while within the budget."""
+               rule: str, flip_ties: bool = False) -> int | None:
+    """Index to evict among the slots with positions[i] >= 0, or None while within the budget. flip_ties: equal
+    scores evict the newer token (the wrong order, see ref_keep_prefill)."""
     valid = [i for i, p in enumerate(positions) if p >= 0]
     if rule == "full" or len(valid) <= sink + heavy + recent:
         return None
@@ -74,7 +77,7 @@ def ref_victim(scores: Sequence[float], positions: Sequence[int], sink: int, hea
         if not others:                       # no heavy hitter at all: the leaving token must go
             return leaving
         candidates = others
-    return min(candidates, key=lambda i: (scores[i], positions[i]))
+    return min(candidates, key=lambda i: (scores[i], -positions[i] if flip_ties else positions[i]))
 
 
 # --- the simulated cache ---
@@ -89,13 +92,15 @@ def rotate(x: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor) -> torc
 
 
 class _RefState:
-    def __init__(self, attention_mask: torch.Tensor, sink: int, heavy: int, recent: int, rule: str,
+    def __init__(self, attention_mask: torch.Tensor, budgets: list[tuple[int, int, int]], rule: str,
                  score_reduce: str, max_len: int, inv_freq: torch.Tensor | None = None):
-        self.sink, self.heavy, self.recent, self.rule = sink, heavy, recent, rule
+        self.budgets, self.rule = budgets, rule          # per sequence: (sink, heavy, recent)
         self.inv_freq = inv_freq                  # set: position rolling
         self.score_reduce = score_reduce
         self.max_len = max_len
         self.phase = "prefill"
+        self.decode_mass = True          # False: decode steps add nothing (what a broken cache would do)
+        self.flip_ties = False           # True: equal scores resolved the wrong way round
         # per sequence, per cache index: the token's position among the sequence's real tokens, -1 for pads
         self.pos: list[list[int]] = []
         for row in attention_mask.tolist():
@@ -111,6 +116,11 @@ class _RefState:
     def append_token(self) -> None:
         for plist in self.pos:
             plist.append(1 + max(plist))
+
+    def kept_scores(self) -> list[list[list[dict[int, float]]]]:
+        """[layer][b][g] -> {position: accumulated score} of every kept token."""
+        return [[[{self.pos[b][i]: float(self.score[layer][b, g, i]) for i in kept} for g, kept in enumerate(per_b)]
+                 for b, per_b in enumerate(self.keep[layer])] for layer in sorted(self.keep)]
 
     def snapshot(self) -> list[list[list[list[int]]]]:
         """[layer][b][g] -> sorted positions kept."""
@@ -130,11 +140,12 @@ class _RefState:
             score = score / self.seen[layer][b, g, :length].clamp(min=1)
         return score.tolist()
 
-    def budget_args(self) -> tuple[int, int, int]:
-        # the window rule keeps no heavy hitters: their share is window
+    def budget_args(self, b: int) -> tuple[int, int, int]:
+        """Sequence b's own (sink, heavy, recent); the window rule keeps no heavy hitters: their share is window."""
+        sink, heavy, recent = self.budgets[b]
         if self.rule == "window":
-            return self.sink, 0, self.heavy + self.recent
-        return self.sink, self.heavy, self.recent
+            return sink, 0, heavy + recent
+        return sink, heavy, recent
 
 
 def masked_h2o_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -176,12 +187,12 @@ def masked_h2o_attention(module: torch.nn.Module, query: torch.Tensor, key: torc
     probs = torch.softmax(logits.masked_fill(~mask, float("-inf")), dim=-1)          # (b, h, q, L) fp32
     out = torch.matmul(probs, values).to(query.dtype)
 
-    sink, heavy, recent = st.budget_args()
     if st.phase == "prefill":
         st.keep[layer] = [[set() for _ in range(g)] for _ in range(b)]
         st.score[layer] = torch.zeros(b, g, st.max_len, dtype=torch.float32)
         st.seen[layer] = torch.zeros(b, g, st.max_len, dtype=torch.float32)
         for bi in range(b):
+            sink, heavy, recent = st.budget_args(bi)
             real_rows = [j for j in range(q) if st.pos[bi][j] >= 0]
             for gi in range(g):
                 col = st.pool(probs, bi, gi, r, real_rows)
@@ -191,17 +202,20 @@ def masked_h2o_attention(module: torch.nn.Module, query: torch.Tensor, key: torc
                     st.keep[layer][bi][gi] = {i for i in range(L) if st.pos[bi][i] >= 0}
                 else:
                     st.keep[layer][bi][gi] = ref_keep_prefill(st.ranking(layer, bi, gi, L), st.pos[bi][:L], sink,
-                                                              heavy, recent)
+                                                              heavy, recent, st.flip_ties)
     else:
         for bi in range(b):
+            sink, heavy, recent = st.budget_args(bi)
             for gi in range(g):
                 col = st.pool(probs, bi, gi, r, [0])
                 kept = st.keep[layer][bi][gi]
                 idx = torch.tensor(sorted(kept))
-                st.score[layer][bi, gi, idx] += col[idx]     # every kept key, the new one included
+                if st.decode_mass:
+                    st.score[layer][bi, gi, idx] += col[idx]     # every kept key, the new one included
                 st.seen[layer][bi, gi, idx] += 1
                 positions = [st.pos[bi][i] if i in kept else -1 for i in range(L)]
-                victim = ref_victim(st.ranking(layer, bi, gi, L), positions, sink, heavy, recent, st.rule)
+                victim = ref_victim(st.ranking(layer, bi, gi, L), positions, sink, heavy, recent, st.rule,
+                                    st.flip_ties)
                 if victim is not None:
                     kept.discard(victim)
     return out.transpose(1, 2).contiguous(), probs
@@ -240,15 +254,21 @@ def _budget_triple(budget: Any) -> tuple[int, int, int]:
 def reference_generate(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
                        budget: Any, rule: str = "exact", max_new_tokens: int = 8, score_reduce: str = "sum",
                        trace: list | None = None, rolling: bool = False,
-                       forced: torch.Tensor | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+                       forced: torch.Tensor | None = None,
+                       scores: list | None = None,
+                       decode_mass: bool = True, flip_ties: bool = False) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """Greedy generation with simulated eviction.
 
     input_ids (b, p), left-padded; attention_mask (b, p) 1 = real (None = all real); budget: (sink, heavy,
-    recent) or any object with those attributes (ignored for rule "full"); rule: exact | port | window | avg | full.
+    recent) or any object with those attributes (ignored for rule "full"), or a list of them, one per sequence;
+    rule: exact | port | window | avg | full.
     Returns tokens (b, max_new_tokens) and the logits (b, V) fp32 that chose each of them. If `trace` is a
     list, it receives after the prefill and after every decode step the kept positions [layer][b][g].
     rolling: position rolling (RoPE models only). forced (b, max_new_tokens): feed these tokens instead of the
-    argmax (teacher forcing, as the accuracy harness scores a continuation)."""
+    argmax (teacher forcing, as the accuracy harness scores a continuation). scores: if a list, it receives at
+    the end the accumulated score of every kept token, [layer][b][g] -> {position: score}. decode_mass=False:
+    victims are chosen on the prefill scores alone; flip_ties=True: equal scores are resolved the wrong way round
+    (tests use both to show that a run's victims depend on decode-time scores and on the tie order)."""
     if rule not in RULES:
         raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
     if score_reduce not in ("sum", "mean"):
@@ -258,15 +278,19 @@ def reference_generate(model: torch.nn.Module, input_ids: torch.Tensor, attentio
     mask = attention_mask.long()
     if not bool((mask[:, -1] == 1).all()) or bool((mask[:, 1:] < mask[:, :-1]).any()):
         raise ValueError("reference_generate needs left padding (0...0 1...1 per row)")
-    sink, heavy, recent = _budget_triple(budget)
     b, p = input_ids.shape
+    per_row = isinstance(budget, list) and not all(isinstance(x, int) for x in budget)
+    budgets = [_budget_triple(x) for x in budget] if per_row else [_budget_triple(budget)] * b
+    if len(budgets) != b:
+        raise ValueError(f"{len(budgets)} budgets for {b} sequences")
     inv_freq = None
     if rolling:
         rope = model.model.rotary_emb
         if float(getattr(rope, "attention_scaling", 1.0)) != 1.0:
             raise ValueError("rolling in the reference assumes RoPE without attention scaling")
         inv_freq = rope.inv_freq.float()
-    state = _RefState(mask, sink, heavy, recent, rule, score_reduce, max_len=p + max_new_tokens, inv_freq=inv_freq)
+    state = _RefState(mask, budgets, rule, score_reduce, max_len=p + max_new_tokens, inv_freq=inv_freq)
+    state.decode_mass, state.flip_ties = decode_mass, flip_ties
     old_impl, was_training = model.config._attn_implementation, model.training
     model.config._attn_implementation = ATTN_NAME
     model.eval()
@@ -294,6 +318,8 @@ def reference_generate(model: torch.nn.Module, input_ids: torch.Tensor, attentio
                         past_key_values=out.past_key_values, use_cache=True)
             if trace is not None:
                 trace.append(state.snapshot())
+        if scores is not None:
+            scores.extend(state.kept_scores())
     finally:
         for m in attn_modules:
             delattr(m, STATE_ATTR)

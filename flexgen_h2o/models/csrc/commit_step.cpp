@@ -95,7 +95,8 @@ int64_t choose_victim(const int32_t* pos, const float* score, int64_t s, Rule ru
 template <typename T>
 void commit_columns(const at::Tensor& k, const at::Tensor& v, float* score, int32_t* pos, const int64_t* slot,
                     const float* k_new, const float* v_new, const int64_t* new_pos, const float* mass, int64_t b,
-                    int64_t g, int64_t cap, int64_t d, int64_t s, Rule rule, const Budget& budget, int64_t* victims) {
+                    int64_t g, int64_t cap, int64_t d, int64_t s, Rule rule, int64_t sink, const int64_t* recent,
+                    const int64_t* budget, int64_t* victims) {
   T* k_data = k.data_ptr<T>();
   T* v_data = v.data_ptr<T>();
   at::parallel_for(0, b * g, 16, [&](int64_t begin, int64_t end) {
@@ -109,7 +110,8 @@ void commit_columns(const at::Tensor& k, const at::Tensor& v, float* score, int3
       p[slot[col]] = static_cast<int32_t>(new_pos[col / g]);
       if (mass != nullptr)              // free slots got no mass; the new slot starts from its own
         for (int64_t i = 0; i < s; ++i) sc[i] += mass[col * s + i];
-      const int64_t victim = choose_victim(p, sc, s, rule, budget, scratch);
+      const Budget limits{sink, recent[col / g], budget[col / g]};     // each sequence's own budget
+      const int64_t victim = choose_victim(p, sc, s, rule, limits, scratch);
       victims[col] = victim;
       if (victim >= 0) {
         p[victim] = -1;
@@ -123,12 +125,13 @@ void commit_columns(const at::Tensor& k, const at::Tensor& v, float* score, int3
 
 // k, v (b, g, cap, d) fp16 or fp32, score (b, g, cap) fp32, pos (b, g, cap) int32: a cache's own tensors,
 // contiguous, written in place. slot (b, g) int64 < s; k_new, v_new (b, g, 1, d) fp32; new_pos (b,) int64;
-// mass (b, g, s) fp32 or an empty tensor. s: the window the step attended. Returns the victim slots (b, g),
-// -1 where a column kept everything.
+// mass (b, g, s) fp32 or an empty tensor. s: the window the step attended. recent, budget (b,) int64: each
+// sequence's recent window and budget (kv/budget.py's RowBudgets). Returns the victim slots (b, g), -1 where a
+// column kept everything.
 at::Tensor commit_step(const at::Tensor& k, const at::Tensor& v, const at::Tensor& score, const at::Tensor& pos,
                        const at::Tensor& slot, const at::Tensor& k_new, const at::Tensor& v_new,
                        const at::Tensor& new_pos, const at::Tensor& mass, int64_t s, int64_t rule, int64_t sink,
-                       int64_t recent, int64_t budget) {
+                       const at::Tensor& recent, const at::Tensor& budget) {
   TORCH_CHECK(k.dim() == 4 && k.sizes() == v.sizes() && k.scalar_type() == v.scalar_type() &&
               (k.scalar_type() == at::kHalf || k.scalar_type() == at::kFloat) && k.is_contiguous() &&
               v.is_contiguous(), "k and v must be contiguous (b, g, cap, d) float16 or float32 caches");
@@ -152,14 +155,17 @@ at::Tensor commit_step(const at::Tensor& k, const at::Tensor& v, const at::Tenso
     mass_c = mass.to(at::kFloat).contiguous();
     TORCH_CHECK(mass_c.sizes() == at::IntArrayRef({b, g, s}), "mass must be (b, g, s)");
   }
-  const Budget limits{sink, recent, budget};
+  const at::Tensor recent_c = recent.to(at::kLong).contiguous(), budget_c = budget.to(at::kLong).contiguous();
+  TORCH_CHECK(recent_c.sizes() == at::IntArrayRef({b}) && budget_c.sizes() == at::IntArrayRef({b}),
+              "recent and budget must be (b,): one per sequence");
   at::Tensor victims = at::empty({b, g}, slot_c.options());
   const float* mass_ptr = mass.numel() > 0 ? mass_c.data_ptr<float>() : nullptr;
   auto run = [&](auto tag) {
     using T = decltype(tag);
     commit_columns<T>(k, v, score.data_ptr<float>(), pos.data_ptr<int32_t>(), slots, k_new_c.data_ptr<float>(),
                       v_new_c.data_ptr<float>(), new_pos_c.data_ptr<int64_t>(), mass_ptr, b, g, cap, d, s,
-                      static_cast<Rule>(rule), limits, victims.data_ptr<int64_t>());
+                      static_cast<Rule>(rule), sink, recent_c.data_ptr<int64_t>(), budget_c.data_ptr<int64_t>(),
+                      victims.data_ptr<int64_t>());
   };
   if (k.scalar_type() == at::kHalf)
     run(at::Half());

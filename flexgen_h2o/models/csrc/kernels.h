@@ -18,7 +18,7 @@ std::vector<at::Tensor> decode_attention(const at::Tensor& q, const at::Tensor& 
 at::Tensor commit_step(const at::Tensor& k, const at::Tensor& v, const at::Tensor& score, const at::Tensor& pos,
                        const at::Tensor& slot, const at::Tensor& k_new, const at::Tensor& v_new,
                        const at::Tensor& new_pos, const at::Tensor& mass, int64_t s, int64_t rule, int64_t sink,
-                       int64_t recent, int64_t budget);
+                       const at::Tensor& recent, const at::Tensor& budget);
 
 // x (m, k) fp32 @ w.T for an fp16 weight (n, k), converting the weight in L1 (half_linear.cpp).
 at::Tensor half_linear(const at::Tensor& x, const at::Tensor& w);
