@@ -19,6 +19,7 @@ from flexgen_h2o.backend import get_backend
 from flexgen_h2o.config import ConfigError, GenerationConfig, GenerationResult, OffloadPolicy, split_by_fraction
 from flexgen_h2o.kv import EvictionConfig, RowBudgets, get_policy, policy_for
 from flexgen_h2o.kv.cache import KVCache, StagingBuffers, gather_slots
+from flexgen_h2o.kv.draws import KeyedDraws
 from flexgen_h2o.kv.mixed import SplitKVCache
 from flexgen_h2o.memory import ComputeTier, DiskTier, HostTier, OffloadDir, check_space
 from flexgen_h2o.models import ModelConfig, StepContext, build_layers, fused, ops, schedule_groups
@@ -149,7 +150,13 @@ class Engine:
             raise ConfigError("--position-rolling applies to RoPE models (Llama); OPT keys carry no rotation")
         return eviction
 
-    def _make_cache(self, layer, batch: int, budget: RowBudgets, policy, generator, rolling: bool) -> SplitKVCache:
+    @staticmethod
+    def _draws(ev: EvictionConfig, layer: int, prompts: Sequence[Sequence[int]]) -> KeyedDraws | None:
+        """The random rule's draws for one layer's rows, keyed by each prompt's tokens (kv/draws.py)."""
+        return KeyedDraws.for_prompts(ev.seed, layer, prompts) if ev.policy == "random" else None
+
+    def _make_cache(self, layer, batch: int, budget: RowBudgets, policy, draws: KeyedDraws | None,
+                    rolling: bool) -> SplitKVCache:
         """One GPU batch's cache of one layer: every tier's part allocates the batch's largest capacity (so the
         parts stage into one window) and keeps its own rows' budgets."""
         parts = []
@@ -159,9 +166,10 @@ class Engine:
         host_attention = self.offload.cpu_cache_compute and off_device and self.device.type != "cpu"
         in_place = self.offload.kv_read_in_place("cpu" if host_attention else self.device.type, rolling, batch)
         for lo, hi, kind in split:
-            cache = KVCache(layer.kv_spec(), hi - lo, budget.capacity, policy, budget.part(lo, hi), dtype=self.kv_dtype,
+            cache = KVCache(layer.kv_spec(), hi - lo, budget.capacity, policy, budget.part(lo, hi),
+                            dtype=self.kv_dtype,
                             alloc=lambda shape, dtype, kind=kind: self._alloc(kind, shape, dtype), tier_kind=kind,
-                            rolling=rolling, generator=generator, staging=self.kv_staging, read_in_place=in_place)
+                            rolling=rolling, generator=None if draws is None else draws.part(lo, hi), staging=self.kv_staging, read_in_place=in_place)
             parts.append((lo, hi, cache))
         return SplitKVCache(parts, attention_device=torch.device("cpu") if host_attention else None)
 
@@ -306,8 +314,8 @@ class Engine:
             rows = budget.part(lo, hi)
             b = BatchState(seq_index=list(range(lo, hi)), prompt_ids=ids[lo:hi], token_valid=valid[lo:hi],
                            real_len=valid[lo:hi].sum(1), kept_max=torch.tensor(rows.values("budget")))
-            generator = ev.generator()
-            b.caches = {l: self._make_cache(layer, hi - lo, rows, policy, generator, ev.position_rolling)
+            b.caches = {l: self._make_cache(layer, hi - lo, rows, policy, self._draws(ev, l, prompts[lo:hi]),
+                                            ev.position_rolling)
                         for l, layer in enumerate(self.layers) if layer.kind == "attn"}
             if prefilled is not None:          # this rule's choice of the kept prompt rows, as a prefill makes it
                 for l, (k, v, score, pos) in prefilled.layers[len(batches)].items():

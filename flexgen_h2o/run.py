@@ -22,9 +22,10 @@ import sys  # noqa: E402
 from typing import Any  # noqa: E402
 
 from flexgen_h2o.config import ConfigError, OffloadPolicy  # noqa: E402
-from flexgen_h2o.frontends.jsonl import (ResultsFile, check_folder_writable, check_writable,  # noqa: E402
-                                         read_requests)
-from flexgen_h2o.frontends.cli import build_parser, eviction_from_args, log_file_name  # noqa: E402
+from flexgen_h2o.frontends.jsonl import (OutputLock, ResultsFile, check_folder_writable,  # noqa: E402
+                                         check_writable, read_requests)
+from flexgen_h2o.frontends.cli import (build_parser, check_flags, eviction_from_args, log_file_name,  # noqa: E402
+                                       run_sampling)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -68,6 +69,7 @@ def _mode(args: argparse.Namespace) -> str:
 def _run(args: argparse.Namespace) -> int:
     # --- cheap checks first: nothing heavy is imported and nothing is written until they pass ---
     mode = _mode(args)
+    check_flags(args)
     offload = OffloadPolicy.from_percent(args.percent, gpu_batch_size=args.gpu_batch_size,
                                          num_gpu_batches=args.num_gpu_batches, overlap=args.overlap,
                                          prefill_batch_size=args.prefill_batch_size,
@@ -82,9 +84,14 @@ def _run(args: argparse.Namespace) -> int:
     for flag, path in (("--output", args.output), ("--log-file", log_path), ("--metrics-json", args.metrics_json)):
         if path:
             check_writable(path, flag)
-    requests = pending = results = None
-    if mode == "batch":
-        requests = read_requests(args.input, gen_len)
+    if mode != "batch":
+        return _generate(args, mode, offload, eviction_from_args(args), gen_len, prompt_len, log_path,
+                         None, None, None)
+    # one run per output, locked before the output is read; removed on every way out but SIGKILL, whose lock
+    # the kernel drops, so a killed run's rerun is never blocked
+    with OutputLock(args.output):
+        requests = read_requests(args.input, gen_len, sampling=run_sampling(args),
+                                 chat_template=not args.no_chat_template)
         results = ResultsFile(args.output, overwrite=args.overwrite)
         done = results.load(requests)
         pending = [r for r in requests if r.key not in results.done]
@@ -96,8 +103,8 @@ def _run(args: argparse.Namespace) -> int:
             results.finalize(requests)
             print(f"nothing to do: all {len(requests)} ids of {args.input} are in {args.output}")
             return 0
-    eviction = eviction_from_args(args)
-    return _generate(args, mode, offload, eviction, gen_len, prompt_len, log_path, requests, pending, results)
+        eviction = eviction_from_args(args)
+        return _generate(args, mode, offload, eviction, gen_len, prompt_len, log_path, requests, pending, results)
 
 
 def _load(args: argparse.Namespace, *, dummy_on_disk: bool = False) -> Any:
@@ -122,8 +129,9 @@ def _generate(args, mode, offload, eviction, gen_len, prompt_len, log_path, requ
     from flexgen_h2o.frontends.batch import check_budgets, check_context, encode_prompts, plan_blocks
     from flexgen_h2o.frontends.benchmark import corpus_prompts, memory_line, run_benchmark, sizes_line
     from flexgen_h2o.frontends.jsonl import generate_file
-    from flexgen_h2o.kv import describe
+    from flexgen_h2o.kv import describe_rows
     from flexgen_h2o.loader import fallback_tokenizer
+    from flexgen_h2o.memory.offload_dir import sweep_stale
     from flexgen_h2o.metrics import flexgen_log
     from flexgen_h2o.models import resolve_model
     from flexgen_h2o.planner import estimate, preflight, summary_line
@@ -133,6 +141,10 @@ def _generate(args, mode, offload, eviction, gen_len, prompt_len, log_path, requ
     torch.set_num_threads(max(1, min(torch.get_num_threads(), os.cpu_count() or 1)))
     cfg = resolve_model(args.model)
     backend = get_backend(args.device)
+    if offload.cpu_cache_compute and not backend.is_cuda:      # the compute device already is the host
+        where = "--device cpu" if args.device else "no GPU found"
+        raise ConfigError(f"--cpu-cache-compute applies when the compute device is a GPU, and here it is the CPU "
+                          f"({where}); drop the flag")
     # dummy weights homed on disk become a store on disk: write it only after the preflight said it fits
     deferred = args.dummy_weights and offload.tier_fractions("weights")[2] > 0
     loaded = None if deferred else _load(args)
@@ -149,18 +161,24 @@ def _generate(args, mode, offload, eviction, gen_len, prompt_len, log_path, requ
         prompts = encode_prompts(tok, texts, chat=chat)
         max_new, label = [gen_len] * len(prompts), (lambda i: f"--prompt #{i + 1}")
     else:
-        texts = [r.prompt for r in pending]
-        prompts = encode_prompts(tok, texts, chat=chat)
+        # a "prompt" line is raw text, a "messages" line a chat (refused under --no-chat-template when read)
+        chats = [r for r in pending if r.messages is not None]
+        if chats and tok is not None and not getattr(tok, "chat_template", None):
+            raise ConfigError(f"{args.input}: line {chats[0].line}: a chat (messages) needs a chat template, and the "
+                              f"tokenizer of {cfg.name} has none; send the text as a prompt")
+        prompts = encode_prompts(tok, [r.prompt if r.messages is None else r.messages for r in pending], chat=False)
         max_new, label = [r.max_new_tokens for r in pending], (lambda i: f"{args.input}: line {pending[i].line}")
     lens = [len(p) for p in prompts]
     check_context(cfg.max_seq_len, eviction.position_rolling, lens, max_new, label, cfg.name)
-    check_budgets(eviction, plan_blocks(lens, offload.block_size, max_new), lens, max_new, label)
+    budgets = check_budgets(eviction, plan_blocks(lens, offload.block_size, max_new), lens, max_new, label)
 
     # --- preflight: per-tier estimate against this machine ---
     n_seqs = min(offload.block_size, len(prompts))
     uses_disk = any(offload.tier_fractions(w)[2] > 0 for w in ("cache", "act"))
     if uses_disk:
         check_folder_writable(args.offload_dir, "--offload-dir")
+        # before the preflight's disk check: folders of killed runs would count against the free space
+        sweep_stale(os.path.expanduser(args.offload_dir))
     store = args.path or str(default_store_path(cfg.name + "-dummy"))
     new_store = deferred and not os.path.isfile(os.path.join(store, "manifest.json"))
     plan = dict(prompt_len=max(lens), gen_len=max(max_new), n_seqs=n_seqs,
@@ -175,7 +193,7 @@ def _generate(args, mode, offload, eviction, gen_len, prompt_len, log_path, requ
           f"prompt(s), block {offload.block_size} = {offload.gpu_batch_size} x {offload.num_gpu_batches} | "
           f"--percent {' '.join(f'{x:g}' for x in offload.percent)}")
     kv_b = 4 if offload.kv_dtype == "float32" else 2      # slot bytes as allocated: K, V, score, position
-    print(describe(est.budget, max(lens), max(max_new), kv_slot_bytes(cfg, kv_b) * cfg.n_layers * n_seqs))
+    print(describe_rows(budgets, lens, max_new, kv_slot_bytes(cfg, kv_b) * cfg.n_layers * n_seqs))
     if mode == "benchmark":
         prompts, source = corpus_prompts(tok, offload.block_size, prompt_len, cfg.vocab_size)
         print(f"prompts: {len(prompts)} x {prompt_len} tokens of {source}")

@@ -89,8 +89,8 @@ def test_policies_by_name_and_dict(tiny):
         assert "hh_ratio=0.25" in repr(model)
         outs = model.generate([PROMPTS[i] for i in (0, 2, 4, 6)], max_new_tokens=3, stop_at_eos=False)
         assert [len(o.token_ids) for o in outs] == [3] * 4
-        # "a" and "xyz" share a block padded to 3 tokens: 25 % of it is 0 heavy hitters, refused up front
-        with pytest.raises(ConfigError, match=r"prompt 1: the eviction budget is 0 slots for prompt_len 3"):
+        # a budget is each prompt's own: 25 % of "xyz"'s 3 tokens is 0 heavy hitters, refused up front
+        with pytest.raises(ConfigError, match=r"prompt 3: the eviction budget is 0 slots for prompt_len 3"):
             model.generate(PROMPTS[:4], max_new_tokens=3)
     with pytest.raises(ConfigError, match="offload must be an OffloadPolicy"):
         LLM(str(tiny[0]), offload=[100, 0])
@@ -120,7 +120,9 @@ def test_api_gives_the_cli_tokens(tiny, tmp_path):
     rows = [{"prompt": p, "id": f"p{i}", "max_new_tokens": n} for i, (p, n) in enumerate(zip(prompts, budgets))]
     offload = OffloadPolicy.from_percent([0, 100, 50, 50, 100, 0], gpu_batch_size=2, num_gpu_batches=2)
     sampling = dict(temperature=0.9, top_k=20, seed=7)
-    with LLM(str(ckpt), offload=offload, eviction=EvictionConfig(policy="h2o", hh_ratio=0.3)) as model:
+    # a sink keeps the 1- and 3-token prompts' own budgets (30 % of them is 0 slots) above zero
+    ev = EvictionConfig(policy="h2o", hh_ratio=0.3, sink_size=1)
+    with LLM(str(ckpt), offload=offload, eviction=ev) as model:
         first = model.generate(prompts, max_new_tokens=budgets, **sampling)
         stop = next(o.text[2:4] for o in first if len(o.text) >= 6)
         api = model.generate(prompts, max_new_tokens=budgets, stop=stop, **sampling)
@@ -128,7 +130,7 @@ def test_api_gives_the_cli_tokens(tiny, tmp_path):
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     inp.write_text("".join(json.dumps(r) + "\n" for r in rows))
     proc = run_cli(["--model", str(ckpt), "--input", str(inp), "--output", str(out), "--percent", "0", "100", "50",
-                    "50", "100", "0", "--gpu-batch-size", "2", "--num-gpu-batches", "2", "--hh-ratio", "0.3",
+                    "50", "100", "0", "--gpu-batch-size", "2", "--num-gpu-batches", "2", "--hh-ratio", "0.3", "--sink-size", "1",
                     "--temperature", "0.9", "--top-k", "20", "--seed", "7", "--stop", stop, "--no-progress"],
                    cli_env(root / "home"))
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -266,12 +266,17 @@ def test_project_decode_formula():
 
 @pytest.mark.parametrize("flags,policy", [
     ([], "h2o"), (["--h2o-variant", "port"], "h2o-port"), (["--h2o-variant", "avg"], "h2o-avg"),
-    (["--policy", "sink"], "sink"), (["--policy", "sink", "--h2o-variant", "avg"], "sink"),
+    (["--policy", "sink"], "sink"),
 ])
 def test_eviction_flags_name_the_policy(flags, policy):
-    from flexgen_h2o.frontends.cli import build_parser, eviction_from_args
-    ev = eviction_from_args(build_parser().parse_args(["--hh-ratio", "0.1"] + flags))
+    from flexgen_h2o.frontends.cli import build_parser, check_flags, eviction_from_args
+    args = build_parser().parse_args(["--hh-ratio", "0.1"] + flags)
+    check_flags(args)
+    ev = eviction_from_args(args)
     assert (ev.policy, ev.hh_ratio) == (policy, 0.1)
+    if flags:       # a variant or baseline without a budget would do nothing: refused (tests/test_cli_forms.py)
+        with pytest.raises(ValueError, match="needs a KV budget"):
+            check_flags(build_parser().parse_args(flags))
     assert eviction_from_args(build_parser().parse_args(flags)).policy == "full"     # no budget: no eviction
 
 

@@ -1,5 +1,5 @@
-"""The CLI and the API on real SmolLM2-135M-Instruct weights (slow): benchmark mode, and batch mode with the
-chat template giving the same tokens as `LLM.chat`."""
+"""The CLI and the API on real SmolLM2-135M-Instruct weights (slow): benchmark mode, and batch mode, where a
+`messages` line gives the same tokens as `LLM.chat` and a `prompt` line, raw text, those of `LLM.generate`."""
 from __future__ import annotations
 
 import json
@@ -33,18 +33,27 @@ def test_benchmark_on_real_weights(tmp_path):
                                                                                                abs=1e-3)
 
 
-def test_batch_chat_matches_api(tmp_path):
+def test_batch_messages_match_chat_and_prompts_match_generate(tmp_path):
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
-    inp.write_text("".join(json.dumps({"prompt": q, "id": f"q{i}"}) + "\n" for i, q in enumerate(QUESTIONS)))
+    rows = [{"messages": [{"role": "user", "content": q}], "id": f"q{i}"} for i, q in enumerate(QUESTIONS)]
+    rows += [{"prompt": q, "id": f"raw{i}"} for i, q in enumerate(QUESTIONS)]
+    inp.write_text("".join(json.dumps(r) + "\n" for r in rows))
     proc = run_cli(["--model", "smollm2-135m", "--input", str(inp), "--output", str(out), "--gen-len", "12",
                     "--hh-ratio", "0.3", "--gpu-batch-size", "2", "--no-progress"], cli_env(store_root()), timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    cli = [json.loads(x) for x in out.read_text().splitlines()]
-    assert [r["id"] for r in cli] == ["q0", "q1", "q2"]
-    assert "Paris" in cli[0]["text"]
+    recs = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [r["id"] for r in recs] == ["q0", "q1", "q2", "raw0", "raw1", "raw2"]
+    chats, raws = recs[:3], recs[3:]
+    assert "Paris" in chats[0]["text"]
     with LLM("smollm2-135m", offload=OffloadPolicy(gpu_batch_size=2),
              eviction=EvictionConfig(policy="h2o", hh_ratio=0.3)) as llm:
         api = llm.chat(QUESTIONS, max_new_tokens=12)
-    assert [r["token_ids"] for r in cli] == [o.token_ids for o in api]
-    assert [r["text"] for r in cli] == [o.text for o in api]
-    assert all(r["prompt_tokens"] == len(o.prompt_token_ids) > len(q.split()) for r, o, q in zip(cli, api, QUESTIONS))
+        plain = llm.generate(QUESTIONS, max_new_tokens=12)
+        encoded = [llm.tokenizer.encode(q) for q in QUESTIONS]
+    assert [r["token_ids"] for r in chats] == [o.token_ids for o in api]
+    assert [r["text"] for r in chats] == [o.text for o in api]
+    assert all(r["prompt_tokens"] == len(o.prompt_token_ids) > len(q.split()) for r, o, q in zip(chats, api, QUESTIONS))
+    # a "prompt" line is the text as it is: the tokenizer's plain encode, no chat template around it
+    assert [r["prompt_tokens"] for r in raws] == [len(e) for e in encoded] == [len(o.prompt_token_ids) for o in plain]
+    assert all(len(e) < r["prompt_tokens"] for e, r in zip(encoded, chats))
+    assert [r["token_ids"] for r in raws] == [o.token_ids for o in plain]

@@ -255,13 +255,13 @@ def test_placements_match_compute(compute_run, tmp_path, where, overlap, ngb):
 
 # --- 8. prefill in sequence chunks (a large GPU batch whose prompt transients stay one chunk's) ---
 
+ROLLING_SINK = EvictionConfig(policy="h2o", hh_size=4, recent_size=3, sink_size=1, position_rolling=True)
+
+
 @pytest.mark.parametrize("rows", [1, 2])
-@pytest.mark.parametrize("ev", [H2O_SINK, EvictionConfig(policy="h2o", hh_size=4, recent_size=3, sink_size=1,
-                                                         position_rolling=True)], ids=["h2o-sink1", "rolling"])
-@pytest.mark.parametrize("kind", ["opt", "llama-gqa"])
+@pytest.mark.parametrize("kind, ev", [("opt", H2O_SINK), ("llama-gqa", H2O_SINK), ("llama-gqa", ROLLING_SINK)],
+                         ids=["opt-h2o-sink1", "llama-gqa-h2o-sink1", "llama-gqa-rolling"])    # rolling needs RoPE
 def test_chunked_prefill_matches_reference(kind, ev, rows):
-    if ev.position_rolling and kind == "opt":
-        pytest.skip("rolling is for RoPE models")
     offload = OffloadPolicy(kv_dtype="float32", gpu_batch_size=len(LENGTHS), prefill_batch_size=rows)
     check_against_reference(kind, ev, offload=offload)
 

@@ -9,21 +9,29 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from flexgen_h2o.config import ConfigError, GenerationConfig
 
-def encode_prompts(tokenizer: Any, prompts: Sequence[str], *, chat: bool) -> list[list[int]]:
-    """Token ids of text prompts; `chat` wraps each as one user turn through the tokenizer's chat template."""
+
+def encode_prompts(tokenizer: Any, prompts: Sequence[str | Sequence[Mapping[str, str]]], *,
+                   chat: bool) -> list[list[int]]:
+    """Token ids of prompts. A string is raw text, or with `chat` one user turn; a list of {"role", "content"}
+    messages is a chat. Chats go through the tokenizer's chat template with the assistant turn opened."""
     if tokenizer is None:
         raise ConfigError("this model has no tokenizer in its store: convert a checkpoint that ships one (dummy "
                           "weights borrow SmolLM2's once `make run` has converted it), or give token ids")
-    if chat:
+    out = []
+    for p in prompts:
+        if isinstance(p, str) and not chat:
+            out.append(list(tokenizer.encode(p)))
+            continue
         if not getattr(tokenizer, "chat_template", None):
             raise ConfigError("this tokenizer has no chat template; use plain prompts")
-        return [list(tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
-                                                   tokenize=True, return_dict=False)) for p in prompts]
-    return [list(tokenizer.encode(p)) for p in prompts]
+        messages = [{"role": "user", "content": p}] if isinstance(p, str) else [dict(m) for m in p]
+        out.append(list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                      return_dict=False)))
+    return out
 
 
 def check_context(max_seq_len: int, rolling: bool, lens: Sequence[int], max_new: Sequence[int],
@@ -39,14 +47,19 @@ def check_context(max_seq_len: int, rolling: bool, lens: Sequence[int], max_new:
 
 
 def check_budgets(eviction: Any, blocks: Sequence[Sequence[int]], lens: Sequence[int], max_new: Sequence[int],
-                  label: Callable[[int], str]) -> None:
-    """A ratio budget of a block of short prompts can come to 0 slots: refuse it before any compute, naming
-    the block's shortest prompt."""
+                  label: Callable[[int], str]) -> list[Any]:
+    """Each prompt's KV budget (kv.Budget), from its own length (h2o-port: its block's longest, as the engine
+    resolves it). A ratio budget of a short prompt can come to 0 slots: refuse it before any compute, naming it."""
+    budgets: list[Any] = [None] * len(lens)
     for block in blocks:
-        try:
-            eviction.resolve(max(lens[i] for i in block), max(max_new[i] for i in block))
-        except ValueError as e:
-            raise ConfigError(f"{label(min(block, key=lambda i: lens[i]))}: {e}") from None
+        for group in ([list(block)] if eviction.per_block else [[i] for i in block]):
+            try:
+                rows = eviction.resolve_rows([lens[i] for i in group], [max_new[i] for i in group])
+            except ValueError as e:
+                raise ConfigError(f"{label(min(group, key=lambda i: lens[i]))}: {e}") from None
+            for i, budget in zip(group, rows.rows):
+                budgets[i] = budget
+    return budgets
 
 
 def plan_blocks(lens: Sequence[int], block_size: int, max_new: Sequence[int] | None = None, *,

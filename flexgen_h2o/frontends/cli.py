@@ -75,14 +75,15 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--gpu-batch-size", type=positive, default=4, help="sequences per GPU batch")
     s.add_argument("--num-gpu-batches", type=positive, default=1, help="GPU batches per block")
     s.add_argument("--prefill-batch-size", type=positive,
-                   help="sequences per layer forward at prefill (default: 4096 prompt tokens' worth); bounds the "
-                        "prompt's transients so a large GPU batch fits")
+                   help="sequences per layer forward at prefill (default: 4096 prompt tokens' worth on a CPU, "
+                        "16384 on a GPU); bounds the prompt's transients so a large GPU batch fits")
     s.add_argument("--uncached-disk-weights", action="store_true",
                    help="drop each disk-homed weight from the OS page cache after reading it, so every pass reads "
                         "the device, as when the model is larger than RAM (measures disk-bound streaming)")
     s.add_argument("--overlap", type=str2bool, default=True, help="prefetch and write back while computing")
     s.add_argument("--pin-weight", type=str2bool, default=True, help="pin host-resident weights (CUDA)")
-    s.add_argument("--cpu-cache-compute", action="store_true", help="decode attention where the KV lives (host)")
+    s.add_argument("--cpu-cache-compute", action="store_true", help="decode attention where the KV lives (host); "
+                   "for a GPU compute device")
     s.add_argument("--sep-layer", type=str2bool, default=True, help="attention and MLP as separate schedule layers")
     s.add_argument("--skip-preflight", action="store_true", help="run even if the memory estimate does not fit")
     kv = p.add_argument_group("KV cache (H2O)")
@@ -101,12 +102,14 @@ def build_parser() -> argparse.ArgumentParser:
     kv.add_argument("--position-rolling", action="store_true",
                     help="Llama: rotate kept keys by their rank each step (runs past the context window)")
     g = p.add_argument_group("generation")
-    g.add_argument("--input", help="batch mode: JSONL, one {\"prompt\", \"id\"?, \"max_new_tokens\"?} per line")
+    g.add_argument("--input", help="batch mode: JSONL, one {\"prompt\" (raw text) or \"messages\" (a chat), \"id\"?, "
+                   "\"max_new_tokens\"?} per line, or OpenAI Batch API request lines (docs/cli.md)")
     g.add_argument("--output", help="batch mode: results JSONL; rerunning with the same file resumes")
     g.add_argument("--overwrite", action="store_true", help="batch mode: start --output afresh instead of resuming")
-    g.add_argument("--prompt", action="append", help="prompts mode: a prompt (repeatable)")
-    g.add_argument("--no-chat-template", action="store_true", help="send prompts as plain text (default: wrap "
-                   "each as a user turn when the tokenizer has a chat template)")
+    g.add_argument("--prompt", action="append", help="prompts mode: a prompt (repeatable), sent as one user turn "
+                   "through the chat template when the tokenizer has one")
+    g.add_argument("--no-chat-template", action="store_true", help="--prompt: send it as plain text. Batch files: "
+                   "\"prompt\" lines are always plain text, and this flag makes chat (\"messages\") lines an error")
     g.add_argument("--prompt-len", type=positive, help="benchmark mode: corpus text cut to this many tokens (512)")
     g.add_argument("--gen-len", type=positive, help="new tokens per prompt (benchmark 32, otherwise 128)")
     g.add_argument("--cut-gen-len", type=positive, help="benchmark: run this many tokens and project decode to "
@@ -122,6 +125,27 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--metrics-json", help="write the run's metrics as JSON")
     o.add_argument("--no-progress", action="store_true", help="no tqdm bars")
     return p
+
+
+def check_flags(a: argparse.Namespace) -> None:
+    """Refuse flags that the rest of the flags would make do nothing (they used to be dropped silently)."""
+    budget = [f"--{k.replace('_', '-')}" for k in ("hh_ratio", "recent_ratio", "hh_size", "recent_size", "sink_size",
+                                                    "kv_budget") if getattr(a, k) is not None]
+    if a.h2o_variant != "exact":
+        if a.policy != "h2o":
+            raise ValueError(f"--h2o-variant {a.h2o_variant} is a variant of --policy h2o, not of --policy "
+                             f"{a.policy}; drop one of them")
+        if not budget:
+            raise ValueError(f"--h2o-variant {a.h2o_variant} needs a KV budget (--hh-ratio, --hh-size, --kv-budget, "
+                             "...); without one the cache is full and nothing is evicted")
+    if a.policy != "h2o" and not budget:
+        raise ValueError(f"--policy {a.policy} needs a KV budget (--hh-ratio, --hh-size, --kv-budget, ...); "
+                         "without one the cache is full and nothing is evicted")
+
+
+def run_sampling(a: argparse.Namespace) -> dict:
+    """The run's sampling settings, which an OpenAI request line may restate but not change."""
+    return {"temperature": a.temperature, "top_p": a.top_p, "seed": a.seed, "stop": list(a.stop)}
 
 
 def eviction_from_args(a: argparse.Namespace) -> Any:

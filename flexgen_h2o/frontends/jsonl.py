@@ -1,10 +1,8 @@
-"""Batch JSONL in and out: strict input parsing, block-by-block atomic appends, resume by id, input order.
+"""Batch JSONL in and out: block-by-block atomic appends, resume by id, input order.
 
-Input: one JSON object per line: `prompt` (string), optional `id` (string or integer; default: the line
-number), optional `max_new_tokens` (integer >= 1). Blank lines are skipped. Anything else fails with the line
-number before any compute.
-
-Output: one JSON object per input: id, prompt, text, finish_reason, prompt_tokens, completion_tokens, token_ids.
+Input: one JSON object per line, in one of the forms parsed (strictly, with line numbers) by
+frontends/requests.py: `prompt` (raw text) or `messages` (a chat) lines, or OpenAI Batch API request lines.
+Output: one line per input, in the form of its input (requests.record).
 During a run each finished block is appended with a single write() of whole lines and fsync'd, so a crash
 (even SIGKILL) leaves only whole lines, in completion (bucket) order. When every id is done the file is
 rewritten in input order through a temporary file and an atomic rename. Rerunning with the same output skips
@@ -13,72 +11,18 @@ Stdlib only: the CLI reads and checks everything here before importing torch.
 """
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
 import os
+import sys
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
 from flexgen_h2o.config import ConfigError
-
-INPUT_KEYS = ("prompt", "id", "max_new_tokens")
-
-
-@dataclass
-class Request:
-    id: Any                          # the line's id, or its line number
-    prompt: str
-    max_new_tokens: int
-    line: int                        # 1-based line number in the input file
-
-    @property
-    def key(self) -> str:
-        """Ids compare by their JSON form, so 3 and "3" stay different ids."""
-        return json.dumps(self.id)
-
-
-def _bad(path: str | os.PathLike, line: int, why: str) -> ConfigError:
-    return ConfigError(f"{path}: line {line}: {why}")
-
-
-def read_requests(path: str | os.PathLike, default_max_new: int) -> list[Request]:
-    """Parse and check every line; the first problem raises ConfigError naming its line."""
-    try:
-        raw = Path(path).read_bytes()
-    except OSError as e:
-        raise ConfigError(f"cannot read --input {path}: {e.strerror or e}") from None
-    requests: list[Request] = []
-    seen: dict[str, int] = {}
-    for n, line in enumerate(raw.split(b"\n"), start=1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise _bad(path, n, f"not valid JSON ({getattr(e, 'msg', None) or e})") from None
-        if not isinstance(obj, dict):
-            raise _bad(path, n, f"expected a JSON object with a \"prompt\", got {type(obj).__name__}")
-        unknown = sorted(set(obj) - set(INPUT_KEYS))
-        if unknown:
-            raise _bad(path, n, f"unknown key(s) {', '.join(map(repr, unknown))}; accepted: {', '.join(INPUT_KEYS)}")
-        prompt = obj.get("prompt")
-        if not isinstance(prompt, str) or not prompt:
-            raise _bad(path, n, "\"prompt\" must be a non-empty string")
-        rid = obj.get("id", n)
-        if isinstance(rid, bool) or not isinstance(rid, (str, int)):
-            raise _bad(path, n, f"\"id\" must be a string or an integer, got {json.dumps(rid)}")
-        max_new = obj.get("max_new_tokens", default_max_new)
-        if isinstance(max_new, bool) or not isinstance(max_new, int) or max_new < 1:
-            raise _bad(path, n, f"\"max_new_tokens\" must be an integer >= 1, got {json.dumps(max_new)}")
-        req = Request(rid, prompt, max_new, n)
-        if req.key in seen:
-            raise _bad(path, n, f"id {req.key} was already used on line {seen[req.key]}")
-        seen[req.key] = n
-        requests.append(req)
-    if not requests:
-        raise ConfigError(f"{path}: no prompts (expected one JSON object per line)")
-    return requests
+# read_requests is re-exported: callers import the batch file's reader from here
+from flexgen_h2o.frontends.requests import Request, read_requests, record, result_key, same_request  # noqa: F401
 
 
 def check_writable(path: str | os.PathLike, flag: str) -> None:
@@ -155,7 +99,7 @@ class ResultsFile:
                 continue
             try:
                 rec = json.loads(line)
-                key = json.dumps(rec["id"])
+                key = result_key(rec)
             except (json.JSONDecodeError, UnicodeDecodeError, TypeError, KeyError):
                 raise ConfigError(f"--output {self.path}: line {n} is not a result line; not resuming over it "
                                   "(move the file away or pass --overwrite)") from None
@@ -163,9 +107,10 @@ class ResultsFile:
             if req is None:
                 raise ConfigError(f"--output {self.path}: line {n} has id {key}, which is not in the input; "
                                   "use another --output or pass --overwrite")
-            if rec.get("prompt") != req.prompt:
+            if not same_request(rec, req):
+                what = "request line" if req.url else "prompt"
                 raise ConfigError(f"--output {self.path}: id {key} (line {n}) was generated for a different "
-                                  "prompt; use another --output or pass --overwrite")
+                                  f"{what}; use another --output or pass --overwrite")
             self.done.setdefault(key, rec)
         if self.repaired:
             self._truncate(len(raw))
@@ -191,7 +136,7 @@ class ResultsFile:
         finally:
             os.close(fd)
         for r in recs:
-            self.done[json.dumps(r["id"])] = r
+            self.done[result_key(r)] = r
 
     def finalize(self, requests: list[Request]) -> None:
         """Rewrite the file in input order (temporary file, fsync, atomic rename)."""
@@ -213,10 +158,64 @@ class ResultsFile:
         _fsync_dir(self.path.parent)
 
 
-def record(req: Request, text: str, token_ids: list[int], finish_reason: str, prompt_tokens: int) -> dict:
-    """One output line."""
-    return {"id": req.id, "prompt": req.prompt, "text": text, "finish_reason": finish_reason,
-            "prompt_tokens": prompt_tokens, "completion_tokens": len(token_ids), "token_ids": list(token_ids)}
+class OutputLock:
+    """`<output>.lock`, flock'd for the whole run, so a second run on the same output is refused instead of
+    interleaving its appends. The kernel drops a flock when its process dies, however it dies: a killed run's
+    leftover lock file never blocks the rerun that resumes it."""
+
+    def __init__(self, output: str | os.PathLike):
+        self.output = Path(output).expanduser()
+        self.path = self.output.with_name(self.output.name + ".lock")
+        self._fd: int | None = None
+
+    def acquire(self) -> "OutputLock":
+        """Take the lock or raise ConfigError naming the output, the lock file and the holder's pid."""
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+                os.close(fd)
+                by = f"pid {holder}" if holder.isdigit() else "another process"
+                raise ConfigError(f"--output {self.output} is in use by another run ({by} holds {self.path}); "
+                                  "wait for it to finish or pick another --output") from None
+            except OSError as e:
+                os.close(fd)
+                if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
+                    raise
+                print(f"warning: cannot lock {self.path} ({e.strerror}); a second run on this --output would not "
+                      "be refused", file=sys.stderr)
+                return self
+            # the previous holder may have removed the file between our open and flock: lock the file that is there
+            try:
+                if os.path.samestat(os.fstat(fd), os.stat(self.path)):
+                    break
+            except FileNotFoundError:
+                pass
+            os.close(fd)
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())     # for the refusal message only; the flock is the lock
+        self._fd = fd
+        return self
+
+    def release(self) -> None:
+        """Remove the lock file, then drop the lock: in this order nobody can lock a file that is about to go."""
+        if self._fd is None:
+            return
+        fd, self._fd = self._fd, None
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+        finally:
+            os.close(fd)
+
+    def __enter__(self) -> "OutputLock":
+        return self.acquire()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.release()
 
 
 def generate_file(llm: Any, requests: list[Request], pending: list[Request], ids: list[list[int]],
@@ -230,7 +229,7 @@ def generate_file(llm: Any, requests: list[Request], pending: list[Request], ids
                                  label=lambda i: f"{input_name}: line {pending[i].line}",
                                  seeds=[position[r.key] for r in pending])
     for block in blocks:
-        results.append(record(pending[i], text, toks, reason, len(ids[i]))
+        results.append(record(pending[i], text, toks, reason, len(ids[i]), model=llm.config.name)
                        for i, toks, text, reason in zip(block.indices, block.token_ids, block.texts,
                                                         block.finish_reasons))
     results.finalize(requests)

@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from flexgen_h2o.kv.budget import Budget, RowBudgets
+from flexgen_h2o.kv.draws import KeyedDraws
 from flexgen_h2o.kv.select import pack_kept
 from flexgen_h2o.models import fused
 from flexgen_h2o.models.layer import KVSpec, KVView, LayerOutput
@@ -80,7 +81,7 @@ def gather_slots(x: Tensor, index: Tensor) -> Tensor:
 class KVCache:
     def __init__(self, spec: KVSpec, batch: int, capacity: int, policy, budget: Budget | RowBudgets, *,
                  dtype: torch.dtype = torch.float16, alloc: Allocator = _plain_alloc, tier_kind: str = "compute",
-                 rolling: bool = False, generator: torch.Generator | None = None,
+                 rolling: bool = False, generator: KeyedDraws | torch.Generator | None = None,
                  staging: StagingBuffers | None = None, read_in_place: bool = False):
         """staging: reuse buffers for the compute-dtype windows staged on a CPU (None: a fresh copy each time).
         read_in_place: stage hands out the cache's own window (OffloadPolicy.kv_read_in_place decides).

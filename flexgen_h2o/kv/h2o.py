@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from flexgen_h2o.kv.budget import Budget, RowBudgets
+from flexgen_h2o.kv.draws import KeyedDraws, draws_for
 from flexgen_h2o.kv.select import NO_VICTIM, argmin_score, expand_positions, keep_prefill, newest_mask, uniform_choice
 
 
@@ -110,13 +111,13 @@ class RandomPolicy:
     needs_scores = False
 
     def select_prefill(self, scores: Tensor | None, positions: Tensor, budget: Budget | RowBudgets,
-                       generator: torch.Generator | None = None) -> Tensor:
+                       generator: KeyedDraws | torch.Generator | None = None) -> Tensor:
         positions = expand_positions(positions, scores)
-        draw = torch.rand(positions.shape, generator=generator, device=positions.device)
-        return prefill_keep(positions, draw, budget)
+        return prefill_keep(positions, draws_for(generator, positions, -1), budget)
 
     def choose_victim(self, scores: Tensor, positions: Tensor, budget: Budget | RowBudgets,
-                      generator: torch.Generator | None = None) -> Tensor:
+                      generator: KeyedDraws | torch.Generator | None = None) -> Tensor:
         positions = expand_positions(positions, scores)
         candidates, over = h2o_candidates(positions, budget)
-        return _only_over(uniform_choice(candidates, generator), over)
+        step = positions.amax(dim=-1, keepdim=True)               # the newest token: one key per decode step
+        return _only_over(uniform_choice(candidates, draws_for(generator, positions, step)), over)

@@ -64,9 +64,9 @@ def oldest(positions: Tensor, candidates: Tensor) -> Tensor:
     return torch.where(candidates.any(dim=-1), slot, torch.full_like(slot, NO_VICTIM))
 
 
-def uniform_choice(candidates: Tensor, generator: torch.Generator | None) -> Tensor:
-    """(b, g) a uniformly random candidate slot per column (NO_VICTIM where none)."""
-    draw = torch.rand(candidates.shape, generator=generator, device=candidates.device)
+def uniform_choice(candidates: Tensor, draw: Tensor) -> Tensor:
+    """(b, g) the candidate slot with the largest draw per column (NO_VICTIM where none): uniform for i.i.d.
+    draws (kv/draws.py)."""
     slot = torch.where(candidates, draw, torch.full_like(draw, -1.0)).argmax(dim=-1)
     return torch.where(candidates.any(dim=-1), slot, torch.full_like(slot, NO_VICTIM))
 

@@ -9,7 +9,7 @@ import dataclasses
 import json
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 
 class ModelNameError(ValueError):
@@ -156,6 +156,58 @@ HF_ID_TO_PRESET.update({"huggingfacetb/smollm2-135m": "smollm2-135m", "meta-llam
 
 # --- reading HF config.json ---
 
+class CheckpointConfigError(ModelNameError):
+    """A checkpoint's config.json that cannot be used: unreadable, not JSON, a field missing or of the wrong type,
+    an unsupported model_type. The message names the file, the field and what to do."""
+
+
+_MISSING = object()
+
+
+class _Fields:
+    """Typed reads of an HF config dict; every problem is a CheckpointConfigError naming `where` and the key.
+    JSON null counts as absent, as transformers writes null for unset optional fields."""
+
+    def __init__(self, hf: dict[str, Any], where: str, model_type: str) -> None:
+        self.hf, self.where, self.model_type = hf, where, model_type
+
+    def get(self, key: str, default: Any, what: str, ok: Callable[[Any], bool]) -> Any:
+        value = self.hf.get(key)
+        if value is None:
+            if default is _MISSING:
+                raise CheckpointConfigError(
+                    f"{self.where}: field \"{key}\" is missing ({what}, required for model_type "
+                    f"\"{self.model_type}\"); add it, with the value from the model's original config.json")
+            return default
+        if not ok(value):
+            raise CheckpointConfigError(f"{self.where}: field \"{key}\" must be {what}, got {json.dumps(value)}; "
+                                        "fix it, with the value from the model's original config.json")
+        return value
+
+    def int(self, key: str, default: Any = _MISSING) -> int:
+        return self.get(key, default, "a positive integer", lambda v: _is_int(v) and v > 0)
+
+    def num(self, key: str, default: Any = _MISSING) -> float:
+        return float(self.get(key, default, "a positive number",
+                               lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0))
+
+    def flag(self, key: str, default: bool) -> bool:
+        return self.get(key, default, "true or false", lambda v: isinstance(v, bool))
+
+    def token(self, key: str, default: Any = None) -> int | None:
+        """A token id; eos may be a list of them (Llama 3), of which the first is used."""
+        v = self.get(key, default, "a token id (an integer, or a list of them)",
+                     lambda v: _is_int(v) or (isinstance(v, list) and bool(v) and all(map(_is_int, v))))
+        return v[0] if isinstance(v, list) else v
+
+    def obj(self, key: str) -> dict[str, Any]:
+        return dict(self.get(key, {}, "a JSON object", lambda v: isinstance(v, dict)))
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
 def _first(d: dict[str, Any], *keys: str, default: Any = None) -> Any:
     for k in keys:
         if d.get(k) is not None:
@@ -163,47 +215,75 @@ def _first(d: dict[str, Any], *keys: str, default: Any = None) -> Any:
     return default
 
 
-def from_hf_config(hf: dict[str, Any], name: str = "custom") -> ModelConfig:
-    """Map an HF config dict (OPT, or Llama-like: llama/mistral/qwen2-style without biases) to a ModelConfig."""
-    model_type = hf.get("model_type", "")
+def from_hf_config(hf: dict[str, Any], name: str = "custom", source: str | None = None) -> ModelConfig:
+    """Map an HF config dict (OPT, or Llama-like: llama/mistral/qwen2-style without biases) to a ModelConfig.
+    `source` (the config.json path) is what error messages name; a bad field raises CheckpointConfigError."""
+    where = source or name
+    if not isinstance(hf, dict):
+        raise CheckpointConfigError(f"{where}: expected a JSON object of model settings, got {type(hf).__name__}; "
+                                    "use the config.json saved with the checkpoint")
+    model_type = hf.get("model_type") or ""
+    archs = hf.get("architectures") or []
+    llama_like = model_type in ("llama", "mistral") or (isinstance(archs, list) and "LlamaForCausalLM" in archs)
+    if not model_type and not llama_like:
+        raise CheckpointConfigError(f"{where}: field \"model_type\" is missing; set it to \"opt\", \"llama\" or "
+                                    "\"mistral\" (flexgen_h2o runs OPT and Llama-like models)")
+    if model_type != "opt" and not llama_like:
+        raise CheckpointConfigError(f"{where}: model_type {json.dumps(model_type)} is not supported; flexgen_h2o runs "
+                                    "OPT and Llama-like models (model_type \"opt\", \"llama\" or \"mistral\")")
+    f = _Fields(hf, where, model_type or "llama")
+    hidden, heads = f.int("hidden_size"), f.int("num_attention_heads")
+    head_dim = f.int("head_dim", None)
+    if head_dim is None and hidden % heads:
+        raise CheckpointConfigError(f"{where}: \"hidden_size\" ({hidden}) is not a multiple of "
+                                    f"\"num_attention_heads\" ({heads}); fix one of them, or add \"head_dim\"")
+    common = dict(name=name, n_layers=f.int("num_hidden_layers"), hidden_size=hidden, n_heads=heads,
+                  vocab_size=f.int("vocab_size"), max_seq_len=f.int("max_position_embeddings", 2048))
     if model_type == "opt":
-        hidden = hf["hidden_size"]
-        proj = hf.get("word_embed_proj_dim", hidden)
-        pre = hf.get("do_layer_norm_before", True)
-        heads = hf["num_attention_heads"]
-        bias = hf.get("enable_bias", True)
+        proj = f.int("word_embed_proj_dim", hidden)
+        pre = f.flag("do_layer_norm_before", True)
+        bias = f.flag("enable_bias", True)
+        act = f.get("activation_function", "relu", "\"relu\" (every OPT model uses it)", lambda v: v == "relu")
         return ModelConfig(
-            name=name, family="opt", n_layers=hf["num_hidden_layers"], hidden_size=hidden, n_heads=heads,
-            n_kv_heads=heads, head_dim=hidden // heads, ffn_size=hf["ffn_dim"], vocab_size=hf["vocab_size"],
-            max_seq_len=hf.get("max_position_embeddings", 2048), activation=hf.get("activation_function", "relu"),
-            pre_norm=pre, word_embed_dim=proj if proj != hidden else None, attn_bias=bias, mlp_bias=bias,
-            final_norm=pre and not hf.get("_remove_final_layer_norm", False),
-            tie_word_embeddings=hf.get("tie_word_embeddings", True),
-            bos_id=hf.get("bos_token_id", 2), eos_id=hf.get("eos_token_id", 2), pad_id=hf.get("pad_token_id", 1))
-    if model_type in ("llama", "mistral") or "LlamaForCausalLM" in hf.get("architectures", []):
-        hidden = hf["hidden_size"]
-        heads = hf["num_attention_heads"]
-        rope = dict(hf.get("rope_parameters") or {})
-        theta = _first(rope, "rope_theta", default=None) or hf.get("rope_theta", 10000.0)
-        scaling = dict(hf.get("rope_scaling") or {}) or {k: v for k, v in rope.items() if k != "rope_theta"}
-        rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-        if rope_type not in ("default", "llama3"):
-            raise ModelNameError(f"{name}: rope type {rope_type!r} is not supported (only default and llama3)")
-        if hf.get("sliding_window") and hf.get("use_sliding_window", True) and model_type == "mistral":
-            raise ModelNameError(f"{name}: sliding-window attention is not supported")
-        eos = hf.get("eos_token_id")
-        return ModelConfig(
-            name=name, family="llama", n_layers=hf["num_hidden_layers"], hidden_size=hidden, n_heads=heads,
-            n_kv_heads=hf.get("num_key_value_heads") or heads, head_dim=hf.get("head_dim") or hidden // heads,
-            ffn_size=hf["intermediate_size"], vocab_size=hf["vocab_size"],
-            max_seq_len=hf.get("max_position_embeddings", 2048), activation="silu", norm="rmsnorm",
-            norm_eps=hf.get("rms_norm_eps", 1e-6), positions="rope", rope_theta=float(theta),
-            rope_scaling=tuple(sorted(scaling.items())) if rope_type == "llama3" else None,
-            tie_word_embeddings=hf.get("tie_word_embeddings", False), attn_bias=hf.get("attention_bias", False),
-            mlp_bias=hf.get("mlp_bias", False), bos_id=hf.get("bos_token_id"),
-            eos_id=eos[0] if isinstance(eos, list) else eos, pad_id=hf.get("pad_token_id"))
-    raise ModelNameError(f"{name}: model_type {model_type!r} is not supported; flexgen_h2o runs OPT and Llama-like "
-                         "models")
+            family="opt", n_kv_heads=heads, head_dim=head_dim or hidden // heads, ffn_size=f.int("ffn_dim"),
+            activation=act, pre_norm=pre, word_embed_dim=proj if proj != hidden else None, attn_bias=bias,
+            mlp_bias=bias, final_norm=pre and not f.flag("_remove_final_layer_norm", False),
+            tie_word_embeddings=f.flag("tie_word_embeddings", True), bos_id=f.token("bos_token_id", 2),
+            eos_id=f.token("eos_token_id", 2), pad_id=f.token("pad_token_id", 1), **common)
+    kv_heads = f.int("num_key_value_heads", heads)
+    if heads % kv_heads:
+        raise CheckpointConfigError(f"{where}: \"num_attention_heads\" ({heads}) is not a multiple of "
+                                    f"\"num_key_value_heads\" ({kv_heads}); fix one of them")
+    rope = f.obj("rope_parameters")
+    theta = _first(rope, "rope_theta", default=None) or f.num("rope_theta", 10000.0)
+    scaling = f.obj("rope_scaling") or {k: v for k, v in rope.items() if k != "rope_theta"}
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type not in ("default", "llama3"):
+        raise ModelNameError(f"{where}: rope type {rope_type!r} is not supported (only default and llama3)")
+    if hf.get("sliding_window") and hf.get("use_sliding_window", True) and model_type == "mistral":
+        raise ModelNameError(f"{where}: sliding-window attention is not supported")
+    return ModelConfig(
+        family="llama", n_kv_heads=kv_heads, head_dim=head_dim or hidden // heads,
+        ffn_size=f.int("intermediate_size"), activation="silu", norm="rmsnorm", norm_eps=f.num("rms_norm_eps", 1e-6),
+        positions="rope", rope_theta=float(theta),
+        rope_scaling=tuple(sorted(scaling.items())) if rope_type == "llama3" else None,
+        tie_word_embeddings=f.flag("tie_word_embeddings", False), attn_bias=f.flag("attention_bias", False),
+        mlp_bias=f.flag("mlp_bias", False), bos_id=f.token("bos_token_id"), eos_id=f.token("eos_token_id"),
+        pad_id=f.token("pad_token_id"), **common)
+
+
+def read_hf_config(path: str | os.PathLike) -> dict[str, Any]:
+    """A checkpoint's config.json as a dict; unreadable or malformed files raise CheckpointConfigError."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return json.load(fh)
+    except json.JSONDecodeError as e:
+        raise CheckpointConfigError(f"{path} is not valid JSON (line {e.lineno}, column {e.colno}: {e.msg}); fix it "
+                                    "or copy it again from the original checkpoint") from None
+    except UnicodeDecodeError:
+        raise CheckpointConfigError(f"{path} is not UTF-8 text; copy it again from the original checkpoint") from None
+    except OSError as e:
+        raise CheckpointConfigError(f"cannot read {path}: {e.strerror or e}") from None
 
 
 def resolve_model(spec: str) -> ModelConfig:
@@ -214,7 +294,6 @@ def resolve_model(spec: str) -> ModelConfig:
         return PRESETS[HF_ID_TO_PRESET[spec.lower()]]
     cfg_path = os.path.join(os.path.expanduser(spec), "config.json")
     if os.path.isfile(cfg_path):
-        with open(cfg_path) as f:
-            return from_hf_config(json.load(f), name=spec)
+        return from_hf_config(read_hf_config(cfg_path), name=spec, source=cfg_path)
     raise ModelNameError(f"unknown model {spec!r}: use a preset ({', '.join(sorted(PRESETS))}), one of their HF ids, "
                          "or a local checkpoint folder with a config.json")

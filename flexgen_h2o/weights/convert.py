@@ -14,6 +14,7 @@ import torch
 from tqdm import tqdm
 
 from flexgen_h2o.models import ModelConfig, ModelNameError, all_specs, build_layers, from_hf_config, resolve_model
+from flexgen_h2o.models.config import CheckpointConfigError
 from flexgen_h2o.weights.sources import open_checkpoint, require_gguf
 from flexgen_h2o.weights.store import WeightStoreError, default_store_path
 from flexgen_h2o.weights.writer import StoreWriter
@@ -41,6 +42,10 @@ def config_from_source(src: str | os.PathLike) -> ModelConfig:
             hf = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name).to_dict()
             return from_hf_config(hf, name=str(src))
         return resolve_model(str(src))
+    except CheckpointConfigError as e:
+        if gguf is None:     # config.json: the message names the file, the field and the fix already
+            raise
+        raise WeightStoreError(f"cannot tell the model of {src}: {e}; pass --model NAME") from None
     except ModelNameError as e:
         raise WeightStoreError(f"cannot tell the model of {src}: {e}; pass --model NAME") from None
     except WeightStoreError:

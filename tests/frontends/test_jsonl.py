@@ -7,7 +7,8 @@ import os
 import pytest
 
 from flexgen_h2o.config import ConfigError
-from flexgen_h2o.frontends.jsonl import Request, ResultsFile, check_writable, read_requests, record
+from flexgen_h2o.frontends.jsonl import (OutputLock, Request, ResultsFile, check_writable, read_requests,
+                                         record)
 
 
 def _write(path, lines):
@@ -136,3 +137,29 @@ def test_overwrite_truncates_only_when_the_first_block_lands(tmp_path):
     out.append([_rec(reqs[1], "new")])
     out.append([_rec(reqs[0], "new")])
     assert [json.loads(x)["text"] for x in path.read_text().splitlines()] == ["new", "new"]
+
+
+def test_output_lock_refuses_a_second_holder_and_is_removed_on_release(tmp_path):
+    out = tmp_path / "out.jsonl"
+    first = OutputLock(out).acquire()
+    lock = tmp_path / "out.jsonl.lock"
+    assert lock.read_text() == f"{os.getpid()}\n"
+    with pytest.raises(ConfigError) as e:          # a second open file is a second holder, even in one process
+        OutputLock(out).acquire()
+    assert str(e.value) == (f"--output {out} is in use by another run (pid {os.getpid()} holds {lock}); "
+                            "wait for it to finish or pick another --output")
+    assert lock.read_text() == f"{os.getpid()}\n"  # the refused one leaves the holder's file alone
+    first.release()
+    assert not lock.exists() and not out.exists()
+    first.release()                                # idempotent
+    with OutputLock(out):                          # free again
+        assert lock.exists()
+    assert not lock.exists()
+
+
+def test_output_lock_takes_over_a_lock_file_nobody_holds(tmp_path):
+    lock = tmp_path / "out.jsonl.lock"
+    lock.write_text("999999999\n")                # left by a killed run: the file is there, its flock is not
+    with OutputLock(tmp_path / "out.jsonl"):
+        assert lock.read_text() == f"{os.getpid()}\n"
+    assert not lock.exists()
