@@ -64,6 +64,10 @@ def _prompt_layout(snapshot: tuple[Tensor, ...], lengths: Tensor, width: int) ->
 
 
 class Engine:
+    # tests: take cpu_cache_compute's host-attention path (fp32 windows staged where the KV lives) on a CPU too,
+    # where the compute device already is the host and the flag is refused by the CLI
+    host_attention_on_cpu: bool = False
+
     def __init__(self, model: ModelConfig, read_weight: Callable[[str], np.ndarray], *,
                  offload: OffloadPolicy | None = None, eviction: EvictionConfig | None = None,
                  device: str | None = None, offload_dir: str | None = None,
@@ -163,7 +167,8 @@ class Engine:
         split = split_by_fraction(batch, self.offload.tier_fractions("cache"))
         # attention reads the window on the compute device, or where the KV lives with cpu_cache_compute
         off_device = any(kind != "compute" for _, _, kind in split)
-        host_attention = self.offload.cpu_cache_compute and off_device and self.device.type != "cpu"
+        host_attention = (self.offload.cpu_cache_compute and off_device
+                          and (self.device.type != "cpu" or self.host_attention_on_cpu))
         in_place = self.offload.kv_read_in_place("cpu" if host_attention else self.device.type, rolling, batch)
         for lo, hi, kind in split:
             cache = KVCache(layer.kv_spec(), hi - lo, budget.capacity, policy, budget.part(lo, hi),

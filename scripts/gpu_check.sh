@@ -9,7 +9,9 @@
 #   4. OPT-1.3B-shaped dummy weights streamed from host RAM (--percent 0 100 100 0 100 0), prompt 512 + gen 32,
 #      ROUNDS interleaved rounds (A B C D, A B C D): ours with the full cache, FlexGen 0.1.8 and DeepSpeed
 #      ZeRO-Inference (parameters offloaded to CPU) at the same 256 sequences, ours with H2O at 1024;
-#   5. the placement and H2O suites on the GPU in fp32 (FLEXGEN_H2O_TEST_DEVICE=cuda), with -s too.
+#   5. the placement and H2O suites on the GPU in fp32 (FLEXGEN_H2O_TEST_DEVICE=cuda), with -s too: H2O's
+#      decode half against the reference on every tier, H2O with --cpu-cache-compute (the real split there),
+#      and batch invariance.
 #
 #   bash scripts/gpu_check.sh [OUT]          # logs and JSON in OUT (default benchmarks/results/gpu-check)
 #   ROUNDS=1 bash scripts/gpu_check.sh       # one round of step 4 (default 2)
@@ -40,7 +42,7 @@ want bench && for round in $(seq 1 "${ROUNDS:-2}"); do
     step "deepspeed_$round" 120 "$PY" -m benchmarks.systems.deepspeed --model opt-1.3b --batch 256 \
         --prompt-len 512 --gen-len 32 --offload cpu --json "$OUT/deepspeed_$round.json"
 done
-want fp32_tests && step fp32_tests 150 env FLEXGEN_H2O_TEST_DEVICE=cuda "${PYTEST[@]}" -s $XDIST \
-    tests/test_equivalence.py tests/test_h2o_engine.py
+want fp32_tests && step fp32_tests 240 env FLEXGEN_H2O_TEST_DEVICE=cuda "${PYTEST[@]}" -s $XDIST \
+    tests/test_equivalence.py tests/test_h2o_engine.py tests/test_h2o_decode.py tests/test_batch_invariance.py
 echo "$failed step(s) failed; logs in $OUT"
 exit "$failed"

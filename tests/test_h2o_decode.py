@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from flexgen_h2o.config import OffloadPolicy
+from flexgen_h2o.engine import Engine
 from flexgen_h2o.kv import EvictionConfig
 from tests.helpers import engine_kept, greedy, make_engine, max_logit_diff, random_prompts, tiny_hf
 from tests.reference.h2o_masked import RULE_FOR_POLICY, reference_generate
@@ -88,10 +89,10 @@ def assert_scores_close(mine: list, ref: list, rtol: float = 1e-4, atol: float =
                         f"layer {l} sequence {b} head {g} position {p}: score {col_a[p]} vs {col_b[p]}"
 
 
-def check_case(kind: str, case: str, where: str, tmp_path, q_scale: float = 1.0) -> None:
+def check_case(kind: str, case: str, where: str, tmp_path, q_scale: float = 1.0, inspect=None, **offload_kw) -> None:
     ev, lens, budgets = CASES[case]
     model = peaked(kind, q_scale)
-    offload = OffloadPolicy(kv_dtype="float32", gpu_batch_size=len(lens), **PLACEMENTS.get(where, {}))
+    offload = OffloadPolicy(kv_dtype="float32", gpu_batch_size=len(lens), **PLACEMENTS.get(where, {}), **offload_kw)
     engine = make_engine(model, eviction=ev, offload=offload, offload_dir=tmp_path)
     try:
         out = engine.generate(random_prompts(lens), greedy(N_NEW))
@@ -105,6 +106,8 @@ def check_case(kind: str, case: str, where: str, tmp_path, q_scale: float = 1.0)
             assert max_logit_diff(engine.step_logits[i], [l[i] for l in ref_logits]) <= tol, f"sequence {i}"
         assert engine_kept(engine) == ref_kept
         assert_scores_close(engine_scores(engine), ref_scores)
+        if inspect is not None:
+            inspect(engine)
         # every column ends at its own sequence's budget (eviction happened, each to its own count)
         for layer in ref_kept:
             for seq, (sink, heavy, recent) in zip(layer, budgets):
@@ -136,6 +139,21 @@ def test_equal_scores_evict_the_oldest(kind, where, tmp_path):
     assert reference(kind, "h2o-sizes", q_scale=256.0)[2] != \
         reference(kind, "h2o-sizes", flip_ties=True, q_scale=256.0)[2]
     check_case(kind, "h2o-sizes", where, tmp_path, q_scale=256.0)
+
+
+@pytest.mark.parametrize("where", ["host", "mixed"])
+@pytest.mark.parametrize("case", ["h2o-ratio-sink", "avg-ratio"])
+def test_cpu_cache_compute_with_h2o(case, where, tmp_path, monkeypatch):
+    """FlexGen's --cpu-cache-compute (decode attention where the KV lives), as the paper's OPT-30B runs use it
+    with H2O. On a GPU this is the real split; on a CPU the engine's hook takes the same path (fp32 windows staged
+    on the host, attention there) though the compute device is the host already."""
+    monkeypatch.setattr(Engine, "host_attention_on_cpu", True)
+
+    def host_attention(engine):
+        splits = [s for caches in engine.last_caches for s in caches.values()]
+        assert all(s.attention_device == torch.device("cpu") for s in splits)
+
+    check_case("llama-gqa", case, where, tmp_path, inspect=host_attention, cpu_cache_compute=True)
 
 
 def test_a_sequence_keeps_its_own_budget_in_any_batch():
