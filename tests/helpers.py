@@ -122,3 +122,27 @@ def count_in_place_attention(monkeypatch) -> list:
         real = getattr(owner, name)
         monkeypatch.setattr(owner, name, lambda *a, real=real, **kw: calls.append(1) or real(*a, **kw))
     return calls
+
+
+def engine_scores(engine) -> list:
+    """[attention layer][sequence][KV head] -> {position: score} of every kept token, read from the caches' own
+    score and position tensors across GPU batches and tiers."""
+    per_layer: dict[int, list] = {}
+    for caches in engine.last_caches:
+        for layer, split in caches.items():
+            for cache in split.caches:
+                pos, score = cache.pos.to("cpu"), cache.score.to("cpu")
+                per_layer.setdefault(layer, []).extend(
+                    [{int(p): float(s) for p, s in zip(pos[b, g], score[b, g]) if p >= 0}
+                     for g in range(pos.shape[1])] for b in range(pos.shape[0]))
+    return [per_layer[layer] for layer in sorted(per_layer)]
+
+
+def assert_scores_close(mine: list, ref: list, rtol: float = 1e-4, atol: float = 1e-5) -> None:
+    for l, (layer_a, layer_b) in enumerate(zip(mine, ref)):
+        for b, (seq_a, seq_b) in enumerate(zip(layer_a, layer_b)):
+            for g, (col_a, col_b) in enumerate(zip(seq_a, seq_b)):
+                assert col_a.keys() == col_b.keys(), f"layer {l} sequence {b} head {g}"
+                for p in col_a:
+                    assert abs(col_a[p] - col_b[p]) <= atol + rtol * abs(col_b[p]), \
+                        f"layer {l} sequence {b} head {g} position {p}: score {col_a[p]} vs {col_b[p]}"

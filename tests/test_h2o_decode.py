@@ -16,7 +16,8 @@ import torch
 from flexgen_h2o.config import OffloadPolicy
 from flexgen_h2o.engine import Engine
 from flexgen_h2o.kv import EvictionConfig
-from tests.helpers import engine_kept, greedy, make_engine, max_logit_diff, random_prompts, tiny_hf
+from tests.helpers import (assert_scores_close, engine_kept, engine_scores, greedy, make_engine, max_logit_diff,
+                           random_prompts, tiny_hf)
 from tests.reference.h2o_masked import RULE_FOR_POLICY, reference_generate
 from tests.test_h2o_engine import PLACEMENTS, left_padded
 
@@ -63,30 +64,6 @@ def peaked(kind: str, q_scale: float = 1.0):
                 if "q_proj.weight" in name:
                     p.mul_(q_scale)               # a power of two: the weights stay exact in fp16
     return model
-
-
-def engine_scores(engine) -> list:
-    """[attention layer][sequence][KV head] -> {position: score} of every kept token, read from the caches' own
-    score and position tensors across GPU batches and tiers."""
-    per_layer: dict[int, list] = {}
-    for caches in engine.last_caches:
-        for layer, split in caches.items():
-            for cache in split.caches:
-                pos, score = cache.pos.to("cpu"), cache.score.to("cpu")
-                per_layer.setdefault(layer, []).extend(
-                    [{int(p): float(s) for p, s in zip(pos[b, g], score[b, g]) if p >= 0}
-                     for g in range(pos.shape[1])] for b in range(pos.shape[0]))
-    return [per_layer[layer] for layer in sorted(per_layer)]
-
-
-def assert_scores_close(mine: list, ref: list, rtol: float = 1e-4, atol: float = 1e-5) -> None:
-    for l, (layer_a, layer_b) in enumerate(zip(mine, ref)):
-        for b, (seq_a, seq_b) in enumerate(zip(layer_a, layer_b)):
-            for g, (col_a, col_b) in enumerate(zip(seq_a, seq_b)):
-                assert col_a.keys() == col_b.keys(), f"layer {l} sequence {b} head {g}"
-                for p in col_a:
-                    assert abs(col_a[p] - col_b[p]) <= atol + rtol * abs(col_b[p]), \
-                        f"layer {l} sequence {b} head {g} position {p}: score {col_a[p]} vs {col_b[p]}"
 
 
 def check_case(kind: str, case: str, where: str, tmp_path, q_scale: float = 1.0, inspect=None, **offload_kw) -> None:

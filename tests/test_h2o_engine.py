@@ -8,7 +8,8 @@ import torch
 
 from flexgen_h2o.config import OffloadPolicy
 from flexgen_h2o.kv import EvictionConfig, get_policy
-from tests.helpers import engine_kept, greedy, make_engine, max_logit_diff, random_prompts, tiny_hf
+from tests.helpers import (assert_scores_close, engine_kept, engine_scores, greedy, make_engine, max_logit_diff,
+                           random_prompts, tiny_hf)
 from tests.reference.h2o_masked import RULE_FOR_POLICY, reference_generate
 
 KINDS = ["opt", "llama-mha", "llama-gqa"]
@@ -29,11 +30,13 @@ def left_padded(model, prompts):
     return ids, mask
 
 
-def run_reference(model, prompts, ev: EvictionConfig, n_new: int = N_NEW, trace=None):
+def run_reference(model, prompts, ev: EvictionConfig, n_new: int = N_NEW, trace=None, scores=None):
     ids, mask = left_padded(model, prompts)
-    budget = ev.resolve(ids.shape[1], n_new)         # the engine resolves against the padded length too
-    return reference_generate(model, ids, mask, budget, rule=RULE_FOR_POLICY[ev.policy], max_new_tokens=n_new,
-                              score_reduce=ev.score_reduce, trace=trace, rolling=ev.position_rolling)
+    # each sequence's own budget (h2o-port: the block's, from the padded length), as the engine resolves them
+    budgets = [ev.resolve(ids.shape[1] if ev.per_block else len(p), n_new) for p in prompts]
+    return reference_generate(model, ids, mask, budgets, rule=RULE_FOR_POLICY[ev.policy], max_new_tokens=n_new,
+                              score_reduce=ev.score_reduce, trace=trace, rolling=ev.position_rolling,
+                              scores=scores)
 
 
 def run_engine(model, prompts, ev, n_new: int = N_NEW, **kw):
@@ -53,9 +56,12 @@ def check_against_reference(kind: str, ev: EvictionConfig, inspect=None, **engin
         if inspect is not None:
             inspect(engine)
         trace: list = []
-        ref_tokens, ref_logits = run_reference(model, prompts, ev, trace=trace)
+        scores: list = []
+        ref_tokens, ref_logits = run_reference(model, prompts, ev, trace=trace, scores=scores)
         assert_same_as_reference(engine, out, ref_tokens, ref_logits)
         assert engine_kept(engine) == trace[-1]
+        if ev.needs_scores:                   # the caches' own score and position tensors, not only tokens
+            assert_scores_close(engine_scores(engine), scores)
     finally:
         engine.close()
     return trace
