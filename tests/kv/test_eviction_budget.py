@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flexgen_h2o.kv import Budget, EvictionConfig, describe
+from flexgen_h2o.kv import Budget, EvictionConfig, describe, describe_rows
 
 
 def test_hh_ratio_follows_the_port():
@@ -103,6 +103,47 @@ def test_describe_line():
     assert describe(EvictionConfig("h2o-avg", kv_budget=100).resolve(512, 32), 512, 32, per_token).startswith(
         "KV cache: h2o-avg, 100 slots/seq (50 heavy + 50 recent)")
     assert "nothing is evicted" in describe(Budget(0, 40, 40, max_tokens=40), 30, 10, 1000)
+
+
+def test_ratio_budgets_are_per_sequence():
+    """Each row's budget comes from its own length (the H2O HF code's semantics); the port's from the block's
+    longest. A block allocates its largest capacity."""
+    rows = EvictionConfig("h2o", hh_ratio=0.2).resolve_rows([20, 40, 7], [16, 16, 16])
+    assert [(r.heavy, r.recent) for r in rows.rows] == [(4, 4), (8, 8), (1, 1)]
+    assert rows.capacity == 17 and all(r.evicts for r in rows.rows)
+    assert rows.values("budget") == [8, 16, 2]
+    port = EvictionConfig("h2o-port", hh_ratio=0.2).resolve_rows([20, 40, 7], [16, 4, 8])
+    assert {(r.heavy, r.recent, r.max_tokens) for r in port.rows} == {(8, 7, 56)}
+    # sizes do not depend on the length; a short prompt's whole run can fit its budget (then it never evicts)
+    sizes = EvictionConfig("h2o", hh_size=6, recent_size=4).resolve_rows([30, 5], [8, 3])
+    assert [r.budget for r in sizes.rows] == [10, 10] and [r.evicts for r in sizes.rows] == [True, False]
+    assert sizes.capacity == 11
+    with pytest.raises(ValueError, match="budget is 0 slots for prompt_len 4"):
+        EvictionConfig("h2o", hh_ratio=0.2).resolve_rows([20, 4], [8, 8])
+
+
+def test_row_budgets_give_columns():
+    rows = EvictionConfig("h2o", hh_ratio=0.2, sink_size=1).resolve_rows([20, 40], [8, 8])
+    like = torch.zeros(2, 3, 5)
+    assert rows.col("recent", like).shape == (2, 1, 1) and rows.col("recent", like).flatten().tolist() == [4, 8]
+    assert rows.col("budget", like[..., 0]).flatten().tolist() == [9, 17] and rows.sink == 1
+    same = EvictionConfig("h2o", hh_size=3, recent_size=2).resolve_rows([20, 40], [8, 8])
+    assert same.col("budget", like) == 5                 # rows that agree give a plain int (no tensor per step)
+    assert rows.part(1, 2).values("heavy") == [8]
+
+
+def test_describe_rows_gives_the_range():
+    per_token = 1e6
+    ev = EvictionConfig("h2o", hh_ratio=0.2)
+    budgets = [ev.resolve(n, 16) for n in (105, 510, 300)]
+    line = describe_rows(budgets, [105, 510, 300], [16, 16, 16], per_token)
+    assert line.startswith("KV cache: h2o, 42-204 slots/seq (21-102 heavy + 21-102 recent; from each prompt's own "
+                           "length) = 34.7-38.8% of prompt + new tokens; up to 205.0 MB instead of 526.0 MB"), line
+    port = EvictionConfig("h2o-port", hh_ratio=0.2)
+    assert "from the block's longest prompt" in describe_rows([port.resolve(510, 16), port.resolve(300, 16)],
+                                                              [510, 300], [16, 16], per_token)
+    same = [ev.resolve(512, 32)] * 2
+    assert describe_rows(same, [512, 512], [32, 32], per_token) == describe(same[0], 512, 32, per_token)
 
 
 def test_generator_only_for_random_and_seeded():
