@@ -8,7 +8,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -18,7 +17,7 @@ from flexgen_h2o.kv import EvictionConfig
 from flexgen_h2o.loader import load_model
 from flexgen_h2o.models import resolve_model
 from flexgen_h2o.planner import estimate
-from tests.tiny_checkpoint import REPO, cli_env, make_checkpoint, run_cli
+from tests.tiny_checkpoint import REPO, cli_env, kill_once_written, make_checkpoint, run_cli
 
 LOG_RE = [r"model size: ([\d.]+) GB\tcache size: ([\d.]+) GB\thidden size \(p\): ([\d.]+) GB",
           r"peak gpu mem: ([\d.]+) GB\tprojected: (True|False)",
@@ -127,16 +126,8 @@ def test_resume_after_sigkill(tiny, tmp_path):
     inp, out = _jsonl(tmp_path / "in.jsonl", rows), tmp_path / "out.jsonl"
     args = ["-m", "flexgen_h2o.run", "--model", str(ckpt), "--input", str(inp), "--output", str(out),
             "--gen-len", "48", "--gpu-batch-size", "1", "--no-progress", "--metrics-json", str(tmp_path / "m.json")]
-    with open(tmp_path / "log1", "w") as log:
-        proc = subprocess.Popen([sys.executable, *args], env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline and proc.poll() is None:
-            if out.exists() and out.read_bytes().count(b"\n") >= 2:
-                break
-            time.sleep(0.01)
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(30)
-    assert proc.returncode == -signal.SIGKILL, (tmp_path / "log1").read_text()[-2000:]
+    status = kill_once_written(args[2:], out, env, tmp_path / "log1", lines=2)
+    assert status == -signal.SIGKILL, (tmp_path / "log1").read_text()[-2000:]
     raw = out.read_bytes()
     assert raw.endswith(b"\n")                                                # no partial line
     before = [json.loads(x) for x in raw.decode().splitlines()]

@@ -7,14 +7,11 @@ from __future__ import annotations
 
 import json
 import signal
-import subprocess
-import sys
-import time
 
 import pytest
 
 from flexgen_h2o.loader import load_model
-from tests.tiny_checkpoint import REPO, cli_env, make_checkpoint, run_cli
+from tests.tiny_checkpoint import cli_env, kill_once_written, make_checkpoint, run_cli
 
 ROWS = [{"prompt": "Item %d: " % i + "abcdefghij" * (1 + (i * 7) % 6) + "?", "id": f"q{i}"} for i in range(12)]
 
@@ -35,19 +32,10 @@ def tokens_by_id(path) -> dict:
 
 def killed_then_resumed(args: list[str], out, env, log) -> None:
     """Start the job, SIGKILL it once a block is on disk, then rerun the same command to finish it."""
-    with open(log, "w") as f:
-        proc = subprocess.Popen([sys.executable, *args], env=env, cwd=REPO, stdout=f, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline and proc.poll() is None:
-            if out.exists() and out.read_bytes().count(b"\n") >= 3:
-                break
-            time.sleep(0.01)
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(30)
-    assert proc.returncode == -signal.SIGKILL, log.read_text()[-2000:]
+    assert kill_once_written(args, out, env, log, lines=3) == -signal.SIGKILL, log.read_text()[-2000:]
     done = out.read_text().count("\n")
     assert 3 <= done < len(ROWS), done                                      # killed mid-way
-    rerun = subprocess.run([sys.executable, *args], env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
+    rerun = run_cli(args, env)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     assert f"resuming {out}: {done} of {len(ROWS)} ids already done" in rerun.stdout
 
@@ -66,8 +54,7 @@ def test_alone_batched_and_resumed_give_the_same_tokens(tiny, tmp_path, kv):
     assert "slots/seq" in proc.stdout and "each prompt's own length" in proc.stdout, proc.stdout
     proc = run_cli(common + ["--output", str(batched), "--gpu-batch-size", "4", "--num-gpu-batches", "2"], env)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    killed_then_resumed(["-m", "flexgen_h2o.run", *common, "--output", str(resumed), "--gpu-batch-size", "3"],
-                        resumed, env, tmp_path / "log")
+    killed_then_resumed([*common, "--output", str(resumed), "--gpu-batch-size", "3"], resumed, env, tmp_path / "log")
     want = tokens_by_id(alone)
     assert len(want) == len(ROWS) and sum(map(len, want.values())) > 20 * len(ROWS)   # real generations
     assert tokens_by_id(batched) == want

@@ -7,8 +7,10 @@ character is one token, which makes prompt lengths exact and easy to choose.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from tests.helpers import VOCAB, tiny_hf
@@ -53,3 +55,18 @@ def run_cli(args: list[str], env: dict[str, str], cwd: Path | None = None, timeo
             **kw) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "flexgen_h2o.run", *args], env=env, cwd=cwd or REPO,
                           capture_output=True, text=True, timeout=timeout, **kw)
+
+
+def kill_once_written(args: list[str], out: Path, env: dict[str, str], log: Path, lines: int) -> int:
+    """Run `python -m flexgen_h2o.run args`, SIGKILL it as soon as `out` holds `lines` whole lines (or after 240 s);
+    its output goes to `log`. Returns its exit status (-SIGKILL when it was killed)."""
+    with open(log, "w") as f:
+        proc = subprocess.Popen([sys.executable, "-m", "flexgen_h2o.run", *args], env=env, cwd=REPO, stdout=f,
+                                stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and proc.poll() is None:
+            if out.exists() and out.read_bytes().count(b"\n") >= lines:
+                break
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGKILL)
+        return proc.wait(30)
