@@ -126,8 +126,10 @@ class Engine:
         return tier.torch_view(handle) if kind == "disk" else handle.payload
 
     def release(self) -> None:
-        """Free every tensor the last run allocated on the tiers (disk files are deleted)."""
+        """Free every tensor the last run allocated on the tiers (disk files are deleted), and drop the last block's
+        caches, which would otherwise keep that KV in memory the tiers no longer count."""
         self.backend.synchronize()      # no copy still queued on a lane may read or write what is freed
+        self.last_caches = []
         for handle in self._handles:
             handle.free()
         if self.kv_staging is not None:
@@ -159,10 +161,10 @@ class Engine:
         """The random rule's draws for one layer's rows, keyed by each prompt's tokens (kv/draws.py)."""
         return KeyedDraws.for_prompts(ev.seed, layer, prompts) if ev.policy == "random" else None
 
-    def _make_cache(self, layer, batch: int, budget: RowBudgets, policy, draws: KeyedDraws | None,
+    def _make_cache(self, layer, batch: int, budget: RowBudgets, capacity: int, policy, draws: KeyedDraws | None,
                     rolling: bool) -> SplitKVCache:
-        """One GPU batch's cache of one layer: every tier's part allocates the batch's largest capacity (so the
-        parts stage into one window) and keeps its own rows' budgets."""
+        """One GPU batch's cache of one layer: every tier's part allocates the block's capacity (its largest
+        sequence budget, as the planner counts it) and keeps its own rows' budgets."""
         parts = []
         split = split_by_fraction(batch, self.offload.tier_fractions("cache"))
         # attention reads the window on the compute device, or where the KV lives with cpu_cache_compute
@@ -171,7 +173,7 @@ class Engine:
                           and (self.device.type != "cpu" or self.host_attention_on_cpu))
         in_place = self.offload.kv_read_in_place("cpu" if host_attention else self.device.type, rolling, batch)
         for lo, hi, kind in split:
-            cache = KVCache(layer.kv_spec(), hi - lo, budget.capacity, policy, budget.part(lo, hi),
+            cache = KVCache(layer.kv_spec(), hi - lo, capacity, policy, budget.part(lo, hi),
                             dtype=self.kv_dtype,
                             alloc=lambda shape, dtype, kind=kind: self._alloc(kind, shape, dtype), tier_kind=kind,
                             rolling=rolling, generator=None if draws is None else draws.part(lo, hi), staging=self.kv_staging, read_in_place=in_place)
@@ -297,7 +299,7 @@ class Engine:
         budget = ev.resolve_rows([len(p) for p in prompts], per_seq_max or [gen.max_new_tokens] * len(prompts))
         # a prefill kept for later rules keeps every token and still needs the scores, which `full` skips
         policy = get_policy(ev.policy) if capture is not None else policy_for(ev, budget)
-        self.release()
+        self.release()                 # the previous block's KV goes before this block's is allocated
         pad_id = self.model.pad_id if self.model.pad_id is not None else 0
         ids = torch.full((len(prompts), prompt_len), pad_id, dtype=torch.long)
         valid = torch.zeros(len(prompts), prompt_len, dtype=torch.bool)
@@ -319,8 +321,8 @@ class Engine:
             rows = budget.part(lo, hi)
             b = BatchState(seq_index=list(range(lo, hi)), prompt_ids=ids[lo:hi], token_valid=valid[lo:hi],
                            real_len=valid[lo:hi].sum(1), kept_max=torch.tensor(rows.values("budget")))
-            b.caches = {l: self._make_cache(layer, hi - lo, rows, policy, self._draws(ev, l, prompts[lo:hi]),
-                                            ev.position_rolling)
+            b.caches = {l: self._make_cache(layer, hi - lo, rows, budget.capacity, policy,
+                                            self._draws(ev, l, prompts[lo:hi]), ev.position_rolling)
                         for l, layer in enumerate(self.layers) if layer.kind == "attn"}
             if prefilled is not None:          # this rule's choice of the kept prompt rows, as a prefill makes it
                 for l, (k, v, score, pos) in prefilled.layers[len(batches)].items():

@@ -13,6 +13,9 @@ The numbers follow what the engine really allocates, so a preflight refusal is a
 - workspace: transients on the compute tier: staged weights (the current and, with overlap, the next schedule
   layer), staged KV windows (on a CPU an fp16 cache is read in place), and the largest intermediate of one GPU
   batch at prefill.
+- beyond the tiers (a CPU run only, where the compute tier is RAM): what glibc's malloc keeps resident beyond
+  the bytes live (`allocator_bytes`); the preflight adds it, the code a run maps and the process's own RSS to
+  the RAM it checks.
 Imports: config, models, kv budgets and the placement rule only (level 4, LAYOUT.md §8.3).
 """
 from __future__ import annotations
@@ -42,6 +45,7 @@ class Estimate:
     full_kv_bytes: int = 0                # the same block with a full cache (prompt_len + gen_len slots)
     model_bytes: int = 0                  # fp16 parameters
     store_bytes: int = 0                  # fp16 weights read from an existing store on disk (not offload dir)
+    beyond_tiers: dict[str, int] = field(default_factory=dict)  # RAM a CPU run holds that no tier charges
 
     def tier_total(self, tier: str) -> int:
         return sum(self.bytes[tier].values())
@@ -115,6 +119,14 @@ def estimate(model: ModelConfig, offload: OffloadPolicy, eviction: EvictionConfi
     block = (ops.score_block_bytes(rows, model.n_heads, prompt_len, StepContext.query_chunk, device_type)
              if eviction.needs_scores else 0)
     est.add("compute", "workspace", model.workspace_bytes(rows, prompt_len, c, block))
+    if device_type == "cpu":            # on a GPU the transients are device memory, not malloc's
+        heap_live = est.bytes["compute"]["activations"] + est.bytes["host"]["activations"]
+        for b in batch_sizes(n, offload.gpu_batch_size):
+            for k, tier in _sizes(split_by_fraction(b, offload.tier_fractions("cache"))):
+                if tier != "disk":         # disk parts are memmaps of the offload files
+                    heap_live += n_attn * _heap_served(_kv_tensors(model, k, budget.capacity, kv_b))
+        # (the previous block's caches are dropped before a block allocates: Engine._generate_block)
+        est.beyond_tiers = allocator_bytes(model, rows, prompt_len, c, block, heap_live)
     return est
 
 
@@ -149,3 +161,67 @@ def _weights(est: Estimate, layers: list, offload: OffloadPolicy, c: int, device
     per_group = sorted((sum(staged_per_layer[i] for i in g) for g in groups), reverse=True)
     # with overlap the next schedule layer is prefetched while the current one computes
     est.add("compute", "workspace", sum(per_group[:2 if offload.overlap else 1]))
+
+
+# --- what glibc's malloc keeps resident beyond the live bytes (CPU runs) ---
+# A CPU tensor comes from glibc's malloc. Blocks above its mmap threshold are mapped on their own and go back to
+# the OS when freed; smaller ones come from the heap, whose freed pages stay resident for the next allocation.
+# The threshold is dynamic: each freed mapped block raises it to that block's size, up to this ceiling
+# (DEFAULT_MMAP_THRESHOLD_MAX on 64-bit), so after the first layer every transient up to 32 MiB is heap-served.
+MMAP_CEILING = 32 << 20
+# The heap's free top goes back to the OS only beyond the trim threshold, which glibc keeps at twice the mmap
+# threshold: up to twice the largest heap-served block freed so far stays resident. Dummy weights are drawn
+# through a 16 MiB fp32 scratch (weights/dummy.py), so after loading them the threshold is at least that.
+LOADER_SCRATCH = 16 << 20
+# Heap holes: freed blocks between live ones, resident but reused only by blocks that fit. Not derivable from
+# the shapes: measured (2026-11-27, glibc 2.36; docs/architecture.md "Memory accounting") as the peak RSS beyond
+# every other term, 0-0.17 of the heap-served bytes live at the prompt pass's peak, the most on OPT shapes, and
+# varying run to run (one OPT-125M shape peaked at 1186-1214 MiB). With the threshold fixed
+# (MALLOC_MMAP_THRESHOLD_=1048576) the heap serves no block over 1 MiB and the holes measured near zero.
+HEAP_HOLES_FRACTION = 0.17
+
+
+def layer_transients(model: ModelConfig, rows: int, tokens: int, itemsize: int, score_block: int
+                     ) -> tuple[list[int], dict[str, list[int]]]:
+    """The tensors `ModelConfig.workspace_bytes` counts, one by one: the hidden state in and out (live through
+    the layer), and each phase's intermediates (attention, MLP, head), of which that formula takes the largest."""
+    h, f, d, g, nh = model.hidden_size, model.ffn_size, model.head_dim, model.n_kv_heads, model.n_heads
+    bt = rows * tokens
+    attn = [bt * nh * d * itemsize] * 2 + [bt * g * d * itemsize] * 2          # q and output; k and v
+    if score_block:       # scored attention: the logits block and its copies, and the per-key score sums
+        attn += [score_block] * 4 + [rows * g * tokens * 4]
+    else:
+        attn += [bt * nh * d * itemsize]
+    mlp = [bt * f * itemsize] * (3 if model.activation == "silu" else 2)
+    return [bt * h * itemsize] * 2, {"attention": attn, "mlp": mlp, "head": [rows * model.vocab_size * 4] * 2}
+
+
+def _heap_served(sizes: list[int]) -> int:
+    # strictly below: a request of exactly 32 MiB plus malloc's chunk header is over the ceiling, so mapped
+    return sum(s for s in sizes if s < MMAP_CEILING)
+
+
+def _kv_tensors(model: ModelConfig, seqs: int, capacity: int, kv_b: int) -> list[int]:
+    """One cache part's tensors (KVCache: k, v, fp32 score, int32 position)."""
+    slots = seqs * model.n_kv_heads * capacity
+    return [slots * model.head_dim * kv_b] * 2 + [slots * 4] * 2
+
+
+def allocator_bytes(model: ModelConfig, rows: int, tokens: int, itemsize: int, score_block: int,
+                    heap_live: int) -> dict[str, int]:
+    """RAM glibc keeps resident beyond the live bytes of a prompt pass of `rows` x `tokens` (the peak phase).
+    - "mmap split": the workspace formula takes the largest phase, as if the MLP's blocks reused the attention's
+      pages. They do only when both are heap-served; when a phase's blocks exceed the ceiling (OPT-125M's MLP at
+      4096 tokens: 2 x 48 MiB) they are fresh mappings while the attention's freed blocks stay in the heap, so
+      the peak holds the largest heap-served phase plus the largest mapped one.
+    - "heap top": the free top of the heap below glibc's trim threshold, twice the largest heap-served block
+      (the layer's largest transient under the ceiling, or the dummy weights' scratch).
+    - "heap holes": HEAP_HOLES_FRACTION of the heap-served bytes live at that peak (heap_live: KV parts and
+      resting activations in RAM, plus the layer's heap-served transients)."""
+    hidden, phases = layer_transients(model, rows, tokens, itemsize, score_block)
+    heap = {p: _heap_served(t) for p, t in phases.items()}
+    mapped = {p: sum(t) - heap[p] for p, t in phases.items()}
+    split = max(heap.values()) + max(mapped.values()) - max(sum(t) for t in phases.values())
+    live = heap_live + _heap_served(hidden) + max(heap.values())
+    largest = max([LOADER_SCRATCH] + [x for t in [hidden, *phases.values()] for x in t if x < MMAP_CEILING])
+    return {"mmap split": split, "heap top": 2 * largest, "heap holes": int(HEAP_HOLES_FRACTION * live)}

@@ -3,6 +3,11 @@
 RAM comes from psutil (`available`: free plus reclaimable page cache), GPU memory from the backend, disk from
 the file systems of the offload dir and of a dummy store about to be written. A run that does not fit is
 refused with the numbers and the changes that would make it fit, so the OOM killer never gets a say.
+
+The RAM figure is the process's predicted peak RSS, term by term (docs/architecture.md, "Memory accounting"):
+what the process holds now (interpreter, torch, tokenizer: measured, not assumed), the code a run first touches,
+the estimate's RAM parts, and what malloc keeps beyond them (`memory.allocator_bytes`). It is checked against
+what the process could hold: `available` plus what it already holds.
 """
 from __future__ import annotations
 
@@ -20,7 +25,11 @@ from flexgen_h2o.planner.memory import PARTS, Estimate, estimate
 
 MIB = 1 << 20
 GIB = 1 << 30
-RAM_HEADROOM = 256 * MIB     # allocator slack, tokenizer, Python objects; on top of 5 % of the estimate
+# Code and state a run maps after the preflight: the engine's modules, the compiled kernels' library, torch's
+# CPU kernels for the ops a forward uses, its thread pool. Measured 2026-11-27 (RSS after the first generate and
+# malloc_trim, minus the tiers' bytes): 12-29 MiB, two thirds file-backed code pages.
+RUNTIME_BYTES = 32 * MIB
+GPU_HEADROOM = 256 * MIB     # CUDA context and caching-allocator slack; on top of 5 % of the estimate
 DISK_HEADROOM = 64 * MIB
 
 
@@ -34,23 +43,26 @@ class Machine:
     ram_total: int
     device_free: int | None = None      # compute device bytes free (None: the compute tier is RAM)
     device_total: int | None = None
+    process_rss: int = 0                # what this process holds now: in the prediction, and out of `available`
 
     @classmethod
     def probe(cls, backend=None) -> "Machine":
         vm = psutil.virtual_memory()
+        rss = psutil.Process().memory_info().rss
         if backend is None or not getattr(backend, "is_cuda", False):
-            return cls(int(vm.available), int(vm.total))
+            return cls(int(vm.available), int(vm.total), process_rss=rss)
         mem = backend.device_memory()
         # allocated-by-this-process only: other processes' use is not visible through the backend
-        return cls(int(vm.available), int(vm.total), mem["total_bytes"] - mem["current_bytes"], mem["total_bytes"])
+        return cls(int(vm.available), int(vm.total), mem["total_bytes"] - mem["current_bytes"], mem["total_bytes"],
+                   process_rss=rss)
 
 
 @dataclass
 class Check:
     resource: str                        # "RAM", "GPU memory" or "disk (<path>)"
-    need: int                            # estimate plus headroom
-    available: int
-    parts: dict[str, int]                # estimate by part (weights, kv, activations, workspace)
+    need: int                            # RAM: the predicted peak RSS; else the estimate plus headroom
+    available: int                       # RAM: psutil's available plus what the process holds now
+    parts: dict[str, int]                # estimate by part (weights, kv, activations, workspace), then RAM's terms
 
     @property
     def ok(self) -> bool:
@@ -75,7 +87,7 @@ def _existing(path: Path) -> Path:
 def checks(est: Estimate, machine: Machine, *, offload_root: str | os.PathLike | None = None,
            store_dir: str | os.PathLike | None = None, parts: tuple[str, ...] = PARTS) -> list[Check]:
     """One Check per resource the run uses. `parts` limits what is counted (the API checks KV and activations
-    again at generate time, after the weights are already placed and out of `available`)."""
+    again at generate time, after the weights are placed: they are then in the process's RSS)."""
     def of(tier: str) -> dict[str, int]:
         return {p: v for p, v in est.bytes[tier].items() if p in parts and v}
 
@@ -83,10 +95,14 @@ def checks(est: Estimate, machine: Machine, *, offload_root: str | os.PathLike |
     compute, host = of("compute"), of("host")
     if machine.device_free is None:      # CPU: the compute tier is a pool in RAM, like the host tier
         ram = {p: compute.get(p, 0) + host.get(p, 0) for p in PARTS if compute.get(p, 0) + host.get(p, 0)}
+        ram.update(est.beyond_tiers)     # malloc's slack, the last caches; on a GPU those are device memory
     else:
         out.append(Check("GPU memory", _with_headroom(sum(compute.values())), machine.device_free, compute))
-        ram = host
-    out.append(Check("RAM", _with_headroom(sum(ram.values())), machine.ram_available, ram))
+        ram = dict(host)
+    # the peak RSS: the run's own bytes, the code it maps, and what the process holds now
+    ram.update({"runtime": RUNTIME_BYTES, "process now": machine.process_rss})
+    out.append(Check("RAM", sum(ram.values()), machine.ram_available + machine.process_rss,
+                     {p: v for p, v in ram.items() if v}))
     # disk: offload-dir files (KV, activations) and a dummy store being written, grouped by file system
     disk = of("disk")
     where: dict[int, tuple[Path, dict[str, int]]] = {}
@@ -105,7 +121,7 @@ def checks(est: Estimate, machine: Machine, *, offload_root: str | os.PathLike |
 
 
 def _with_headroom(n: int) -> int:
-    return int(n * 1.05) + RAM_HEADROOM if n else 0
+    return int(n * 1.05) + GPU_HEADROOM if n else 0
 
 
 def report(est: Estimate, results: list[Check]) -> str:

@@ -116,16 +116,23 @@ def test_eviction_changes_the_output():
     assert not torch.equal(evicted, full)
 
 
-def test_ratios_resolve_against_the_padded_prompt_like_the_engine():
+def test_ratios_resolve_against_the_padded_prompt():
+    """H2OCache sees the left-padded batch transformers hands it, so its ratios are of the padded length: the
+    engine's run at those counts in slots gives the same tokens and kept positions. (The engine's own ratios are
+    each sequence's: docs/hf.md says how the two differ.)"""
     model = h2o_model("llama-gqa")
     prompts = random_prompts(LENGTHS)
     ev = EvictionConfig(policy="h2o", hh_ratio=0.2, recent_ratio=0.15, sink_size=1)
     cache = H2OCache(ev)
     tokens, logits = hf_generate(model, prompts, cache)
-    engine, out = run_engine(model, prompts, ev)
     assert (cache.budget.sink, cache.budget.heavy, cache.budget.recent) == (1, 4, 3)   # int(0.2 * 24), int(0.15 * 24)
+    engine, out = run_engine(model, prompts, EvictionConfig(policy="h2o", hh_size=4, recent_size=3, sink_size=1))
     assert [t.tolist() for t in tokens] == out.token_ids
     assert cache.kept_positions() == engine_kept(engine)
+    per_sequence, _ = run_engine(model, prompts, ev)
+    short = LENGTHS.index(min(LENGTHS))          # its own 20 % / 15 % are fewer slots than the padded length's
+    assert {len(c) for layer in engine_kept(per_sequence) for c in layer[short]} == \
+        {1 + int(0.2 * min(LENGTHS)) + int(0.15 * min(LENGTHS))}
 
 
 # --- 2. a budget that covers the run is DynamicCache ---
