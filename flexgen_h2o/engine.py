@@ -173,10 +173,10 @@ class Engine:
                           and (self.device.type != "cpu" or self.host_attention_on_cpu))
         in_place = self.offload.kv_read_in_place("cpu" if host_attention else self.device.type, rolling, batch)
         for lo, hi, kind in split:
-            cache = KVCache(layer.kv_spec(), hi - lo, capacity, policy, budget.part(lo, hi),
-                            dtype=self.kv_dtype,
+            cache = KVCache(layer.kv_spec(), hi - lo, capacity, policy, budget.part(lo, hi), dtype=self.kv_dtype,
                             alloc=lambda shape, dtype, kind=kind: self._alloc(kind, shape, dtype), tier_kind=kind,
-                            rolling=rolling, generator=None if draws is None else draws.part(lo, hi), staging=self.kv_staging, read_in_place=in_place)
+                            rolling=rolling, generator=None if draws is None else draws.part(lo, hi),
+                            staging=self.kv_staging, read_in_place=in_place)
             parts.append((lo, hi, cache))
         return SplitKVCache(parts, attention_device=torch.device("cpu") if host_attention else None)
 

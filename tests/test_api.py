@@ -130,8 +130,8 @@ def test_api_gives_the_cli_tokens(tiny, tmp_path):
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     inp.write_text("".join(json.dumps(r) + "\n" for r in rows))
     proc = run_cli(["--model", str(ckpt), "--input", str(inp), "--output", str(out), "--percent", "0", "100", "50",
-                    "50", "100", "0", "--gpu-batch-size", "2", "--num-gpu-batches", "2", "--hh-ratio", "0.3", "--sink-size", "1",
-                    "--temperature", "0.9", "--top-k", "20", "--seed", "7", "--stop", stop, "--no-progress"],
+                    "50", "100", "0", "--gpu-batch-size", "2", "--num-gpu-batches", "2", "--hh-ratio", "0.3",
+                    "--sink-size", "1", "--temperature", "0.9", "--top-k", "20", "--seed", "7", "--stop", stop, "--no-progress"],
                    cli_env(root / "home"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     cli = [json.loads(x) for x in out.read_text().splitlines()]

@@ -14,7 +14,7 @@ A Budget is one sequence's, per KV head, from its own real prompt length (paddin
 and the Llama recipe take it: a prompt keeps the same slots alone, in any batch, in any block cut and after any
 resume. A block allocates one slot count for all its sequences (RowBudgets.capacity, its largest) and each
 sequence evicts down to its own budget. `h2o-port` keeps the FlexGen port's per-block semantics instead: every
-sequence of a block gets the budget of the block's padded length (RowBudgets.per_block).
+sequence of a block gets the budget of the block's padded length (EvictionConfig.per_block).
 """
 from __future__ import annotations
 
