@@ -10,20 +10,10 @@ import signal
 
 import pytest
 
-from flexgen_h2o.loader import load_model
-from tests.tiny_checkpoint import cli_env, kill_once_written, make_checkpoint, run_cli
+from tests.test_cli import tiny  # noqa: F401  (the converted tiny checkpoint and its CLI environment)
+from tests.tiny_checkpoint import kill_once_written, run_cli
 
 ROWS = [{"prompt": "Item %d: " % i + "abcdefghij" * (1 + (i * 7) % 6) + "?", "id": f"q{i}"} for i in range(12)]
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    root = tmp_path_factory.mktemp("cli_invariance")
-    ckpt = make_checkpoint(root / "tiny")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("FLEXGEN_H2O_HOME", str(root / "home"))
-        load_model(str(ckpt), progress=False)
-    return ckpt, cli_env(root / "home")
 
 
 def tokens_by_id(path) -> dict:

@@ -67,7 +67,7 @@ class RowBudgets:
     (the largest row's); the policies read each row's counts through col(), an int where the rows agree (the common
     case: a bucket of equal-length prompts, with no per-column tensor) and a (b, 1, ...) tensor where they differ."""
     rows: tuple[Budget, ...]
-    _cols: dict = field(default_factory=dict, compare=False, repr=False)     # (name, device, dims) -> tensor
+    _cols: dict = field(default_factory=dict, compare=False, repr=False)     # values and column tensors, made once
 
     def __post_init__(self) -> None:
         if not self.rows:
@@ -96,12 +96,14 @@ class RowBudgets:
         return any(r.evicts for r in self.rows)
 
     def values(self, name: str) -> list[int]:
-        return [int(getattr(r, name)) for r in self.rows]
+        if name not in self._cols:          # made once: col() runs per layer at every decode step
+            self._cols[name] = [int(getattr(r, name)) for r in self.rows]
+        return self._cols[name]
 
     def col(self, name: str, like: Tensor) -> int | Tensor:
         """Each row's `name` shaped to broadcast against `like` (b, ...) on its device; an int if the rows agree."""
         vals = self.values(name)
-        if len(set(vals)) == 1:
+        if min(vals) == max(vals):
             return vals[0]
         key = (name, like.device, like.dim())
         if key not in self._cols:
