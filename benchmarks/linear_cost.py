@@ -9,7 +9,7 @@ GEMM and nothing else: what this CPU's BLAS gives the step's shapes with no conv
 benchmarks/machine.py's prefill-shape product (2048 x 2048 x 2048 fp32), the rate the roofline prices FLOPs at,
 timed in the same rotation so the VM's drift lands on it too. The JSON has each case's GFLOP/s and each linear
 case's time over its FLOPs at the peak case's rate (how far the step's linear layers alone are from their share
-of the bound; docs/suite.md).
+of the bound; benchmarks/results/suite-log/NOTES.md).
 
     python -m benchmarks.linear_cost --rows 120 --out benchmarks/results/linear_cost
     # a change to the kernel: `kernel@REV` is half_linear.cpp as it was at git revision REV, built beside it

@@ -89,7 +89,7 @@ def causal_pad_mask(token_valid: Tensor) -> Tensor:
 # The scored path materialises fp32 logits and probabilities one block of queries at a time. Blocks above ~32 MB
 # are mmap'd by glibc on every allocation (fresh pages, faulted and zeroed per block) and stream through DRAM
 # in each of the ~5 passes over them. The engine's H2O prompt pass at 16 x 512 measured 1.12x with 16 MB blocks
-# (docs/suite.md, "Engine changes after the disk run").
+# (benchmarks/results/suite-log/NOTES.md, "Engine changes after the disk run").
 SCORE_BLOCK_BYTES = 16 << 20
 MIN_QUERY_CHUNK = 32             # fewer queries per block and the per-block op overhead starts to show
 
@@ -168,7 +168,7 @@ def grouped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: floa
         logits[..., lo:].masked_fill_(~mask[:, :, None, start:stop, lo:sk], float("-inf"))
         # fp32 probabilities straight from fp16 logits (a GPU's): softmax upcasts as it reads, so no fp32 copy of
         # the logits is written and then masked (copies and masks were the largest non-GEMM kernels of H2O's
-        # prompt pass in the H100 profile, docs/suite.md); on a CPU the logits are fp32 already
+        # prompt pass in the H100 profile, benchmarks/results/suite-log/NOTES.md); on a CPU the logits are fp32 already
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         outs.append(torch.matmul(probs.to(v.dtype).view(b, g, r * tc, sk), v[:, :, :sk]).view(b, g, r, tc, d))
         if want_scores:
