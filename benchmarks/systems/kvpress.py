@@ -14,11 +14,10 @@ grows by one token per decode step; ours stays fixed.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
+from benchmarks.systems import venvs
 from benchmarks.systems.base import Candidate, System
 from benchmarks.workloads import Workload
 
@@ -28,44 +27,22 @@ PRESSES = {"observed": "ObservedAttentionPress", "streaming": "StreamingLLMPress
 
 
 def venv_dir() -> Path:
-    from flexgen_h2o.weights import store_root
-    return store_root() / "venvs" / "kvpress"
+    return venvs.venv_root("kvpress")
 
 
 def venv_python(root: Path | None = None) -> Path:
-    return (root or venv_dir()) / "bin" / "python"
+    return venvs.venv_python(root or venv_dir())
 
 
-def last_line(text: str) -> str:
-    lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
-    return lines[-1] if lines else "(no output)"
+def recipe() -> list[list[str]]:
+    return [[venvs.PY, "-m", "pip", "install", "--quiet", venvs.torch_pin()],
+            [venvs.PY, "-m", "pip", "install", "--quiet", KVPRESS_SPEC, "transformers<5.3", "numpy"],
+            [venvs.PY, "-c", "import kvpress, transformers, torch; print(kvpress.__name__, transformers.__version__)"]]
 
 
 def ensure_venv(root: Path | None = None, log: Path | None = None) -> str | None:
-    """Create the kvpress virtualenv once (a `.ready` marker records success). Returns None when it is usable,
-    else a one-line reason: the last line of the failing command's output."""
-    import torch
-    root = root or venv_dir()
-    marker = root / ".ready"
-    if marker.is_file() and venv_python(root).exists():
-        return None
-    root.parent.mkdir(parents=True, exist_ok=True)
-    py = str(venv_python(root))
-    steps = [[sys.executable, "-m", "venv", "--clear", str(root)],
-             # torch first, pinned to the main environment's build (a CPU wheel on a CPU machine)
-             [py, "-m", "pip", "install", "--quiet", f"torch=={torch.__version__}"],
-             [py, "-m", "pip", "install", "--quiet", KVPRESS_SPEC, "transformers<5.3", "numpy"],
-             [py, "-c", "import kvpress, transformers, torch; print(kvpress.__name__, transformers.__version__)"]]
-    out_all = []
-    for cmd in steps:
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        out_all.append(" ".join(cmd) + "\n" + proc.stdout + proc.stderr)
-        if log is not None:
-            log.write_text("\n".join(out_all))
-        if proc.returncode != 0:
-            return f"kvpress venv: {last_line(proc.stdout + proc.stderr)}"
-    marker.write_text(last_line(out_all[-1]) + "\n")
-    return None
+    """The kvpress virtualenv, created once (benchmarks/systems/venvs.py). None when usable, else the reason."""
+    return venvs.ensure_venv("kvpress", recipe(), root=root or venv_dir(), log=log)
 
 
 def write_prompt_ids(w: Workload, n: int, path: Path) -> Path:
