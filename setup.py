@@ -78,7 +78,7 @@ setup(
     package_data={"flexgen_h2o.models": ["csrc/*.cpp", "csrc/*.h"]},
     extras_require={
         "test": ["pytest", "pytest-timeout"],
-        "eval": ["rouge-score", "matplotlib"],
+        "eval": ["rouge-score", "matplotlib", "wonderwords"],
         "bench": ["accelerate", "matplotlib"],
         "gguf": ["gguf", "accelerate"],
     },

@@ -85,7 +85,7 @@ def run_case(a: argparse.Namespace) -> dict:
 
     def generate(x, n, cache, processors=()):
         with torch.no_grad():
-            return model.generate(x, attention_mask=torch.ones_like(x), past_key_values=cache, max_new_tokens=n,
+            return model.generate(x, attention_mask=torch.ones_like(x), cache=cache, max_new_tokens=n,
                                   min_new_tokens=n, do_sample=False, pad_token_id=2, eos_token_id=None,
                                   logits_processor=LogitsProcessorList(list(processors)))
 

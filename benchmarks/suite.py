@@ -270,7 +270,7 @@ def run_workload(w: Workload, names: list[str], systems: dict[str, System], runn
             store = store or [ensure_real_store(w)]
             reason = store[0] or s.prepare(w, runner.env, a.work)
         entries[n] = {"system": n, "status": "skipped" if reason else "pending", "reason": reason, "search": [],
-                      "runs": []}
+                      "runs": [], "kv_precision": s.kv_precision}
         if reason:
             print(f"  {n:22s} skipped: {reason}", flush=True)
     for n, e in entries.items():

@@ -38,13 +38,13 @@ def machine_line(m: dict[str, Any]) -> str:
 
 
 def results_table(wl: dict[str, Any]) -> list[str]:
-    head = ("| system | batch | prefill tok/s | decode tok/s | total tok/s | total ceiling | peak RSS GiB | "
+    head = ("| system | batch | KV | prefill tok/s | decode tok/s | total tok/s | total ceiling | peak RSS GiB | "
             "KV MiB/seq | wall s | bound tok/s (prefill / decode / total) | % of bound (prefill / decode / total) "
             "| decode limit | note |")
-    lines = [head, "|" + "---|" * 13]
+    lines = [head, "|" + "---|" * 14]
     for e in wl["systems"]:
         if "summary" not in e:
-            lines.append(f"| {e['system']} | - | - | - | - | - | - | - | - | - | - | - | {e['status']}: "
+            lines.append(f"| {e['system']} | - | - | - | - | - | - | - | - | - | - | - | - | {e['status']}: "
                          f"{e.get('reason') or ''} |")
             continue
         s, b = e["summary"], e["roofline"]
@@ -63,7 +63,7 @@ def results_table(wl: dict[str, Any]) -> list[str]:
         rss = _f(s["peak_rss_bytes"] / GIB, 2) + (f" (GPU {s['peak_gpu_bytes'] / GIB:.2f})"
                                                     if s.get("peak_gpu_bytes") else "")
         lines.append(
-            f"| {e['system']} | {batch} | {_f(s['prefill_tok_s'])} | {_f(s['decode_tok_s'], 2)} | "
+            f"| {e['system']} | {batch} | {e.get('kv_precision', '-')} | {_f(s['prefill_tok_s'])} | {_f(s['decode_tok_s'], 2)} | "
             f"{_f(s['total_tok_s'], 2)} | {_f(b['total_ceiling_tok_s'], 2)} | {rss} | "
             f"{_f(kv, 2)} | {_f(s['wall_s'], 0)} | {_f(b['prefill_tok_s'])} / {_f(b['decode_tok_s'], 2)} / "
             f"{_f(b['total_tok_s'], 2)} | {_f(b['prefill_pct'], 0)} / {_f(b['decode_pct'], 0)} / "

@@ -28,6 +28,9 @@ WEIGHTS_WHERE = {"disk": "decoder weights on a cold disk", "host": "weights stre
 OURS = ["ours-full", "ours-h2o-10", "ours-h2o-20", "ours-h2o-40"]
 KVPRESS = [f"kvpress-{p}-{b}" for p in ("observed", "streaming") for b in (10, 20, 40)]
 GPU_ONLY = ["deepspeed", "flexgen"]
+# the engines a CPU user would also try (issue 36), each in its own cached virtualenv
+CPU_ENGINES = ["kvpress-decoding-20", "openvino", "openvino-f16", "openvino-evict-20", "openvino-evict-20-f16",
+               "vllm", "vllm-inproc"]
 
 
 @dataclass(frozen=True)
@@ -78,7 +81,7 @@ class Workload:
 
 def _smollm2(prompt: int, gen: int, max_batch: int) -> Workload:
     return Workload(f"s{prompt}+{gen}", "smollm2-135m", prompt, gen, 2 * GIB, "ram", False,
-                    tuple(OURS + ["hf"] + KVPRESS + GPU_ONLY), max_batch=max_batch)
+                    tuple(OURS + ["hf"] + KVPRESS + CPU_ENGINES + GPU_ONLY), max_batch=max_batch)
 
 
 def _disk(gen: int, with_accelerate: bool) -> Workload:

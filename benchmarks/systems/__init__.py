@@ -15,10 +15,15 @@ def all_systems() -> dict[str, System]:
     from benchmarks.systems.deepspeed import DeepSpeed
     from benchmarks.systems.flexgen import FlexGen
     from benchmarks.systems.hf_generate import HFGenerate
-    from benchmarks.systems.kvpress import KVPress
+    from benchmarks.systems.kvpress import KVPress, KVPressDecoding
+    from benchmarks.systems.openvino import OpenVINO
     from benchmarks.systems.ours import Ours
+    from benchmarks.systems.vllm import VLLM
     out: list[System] = [Ours(None), Ours(10), Ours(20), Ours(40), HFGenerate(), Accelerate()]
-    out += [KVPress(p, b) for p in ("observed", "streaming") for b in (10, 20, 40)]
+    out += [KVPress(p, b) for p in ("observed", "streaming") for b in (10, 20, 40)] + [KVPressDecoding(20)]
+    # openvino, openvino-f16, openvino-evict-20, openvino-evict-20-f16
+    out += [OpenVINO(kv, b) for b in (None, 20) for kv in ("u8", "f16")]
+    out += [VLLM(), VLLM(inproc=True)]
     out += [DeepSpeed(), FlexGen()]
     return {s.name: s for s in out}
 

@@ -62,6 +62,11 @@ class System:
     kv_fixed_tokens = False    # the tokens attended per step stay constant (H2O) instead of growing
     kv_dtype_bytes = 4         # bytes per stored K/V element (HF caches hold the compute dtype: fp32 on CPU)
 
+    @property
+    def kv_precision(self) -> str:
+        """What one stored K/V element is, for the report (OpenVINO's u8 cache is not our fp16 one)."""
+        return {4: "fp32", 2: "fp16", 1: "u8"}.get(self.kv_dtype_bytes, f"{self.kv_dtype_bytes} B")
+
     def skip_reason(self, w: Workload) -> str | None:
         """Why this system cannot run this workload on this machine, or None when it can."""
         return None

@@ -8,8 +8,9 @@ environment's exact torch build (same kernels, so the comparison measures the al
 manifest) and the prompt ids from a file the parent writes, so its inputs are the very tokens ours and hf get.
 
 Budget mapping: ours-h2o-20 keeps 20 % of the prompt (10 % heavy + 10 % recent); kvpress-*-20 runs with
-compression_ratio 0.8, which keeps 20 % of the prompt. kvpress compresses at prefill only, so its cache then
-grows by one token per decode step; ours stays fixed.
+compression_ratio 0.8, which keeps 20 % of the prompt. Those presses compress at prefill only, so their cache then
+grows by one token per decode step; ours stays fixed. `kvpress-decoding-20` (KVPressDecoding) is kvpress's
+decode-time eviction at ours' exact slot count, so its cache stays fixed too.
 """
 from __future__ import annotations
 
@@ -75,7 +76,7 @@ class KVPress(System):
     def python(self) -> str:
         return str(venv_python())
 
-    _venv_reason: list[str | None] = []       # one attempt per suite run, shared by the six variants
+    _venv_reason: list[str | None] = []       # one attempt per suite run, shared by every variant
 
     def prepare(self, w: Workload, env: dict[str, str], out: Path) -> str | None:
         if not KVPress._venv_reason:
@@ -99,3 +100,66 @@ class KVPress(System):
         return {k: raw[k] for k in ("prefill_s", "decode_s", "peak_rss_bytes", "kv_bytes_per_seq",
                                     "kv_tokens_per_seq", "step_times_s", "attn_implementation",
                                     "transformers_version", "kvpress_version")}
+
+
+def h2o_budget(w: Workload, budget_pct: int) -> int:
+    """The slots ours-h2o-{budget_pct} keeps per (sequence, KV head) after every step for this workload's prompt,
+    from the engine's own Budget: 2 * int(prompt_len * pct / 200) (102 at prompt 512, 408 at 2048, 12 at the
+    smoke's 64). While a step runs one more slot holds the new token (ours' capacity, kvpress' cache before the
+    hook evicts), so both attend over budget + 1 tokens."""
+    from flexgen_h2o.kv import EvictionConfig
+    return EvictionConfig(policy="h2o", hh_ratio=budget_pct / 200).resolve(w.prompt_len, w.gen_len).budget
+
+
+class KVPressDecoding(KVPress):
+    """kvpress's decode-time eviction, its closest to H2O: PrefillDecodingPress(prefilling_press=
+    ObservedAttentionPress, decoding_press=DecodingPress(ObservedAttentionPress)). The prefill press keeps exactly
+    h2o_budget() tokens per KV head; then after every `compression_interval` decode steps the DecodingPress hook
+    (it runs after each layer's attention) scores the cache with that layer's observed attention and keeps the top
+    target_size, so the cache is bounded at ours' slot count.
+
+    compression_interval = 1 (evict after every step), as H2O does: kvpress accepts it (`> 0` is its only check),
+    the cache then never exceeds target + 1 inside a step and ends every step at target, and the cost is a topk +
+    gather per layer per step (in Python, per layer), which the child times as decode_press_s: 2.7-3.2 s of a
+    17-19 s decode (15-17 %) at batch 8, prompt 512, gen 32 on the 2-core VM. A longer interval would let the
+    cache reach target + interval - 1 and evict in bursts; it would not score more: the scorer only sees the
+    attention of the step that triggers the compression.
+
+    ObservedAttentionPress is the scorer because it is the one kvpress ties to H2O and DecodingPress accepts any
+    ScorerPress; it needs eager attention. Unlike H2O it keeps no running sum: each eviction scores the current
+    query's attention only, divided by kvpress's prefill normalisation (n_tokens - i for key i, meant for causal
+    prefill rows), which at q_len 1 favours recent keys: after 128 steps at prompt 512, 2/3 of layer 0's kept
+    slots lay among the last 102 positions and the first 16, which the prefill press had kept, were nearly all
+    gone (0.5 % of the kept slots, against 4.3 % without decoding eviction). No recent window is reserved.
+    hidden_states_buffer_size = 0: this scorer reads the attention weights, never the buffered hidden states.
+    """
+    kv_grows = False             # bounded: evicted back to target_size after every compression_interval steps
+    kv_fixed_tokens = True       # attends over target (+ the new token) at every step, as H2O does
+
+    def __init__(self, budget_pct: int, scorer: str = "observed", compression_interval: int = 1) -> None:
+        super().__init__(scorer, budget_pct)
+        if compression_interval < 1:
+            raise ValueError(f"compression_interval must be >= 1, got {compression_interval}")
+        self.compression_interval = compression_interval
+        self.name = f"kvpress-decoding-{budget_pct}"
+
+    def target_size(self, w: Workload) -> int:
+        return h2o_budget(w, self.budget_pct)
+
+    def command(self, w: Workload, c: Candidate, gen_len: int, json_path: Path, work: Path) -> list[str]:
+        args = super().command(w, c, gen_len, json_path, work)
+        i = args.index("--compression-ratio")
+        args[i:i + 2] = ["--target-size", str(self.target_size(w)), "--compression-interval",
+                         str(self.compression_interval), "--hidden-states-buffer-size", "0"]
+        return args
+
+    def kv_growth_bytes(self, w: Workload, batch: int, tokens: int) -> int:
+        """Between evictions the cache holds up to compression_interval - 1 tokens over its target, so a probe
+        can miss at most that many rows per sequence (an upper bound); at interval 1 nothing grows."""
+        rows = min(max(tokens, 0), self.compression_interval - 1)
+        return batch * rows * w.model_config().kv_bytes_per_token(self.kv_dtype_bytes)
+
+    def child_metrics(self, raw: dict[str, Any], c: Candidate) -> dict[str, Any]:
+        return {**super().child_metrics(raw, c),
+                **{k: raw[k] for k in ("target_size", "kv_tokens_max_decode", "kv_tokens_range", "decode_press_s",
+                                       "press_config", "peak_rss_prefill_bytes")}}

@@ -11,6 +11,15 @@ layer's attention), then greedy decoding outside it with explicit true positions
 RoPE positions right. Prefill here includes the LM head on the last position (the first generated token), as
 FlexGen's and our prefill do. ObservedAttentionPress needs eager attention (it reads the attention weights);
 StreamingLLMPress runs on transformers' default (sdpa).
+
+With --target-size N (decoding mode) the press is kvpress's PrefillDecodingPress: the scorer press compresses the
+prompt to exactly N tokens per KV head at prefill, and a DecodingPress around a second instance of the same scorer
+stays hooked during decoding, evicting back down to N every --compression-interval steps, so the cache is
+bounded. The JSON then also says how long the decoding press's hook took (`decode_press_s`, scoring + eviction
+inside decode_s) and the largest cache it saw after any step (`kv_tokens_max_decode`).
+
+    <venv>/bin/python benchmarks/systems/kvpress_child.py --store ... --ids ... --batch 8 --gen-len 32 \
+        --press ObservedAttentionPress --target-size 102 --compression-interval 1 --json F
 """
 from __future__ import annotations
 
@@ -21,6 +30,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import argparse  # noqa: E402
+import contextlib  # noqa: E402
 import json  # noqa: E402
 import resource  # noqa: E402
 import sys  # noqa: E402
@@ -68,6 +78,49 @@ def load_model(store: Path, attn: str) -> Any:
     return model.eval()
 
 
+def prefill_ratio(prompt_len: int, target: int) -> float:
+    """The compression_ratio that makes kvpress keep exactly `target` of `prompt_len` tokens: it keeps
+    int(prompt_len * (1 - ratio)), and aiming half a token above the target survives float rounding."""
+    return max(0.0, 1 - (target + 0.5) / prompt_len)
+
+
+def build_press(a: argparse.Namespace, prompt_len: int, target: int | None) -> tuple[Any, Any]:
+    """(the press held over the run, its DecodingPress or None). Prefill-only without a target."""
+    import kvpress
+    scorer = getattr(kvpress, a.press)
+    if target is None:
+        return scorer(compression_ratio=a.compression_ratio), None
+    # the decoding scorer gets no ratio of its own: DecodingPress sets one per compression to reach target_size
+    dec = kvpress.DecodingPress(base_press=scorer(), compression_interval=a.compression_interval,
+                                target_size=target, hidden_states_buffer_size=a.hidden_states_buffer_size)
+    pre = scorer(compression_ratio=prefill_ratio(prompt_len, target))
+    return kvpress.PrefillDecodingPress(prefilling_press=pre, decoding_press=dec), dec
+
+
+def press_config(a: argparse.Namespace, prompt_len: int) -> dict[str, Any]:
+    if a.target_size is None:
+        return {"mode": "prefill", "press": a.press, "compression_ratio": a.compression_ratio}
+    return {"mode": "prefill+decoding", "wrapper": "PrefillDecodingPress",
+            "prefilling_press": {"class": a.press, "compression_ratio": prefill_ratio(prompt_len, a.target_size)},
+            "decoding_press": {"class": "DecodingPress", "base_press": a.press, "target_size": a.target_size,
+                               "compression_interval": a.compression_interval,
+                               "hidden_states_buffer_size": a.hidden_states_buffer_size}}
+
+
+def timed_hook(dec: Any, acc: list[float]) -> None:
+    """Time the DecodingPress's forward hook (scoring + eviction). BasePress.__call__ registers the instance's
+    attribute, and PrefillDecodingPress calls decoding_press.forward_hook, so an instance attribute wraps both."""
+    hook = type(dec).forward_hook.__get__(dec)
+
+    def wrapped(*args: Any) -> Any:
+        t = time.perf_counter()
+        try:
+            return hook(*args)
+        finally:
+            acc[0] += time.perf_counter() - t
+    dec.forward_hook = wrapped
+
+
 def run(a: argparse.Namespace) -> dict[str, Any]:
     import kvpress
     import torch
@@ -80,36 +133,53 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     if len(ids_all) < a.batch:
         raise SystemExit(f"error: {a.ids} holds {len(ids_all)} prompts, batch {a.batch} asked")
     ids = torch.tensor(ids_all[:a.batch], dtype=torch.long)
-    press = getattr(kvpress, a.press)(compression_ratio=a.compression_ratio)
+    decoding = a.target_size is not None
+    rss_prefill = [0]                   # the peak when prefill ends: tells a prefill peak from a decode one
 
-    def generate(x: Any, n: int) -> tuple[float, list[float], Any]:
+    def generate(x: Any, n: int, target: int | None) -> tuple[float, list[float], Any, list[float], int]:
+        press, dec = build_press(a, x.shape[1], target)
+        hook_s = [0.0]
+        if dec is not None:
+            timed_hook(dec, hook_s)
         cache = DynamicCache()
         b, p = x.shape
-        with torch.inference_mode():
+        seen = 0
+        with torch.inference_mode(), contextlib.ExitStack() as held:
             t0 = time.perf_counter()
-            with press(model):
-                out = model(input_ids=x, past_key_values=cache, logits_to_keep=1)
+            held.enter_context(press(model))
+            out = model(input_ids=x, past_key_values=cache, logits_to_keep=1)
+            if not decoding:
+                held.close()            # prefill-only: decode outside the press
             tok = out.logits[:, -1].argmax(-1, keepdim=True)
             stamps = [time.perf_counter()]
+            rss_prefill[0] = peak_rss_bytes()
             pos = torch.full((b, 1), p, dtype=torch.long)
             for i in range(n - 1):
                 out = model(input_ids=tok, past_key_values=cache, position_ids=pos + i)
                 tok = out.logits[:, -1].argmax(-1, keepdim=True)
                 stamps.append(time.perf_counter())
-        return t0, stamps, cache
+                seen = max(seen, max(layer.keys.shape[2] for layer in cache.layers))
+        return t0, stamps, cache, hook_s, seen
 
-    if a.warmup:
-        generate(ids[:, :32], 2)
-    t0, s, cache = generate(ids, a.gen_len)
+    if a.warmup:                        # a short run through the same code, the target scaled to 32 tokens
+        generate(ids[:, :32], 2, None if not decoding else max(1, a.target_size * 32 // ids.shape[1]))
+    t0, s, cache, hook_s, seen = generate(ids, a.gen_len, a.target_size)
     layers = cache.layers
     kv = sum(layer.keys.nbytes + layer.values.nbytes for layer in layers)
-    return {"batch": a.batch, "prompt_len": ids.shape[1], "gen_len": len(s), "prefill_s": s[0] - t0,
-            "decode_s": s[-1] - s[0], "step_times_s": [y - x for x, y in zip(s, s[1:])],
-            "peak_rss_bytes": peak_rss_bytes(), "kv_bytes_per_seq": kv / a.batch,
-            "kv_tokens_per_seq": int(layers[0].keys.shape[2]), "press": a.press,
-            "compression_ratio": a.compression_ratio, "attn_implementation": model.config._attn_implementation,
-            "threads": torch.get_num_threads(), "transformers_version": transformers.__version__,
-            "kvpress_version": getattr(kvpress, "__version__", None) or _dist_version("kvpress")}
+    per_layer = [int(layer.keys.shape[2]) for layer in layers]
+    out = {"batch": a.batch, "prompt_len": ids.shape[1], "gen_len": len(s), "prefill_s": s[0] - t0,
+           "decode_s": s[-1] - s[0], "step_times_s": [y - x for x, y in zip(s, s[1:])],
+           "peak_rss_bytes": peak_rss_bytes(), "peak_rss_prefill_bytes": rss_prefill[0],
+           "kv_bytes_per_seq": kv / a.batch,
+           "kv_tokens_per_seq": per_layer[0], "kv_tokens_range": [min(per_layer), max(per_layer)],
+           "press": a.press, "compression_ratio": a.compression_ratio if not decoding else None,
+           "press_config": press_config(a, ids.shape[1]),
+           "attn_implementation": model.config._attn_implementation,
+           "threads": torch.get_num_threads(), "transformers_version": transformers.__version__,
+           "kvpress_version": getattr(kvpress, "__version__", None) or _dist_version("kvpress")}
+    if decoding:
+        out.update(target_size=a.target_size, decode_press_s=hook_s[0], kv_tokens_max_decode=seen)
+    return out
 
 
 def _dist_version(name: str) -> str | None:
@@ -120,17 +190,28 @@ def _dist_version(name: str) -> str | None:
         return None
 
 
-def main() -> int:
+def make_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--store", required=True)
     p.add_argument("--ids", required=True, help="JSON list of prompts (token id lists of one length)")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--gen-len", type=int, default=8)
     p.add_argument("--press", default="ObservedAttentionPress")
-    p.add_argument("--compression-ratio", type=float, default=0.8)
+    p.add_argument("--compression-ratio", type=float, default=0.8, help="prefill-only mode's ratio")
+    p.add_argument("--target-size", type=int, default=None,
+                   help="decoding mode: tokens per KV head kept from prefill through every decode step")
+    p.add_argument("--compression-interval", type=int, default=1, help="decoding mode: evict every N steps")
+    p.add_argument("--hidden-states-buffer-size", type=int, default=0,
+                   help="decoding mode: hidden states DecodingPress buffers for its scorer (0: none)")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--json", required=True)
-    a = p.parse_args()
+    return p
+
+
+def main() -> int:
+    a = make_parser().parse_args()
+    if a.target_size is not None and (a.target_size < 1 or a.compression_interval < 1):
+        raise SystemExit("error: --target-size and --compression-interval must be >= 1")
     Path(a.json).write_text(json.dumps(run(a), indent=2))
     return 0
 

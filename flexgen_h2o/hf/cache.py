@@ -116,10 +116,12 @@ class H2OLayer(CacheLayerMixin):
         self._map_batch(lambda x: x.repeat_interleave(repeats, dim=0))
 
     def batch_select_indices(self, indices: Tensor) -> None:
-        self._map_batch(lambda x: x[indices])
+        self._map_batch(lambda x: x[torch.as_tensor(indices, device=x.device)])
 
     def _map_batch(self, fn) -> None:
-        """Apply a batch-dimension map (beam reorder, repeat, select) to every per-sequence tensor."""
+        """Apply a batch-dimension map (beam reorder, repeat, select) to every per-sequence tensor: K, V, the
+        fp32 scores and positions (a beam's accumulated attention follows its keys), the next positions, and
+        the store's per-sequence budget counts, which the compiled commit checks against the batch."""
         if self.store is None:
             return
         st = self.store
@@ -131,6 +133,7 @@ class H2OLayer(CacheLayerMixin):
             else:
                 setattr(st, name, new.contiguous())
         st.batch = st.k.shape[0]
+        st._row_counts = tuple(fn(counts) for counts in st._row_counts)      # (b,) recent and budget each
         self.next_pos = fn(self.next_pos)
         self.keys, self.values = st.k, st.v
 
@@ -180,7 +183,8 @@ class H2OLayer(CacheLayerMixin):
 
 
 class H2OCache(Cache):
-    """Fixed-size H2O KV cache for `model.generate(..., past_key_values=H2OCache(...))`.
+    """Fixed-size H2O KV cache for `model.generate(..., cache=H2OCache(...))` (transformers 5.24's name for
+    the argument; `past_key_values=` still works but warns that it will be removed).
 
     Pass an EvictionConfig, or its fields as keywords (policy defaults to "h2o"):
         H2OCache(hh_size=64, recent_size=64)                    # 64 heavy hitters + 64 recent per KV head

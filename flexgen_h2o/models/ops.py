@@ -6,6 +6,7 @@ modeling_opt.py / modeling_llama.py (rotate_half RoPE, fp32 RMSNorm) so that log
 from __future__ import annotations
 
 import math
+import os
 import threading
 
 import torch
@@ -269,6 +270,32 @@ def _scratch(numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
     return buf
 
 
+def _onednn_usable() -> bool:
+    """oneDNN's fp32 GEMM for a prompt's many rows on a CPU: on this project's AMD EPYC (AVX2) it ran 15-27 %
+    faster than torch's default MKL sgemm at every projection shape of SmolLM2 (4096 x 576 by 576..1536,
+    12 interleaved rounds: benchmarks/linear_cost.py --rows 4096), and it is the library OpenVINO's prompt pass
+    runs on. FLEXGEN_H2O_CPU_GEMM=blas keeps torch's default (MKL)."""
+    if os.environ.get("FLEXGEN_H2O_CPU_GEMM", "onednn") == "blas" or not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        x, w = torch.ones(2, 3), torch.ones(4, 3)
+        return bool(torch.equal(torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""), x @ w.T))
+    except (RuntimeError, AttributeError):        # a torch built without the op
+        return False
+
+
+ONEDNN_GEMM = _onednn_usable()                    # chosen once, like the attention backend
+ONEDNN_MIN_ROWS = 512                             # below this the call's fixed cost outweighs its faster kernel
+
+
+def _gemm(x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
+    """x @ w.T (+ b) with x and w of one dtype: oneDNN for a prompt's many fp32 rows on a CPU, else torch."""
+    if (ONEDNN_GEMM and x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() >= 2
+            and x.numel() >= ONEDNN_MIN_ROWS * x.shape[-1] and x.is_contiguous()):
+        return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
+    return F.linear(x, w, b)
+
+
 def linear(x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
     """x @ w.T + b, for a weight stored narrower than x (fp16 staged on a CPU, where x is fp32) too.
 
@@ -279,20 +306,20 @@ def linear(x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
     the same weight kept in fp32 and 34 ms + the GEMM for converting it whole first. The product is the same
     GEMM on the same fp32 values, one block of outputs at a time."""
     if w.dtype == x.dtype:
-        return F.linear(x, w, b)
+        return _gemm(x, w, b)
     if x.numel() <= HALF_LINEAR_MAX_ROWS * x.shape[-1] and fused.half_linear_usable(x, w):
         out = fused.half_linear(x.reshape(-1, x.shape[-1]), w).view(*x.shape[:-1], w.shape[0])
         return out if b is None else out.add_(b.to(x.dtype))
     rows = max(1, UPCAST_CHUNK_BYTES // (w.shape[1] * x.element_size()))
     if rows >= w.shape[0]:
-        return F.linear(x, w.to(x.dtype), None if b is None else b.to(x.dtype))
+        return _gemm(x, w.to(x.dtype), None if b is None else b.to(x.dtype))
     out = x.new_empty(*x.shape[:-1], w.shape[0])
     scratch = _scratch(rows * w.shape[1], x.dtype, x.device)
     for start in range(0, w.shape[0], rows):
         stop = min(w.shape[0], start + rows)
         block = scratch[:(stop - start) * w.shape[1]].view(stop - start, w.shape[1])
         block.copy_(w[start:stop])
-        out[..., start:stop] = F.linear(x, block)
+        out[..., start:stop] = _gemm(x, block)
     if b is not None:
         out += b.to(x.dtype)
     return out

@@ -54,10 +54,11 @@ def test_select_systems_prefix_glob_default():
     known = list(all_systems())
     assert select_systems(["ours-h2o"], (), known) == ["ours-h2o-10", "ours-h2o-20", "ours-h2o-40"]
     assert select_systems(["kvpress-*-20", "hf"], (), known) == ["hf", "kvpress-observed-20",
-                                                                  "kvpress-streaming-20"]
+                                                                  "kvpress-streaming-20", "kvpress-decoding-20"]
+    assert select_systems(["vllm"], (), known) == ["vllm", "vllm-inproc"]
     assert select_systems(None, ("flexgen", "ours-full"), known) == ["ours-full", "flexgen"]
     with pytest.raises(SystemExit, match="no system matches"):
-        select_systems(["vllm"], (), known)
+        select_systems(["nope"], (), known)
 
 
 def _fake_probe(table):

@@ -4,8 +4,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from flexgen_h2o.config import ConfigError
 from flexgen_h2o.eval import data
@@ -75,19 +73,6 @@ def test_rouge_and_stream_helpers():
     assert window_ppl([0.0] * 10, 5) == [1.0] * 5
     r = edge_ratio([1.0] * 10 + [2.0] * 10)
     assert r["last_over_first"] == pytest.approx(2.718281828, rel=1e-6)
-
-
-@pytest.fixture(scope="module")
-def tiny_folder(tmp_path_factory, tok):
-    """A random 2-layer Llama with SmolLM2's vocabulary (so the real tokenizer drives it) and a 512 window."""
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=49152, hidden_size=32, num_hidden_layers=2, intermediate_size=64,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                      rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, tie_word_embeddings=True,
-                      bos_token_id=1, eos_token_id=2, pad_token_id=2)
-    folder = tmp_path_factory.mktemp("tiny") / "tiny-llama"
-    LlamaForCausalLM(cfg).save_pretrained(folder)
-    return folder
 
 
 CLI = ["--policies", "full,h2o,sink", "--budgets", "20%,100%,64", "--batch-size", "3", "--no-progress",

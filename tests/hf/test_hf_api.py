@@ -17,7 +17,7 @@ LENGTHS = [20, 13, 24]
 def generate(model, prompts, cache, n_new=8, **kw):
     ids, mask = left_padded(model, prompts)
     with torch.no_grad():
-        return model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=n_new,
+        return model.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=n_new,
                               min_new_tokens=n_new, do_sample=False, pad_token_id=model.config.pad_token_id,
                               eos_token_id=None, **kw)[:, ids.shape[1]:]
 
@@ -64,9 +64,9 @@ def test_no_rollback_and_one_token_per_step():
     cache = H2OCache(hh_size=4, recent_size=3)
     ids, mask = left_padded(model, random_prompts(LENGTHS))
     with torch.no_grad():
-        model(input_ids=ids, attention_mask=mask, past_key_values=cache)
+        model(input_ids=ids, attention_mask=mask, cache=cache)
         with pytest.raises(NotImplementedError, match="one token per step"):
-            model(input_ids=ids[:, :2], attention_mask=torch.cat([mask, mask[:, :2]], 1), past_key_values=cache)
+            model(input_ids=ids[:, :2], attention_mask=torch.cat([mask, mask[:, :2]], 1), cache=cache)
     with pytest.raises(NotImplementedError, match="roll back"):
         cache.crop(-1)
     assert not cache.is_croppable and not cache.is_compileable
@@ -84,7 +84,7 @@ def test_4d_masks_are_rejected():
     ids = torch.tensor([random_prompts([6])[0]])
     mask4d = torch.ones(1, 1, 6, 6, dtype=torch.bool).tril()
     with torch.no_grad(), pytest.raises(ValueError, match="2D attention_mask"):
-        model(input_ids=ids, attention_mask=mask4d, past_key_values=H2OCache(hh_size=2, recent_size=2))
+        model(input_ids=ids, attention_mask=mask4d, cache=H2OCache(hh_size=2, recent_size=2))
 
 
 def test_training_mode_dropout_is_rejected():

@@ -23,7 +23,7 @@ def hf_generate(model, prompts, cache, n_new: int = N_NEW, **kw):
     """Greedy `model.generate` on the left-padded batch: (tokens (b, n_new), per-step fp32 logits)."""
     ids, mask = left_padded(model, prompts)
     with torch.no_grad():
-        out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=n_new,
+        out = model.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=n_new,
                              min_new_tokens=n_new, do_sample=False, output_logits=True, return_dict_in_generate=True,
                              pad_token_id=model.config.pad_token_id, eos_token_id=None, **kw)
     return out.sequences[:, ids.shape[1]:], [l.float() for l in out.logits]
@@ -243,7 +243,7 @@ def test_padding_content_changes_nothing():
     for pad_ids in (ids, torch.where(mask.bool(), ids, torch.randint(3, 100, ids.shape))):
         cache = H2OCache(H2O_SINK)
         with torch.no_grad():
-            out = model.generate(pad_ids, attention_mask=mask, past_key_values=cache, max_new_tokens=N_NEW,
+            out = model.generate(pad_ids, attention_mask=mask, cache=cache, max_new_tokens=N_NEW,
                                  do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0,
                                  eos_token_id=None)
         runs.append((out, cache))

@@ -19,7 +19,7 @@ N_NEW = 24
 
 def hf_generate(model, ids, mask, cache, n_new=N_NEW):
     with torch.no_grad():
-        out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=n_new,
+        out = model.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=n_new,
                              min_new_tokens=n_new, do_sample=False, output_logits=True, return_dict_in_generate=True,
                              pad_token_id=2, eos_token_id=None)
     return out.sequences[:, ids.shape[1]:], [l.float() for l in out.logits]
