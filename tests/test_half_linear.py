@@ -86,3 +86,25 @@ def test_linear_sends_decode_rows_to_the_kernel_and_prompt_rows_to_the_blas(kern
     calls.clear()
     ops.linear(torch.randn(2, 24), w)
     assert not calls
+
+
+def test_prompt_rows_take_onednn_and_match_torch(monkeypatch):
+    """A prompt's many fp32 rows go through oneDNN's GEMM (ops._gemm, chosen once at import); the product equals
+    torch's own (MKL) to fp32 rounding, for an fp32 weight, an fp16 weight upcast whole, and one upcast in
+    chunks; a decode step's few rows never take it."""
+    if not ops.ONEDNN_GEMM:
+        pytest.skip("this torch has no oneDNN linear")
+    calls = []
+    real = torch.ops.mkldnn._linear_pointwise
+    monkeypatch.setattr(ops, "_onednn_linear", lambda *a: calls.append(a[0].shape) or real(*a))
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 512, 64, generator=gen)                      # 1024 rows: a prompt's
+    w = torch.randn(96, 64, generator=gen) * 0.05
+    b = torch.randn(96, generator=gen)
+    torch.testing.assert_close(ops.linear(x, w, b), torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ops.linear(x, w.half()), x @ w.half().float().T, rtol=1e-5, atol=1e-5)
+    monkeypatch.setattr(ops, "UPCAST_CHUNK_BYTES", 64 * 4 * 32)        # three chunks of 32 weight rows
+    torch.testing.assert_close(ops.linear(x, w.half()), x @ w.half().float().T, rtol=1e-5, atol=1e-5)
+    assert len(calls) == 5
+    ops.linear(x[:1, :4], w)                                          # a decode step: torch's path
+    assert len(calls) == 5

@@ -270,17 +270,27 @@ def _scratch(numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
     return buf
 
 
+def _find_onednn_linear():
+    try:
+        return torch.ops.mkldnn._linear_pointwise
+    except (AttributeError, RuntimeError):        # a torch built without oneDNN
+        return None
+
+
+_onednn_linear = _find_onednn_linear()
+
+
 def _onednn_usable() -> bool:
-    """oneDNN's fp32 GEMM for a prompt's many rows on a CPU: on this project's AMD EPYC (AVX2) it ran 15-27 %
-    faster than torch's default MKL sgemm at every projection shape of SmolLM2 (4096 x 576 by 576..1536,
-    12 interleaved rounds: benchmarks/linear_cost.py --rows 4096), and it is the library OpenVINO's prompt pass
-    runs on. FLEXGEN_H2O_CPU_GEMM=blas keeps torch's default (MKL)."""
-    if os.environ.get("FLEXGEN_H2O_CPU_GEMM", "onednn") == "blas" or not torch.backends.mkldnn.is_available():
+    """oneDNN's fp32 GEMM for a prompt's many rows on a CPU. On this project's AMD EPYC VM torch's default, MKL's
+    sgemm, ran SmolLM2's projections (4096 rows by 576..1536) 15-27 % slower, and SmolLM2's prompt pass at batch
+    32 x 512 took 1.05x (full cache) and 1.21x (H2O) as long (benchmarks/results/prefill-onednn-ab/NOTES.md has
+    the command). oneDNN is also what OpenVINO's prompt pass runs on. FLEXGEN_H2O_CPU_GEMM=blas keeps MKL."""
+    if os.environ.get("FLEXGEN_H2O_CPU_GEMM", "onednn") == "blas" or _onednn_linear is None:
         return False
     try:
         x, w = torch.ones(2, 3), torch.ones(4, 3)
-        return bool(torch.equal(torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""), x @ w.T))
-    except (RuntimeError, AttributeError):        # a torch built without the op
+        return bool(torch.equal(_onednn_linear(x, w, None, "none", [], ""), x @ w.T))
+    except RuntimeError:                          # present but unusable on this CPU
         return False
 
 
@@ -292,7 +302,7 @@ def _gemm(x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
     """x @ w.T (+ b) with x and w of one dtype: oneDNN for a prompt's many fp32 rows on a CPU, else torch."""
     if (ONEDNN_GEMM and x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() >= 2
             and x.numel() >= ONEDNN_MIN_ROWS * x.shape[-1] and x.is_contiguous()):
-        return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
+        return _onednn_linear(x, w, b, "none", [], "")
     return F.linear(x, w, b)
 
 
