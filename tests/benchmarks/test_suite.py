@@ -45,6 +45,9 @@ def test_smoke_shrinks_and_selection_rejects_unknown():
     s = smoke(WORKLOADS["disk512+128"])
     assert (s.model, s.prompt_len, s.gen_len, s.max_batch, s.is_smoke) == ("opt-125m", 64, 8, 2, True)
     assert not any(n.endswith(("-10", "-40")) for n in s.systems) and "ours-h2o-20" in s.systems
+    quick = smoke(WORKLOADS["s512+128"]).systems
+    assert "kvpress-decoding-20" in quick and not any(n.startswith(("openvino", "vllm")) for n in quick)
+    assert {"openvino-evict-20", "vllm"} <= set(WORKLOADS["s512+512"].systems)
     assert [w.name for w in select_workloads(["s512+32"], True)] == ["s512+32-smoke"]
     with pytest.raises(SystemExit, match="unknown workload"):
         select_workloads(["nope"], False)
@@ -387,7 +390,7 @@ def test_overrides_rename_the_workload():
 
 
 @pytest.mark.parametrize("args, says", [(["--workload", "nope"], "unknown workload"),
-                                        (["--systems", "vllm"], "no system matches"),
+                                        (["--systems", "nope"], "no system matches"),
                                         (["--uncached-weights", "--workload", "s512+32"], "needs a disk workload"),
                                         (["--batch", "flexgen=8y"], "expected SYSTEM=B"),
                                         (["--workload", "s512+32", "--batch", "ours-h2o=8"], "does not include"),
