@@ -19,7 +19,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-TEXT_PROMPTS = ("A sequence: 1, 2, 3, 4, 5", "A sequence: A, B, C")
+from benchmarks.check_formats import TEXT_PROMPTS, hf_greedy   # one reference for both checks
 
 
 def prompt_ids(folder: Path, lee_len: int) -> list[list[int]]:
@@ -33,21 +33,6 @@ def prompt_ids(folder: Path, lee_len: int) -> list[list[int]]:
     texts = [tok(t)["input_ids"] for t in TEXT_PROMPTS]
     store_tok = load_tokenizer(default_store_path("smollm2-135m"))
     return texts + benchmark_prompts(store_tok, 2, lee_len, tok.vocab_size)
-
-
-def hf_greedy(folder: Path, prompts: list[list[int]], gen_len: int) -> list[list[int]]:
-    import torch
-    from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
-    out = []
-    with torch.inference_mode():
-        for p in prompts:
-            ids = torch.tensor([p])
-            for _ in range(gen_len):
-                nxt = model(input_ids=ids).logits[0, -1].argmax()
-                ids = torch.cat([ids, nxt.view(1, 1)], dim=1)
-            out.append(ids[0, len(p):].tolist())
-    return out
 
 
 def vllm_greedy(folder: Path, prompts: list[list[int]], gen_len: int, work: Path,

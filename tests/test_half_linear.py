@@ -92,10 +92,10 @@ def test_prompt_rows_take_onednn_and_match_torch(monkeypatch):
     """A prompt's many fp32 rows go through oneDNN's GEMM (ops._gemm, chosen once at import); the product equals
     torch's own (MKL) to fp32 rounding, for an fp32 weight, an fp16 weight upcast whole, and one upcast in
     chunks; a decode step's few rows never take it."""
-    if not ops.ONEDNN_GEMM:
+    if not ops.onednn_gemm():
         pytest.skip("this torch has no oneDNN linear")
     calls = []
-    real = torch.ops.mkldnn._linear_pointwise
+    real = ops._onednn_linear
     monkeypatch.setattr(ops, "_onednn_linear", lambda *a: calls.append(a[0].shape) or real(*a))
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(2, 512, 64, generator=gen)                      # 1024 rows: a prompt's

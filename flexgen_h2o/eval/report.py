@@ -223,17 +223,22 @@ def needle_section(data: dict, out: Path) -> str:
     parts = ["## Needle retrieval (pass key)", _meta_line(data),
              _table(["point", "accuracy"] + [f"{d} %" for d in depths] + ["answer NLL"], rows)]
     if recs:
-        plt = _plt()
-        keys = list(recs)
-        grid = [[recs[k]["accuracy_by_depth"].get(str(d), float("nan")) for d in depths] for k in keys]
-        fig, ax = plt.subplots(figsize=(3.5 + 0.7 * len(depths), 1.5 + 0.3 * len(keys)))
-        im = ax.imshow(grid, vmin=0, vmax=1, cmap="viridis", aspect="auto")
-        ax.set_xticks(range(len(depths)), [f"{d}%" for d in depths])
-        ax.set_yticks(range(len(keys)), keys, fontsize=7)
-        ax.set_xlabel("needle depth")
-        fig.colorbar(im, ax=ax, label="exact-match accuracy")
-        parts.append(f"![needle]({_save(fig, out / 'needle.png')})")
+        parts.append(f"![needle]({depth_heatmap(recs, depths, 'exact-match accuracy', out / 'needle.png')})")
     return "\n\n".join(parts)
+
+
+def depth_heatmap(recs: dict, depths: list[int], label: str, path: Path) -> str:
+    """Each grid point's accuracy by needle depth as one heatmap row; returns the PNG's name."""
+    plt = _plt()
+    keys = list(recs)
+    grid = [[recs[k]["accuracy_by_depth"].get(str(d), float("nan")) for d in depths] for k in keys]
+    fig, ax = plt.subplots(figsize=(3.5 + 0.7 * len(depths), 1.5 + 0.3 * len(keys)))
+    im = ax.imshow(grid, vmin=0, vmax=1, cmap="viridis", aspect="auto")
+    ax.set_xticks(range(len(depths)), [f"{d}%" for d in depths])
+    ax.set_yticks(range(len(keys)), keys, fontsize=7)
+    ax.set_xlabel("needle depth")
+    fig.colorbar(im, ax=ax, label=label)
+    return _save(fig, path)
 
 
 def target_checks(results: dict[str, dict]) -> list[str]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from flexgen_h2o.eval.report import (MISSING, _budgets_and_policies, _fmt, _mark, _meta_line, _plt, _policy_grid,
-                                     _save, _table)
+                                     _save, _table, depth_heatmap)
 
 
 def _budget_panels(recs: dict, prefixes: list[str], titles: list[str], value, ylabel: str, path: Path) -> str:
@@ -68,15 +68,6 @@ def haystack_section(data: dict, out: Path) -> str:
     parts += ["By needle depth (span exact match), with the whole sentence's exact match and the span's mean NLL:",
               _table(["point", "span", "sentence"] + [f"{d} %" for d in depths] + ["span NLL"], rows)]
     if recs and depths:
-        plt = _plt()
-        keys = list(recs)
-        grid = [[recs[k]["accuracy_by_depth"].get(str(d), float("nan")) for d in depths] for k in keys]
-        fig, ax = plt.subplots(figsize=(3.5 + 0.6 * len(depths), 1.5 + 0.3 * len(keys)))
-        im = ax.imshow(grid, vmin=0, vmax=1, cmap="viridis", aspect="auto")
-        ax.set_xticks(range(len(depths)), [f"{d}%" for d in depths])
-        ax.set_yticks(range(len(keys)), keys, fontsize=7)
-        ax.set_xlabel("needle depth")
-        fig.colorbar(im, ax=ax, label="span exact match")
-        parts.append(f"![haystack]({_save(fig, out / 'haystack.png')})")
+        parts.append(f"![haystack]({depth_heatmap(recs, depths, 'span exact match', out / 'haystack.png')})")
     parts.append(f"`*`: nothing was evicted (identical to full); {MISSING}: not run.")
     return "\n\n".join(parts)

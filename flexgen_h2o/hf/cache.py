@@ -119,23 +119,13 @@ class H2OLayer(CacheLayerMixin):
         self._map_batch(lambda x: x[torch.as_tensor(indices, device=x.device)])
 
     def _map_batch(self, fn) -> None:
-        """Apply a batch-dimension map (beam reorder, repeat, select) to every per-sequence tensor: K, V, the
-        fp32 scores and positions (a beam's accumulated attention follows its keys), the next positions, and
-        the store's per-sequence budget counts, which the compiled commit checks against the batch."""
+        """Apply a batch-dimension map (beam reorder, repeat, select) to the store's per-sequence parts
+        (KVCache.map_rows) and to the next positions."""
         if self.store is None:
             return
-        st = self.store
-        for name in ("k", "v", "score", "pos"):
-            old = getattr(st, name)
-            new = fn(old)
-            if new.shape == old.shape:
-                old.copy_(new)       # same batch: stay in the allocated buffers
-            else:
-                setattr(st, name, new.contiguous())
-        st.batch = st.k.shape[0]
-        st._row_counts = tuple(fn(counts) for counts in st._row_counts)      # (b,) recent and budget each
+        self.store.map_rows(fn)
         self.next_pos = fn(self.next_pos)
-        self.keys, self.values = st.k, st.v
+        self.keys, self.values = self.store.k, self.store.v
 
     # --- called by the attention function (hf/attention.py) ---
 

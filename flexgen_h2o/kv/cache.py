@@ -123,6 +123,24 @@ class KVCache:
         kv = 2 * d * self.k.element_size() if with_kv else 0
         return (b if rows is None else rows) * g * n_slots * (kv + 4 + 4)
 
+    # --- batch maps (beam reorder, repeat, select: transformers' cache contract) ---
+
+    def map_rows(self, fn) -> None:
+        """Apply a batch-dimension map to every per-sequence part: K, V, the fp32 scores and positions (a beam's
+        accumulated attention follows its keys), and each row's budget with its compiled-commit counts. `fn` maps
+        a (b, ...) tensor; applied to arange(b) it names the source row of each new row."""
+        for name in ("k", "v", "score", "pos"):
+            old = getattr(self, name)
+            new = fn(old)
+            if new.shape == old.shape:
+                old.copy_(new)       # same batch: stay in the allocated buffers
+            else:
+                setattr(self, name, new.contiguous())
+        self.batch = self.k.shape[0]
+        self._row_counts = tuple(fn(counts) for counts in self._row_counts)
+        if isinstance(self.budget, RowBudgets):
+            self.budget = RowBudgets(tuple(self.budget.rows[i] for i in fn(torch.arange(len(self.budget))).tolist()))
+
     # --- prefill ---
 
     def commit_prefill(self, k_new: Tensor, v_new: Tensor, scores: Tensor | None, token_pos: Tensor,

@@ -270,38 +270,38 @@ def _scratch(numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
     return buf
 
 
-def _find_onednn_linear():
-    try:
-        return torch.ops.mkldnn._linear_pointwise
-    except (AttributeError, RuntimeError):        # a torch built without oneDNN
-        return None
+_onednn_linear = None                              # torch.ops.mkldnn._linear_pointwise, once onednn_gemm() said yes
+_onednn_chosen: bool | None = None
 
 
-_onednn_linear = _find_onednn_linear()
+def onednn_gemm() -> bool:
+    """Whether a prompt's many fp32 rows on a CPU go through oneDNN's GEMM; decided on the first such call, not
+    at import, so a process that never runs a prompt pass never loads oneDNN's kernels (the preflight's RSS
+    reading at startup stays what it was). On this project's AMD EPYC VM torch's default, MKL's sgemm, ran
+    SmolLM2's projections (4096 rows by 576..1536) 15-27 % slower, and SmolLM2's prompt pass at batch 32 x 512
+    took 1.05x (full cache) and 1.21x (H2O) as long (benchmarks/results/prefill-onednn-ab/NOTES.md has the
+    command). oneDNN is also what OpenVINO's prompt pass runs on. FLEXGEN_H2O_CPU_GEMM=blas keeps MKL."""
+    global _onednn_linear, _onednn_chosen
+    if _onednn_chosen is None:
+        _onednn_chosen = False
+        if os.environ.get("FLEXGEN_H2O_CPU_GEMM", "onednn") != "blas":
+            try:
+                op = torch.ops.mkldnn._linear_pointwise
+                x, w = torch.ones(2, 3), torch.ones(4, 3)
+                _onednn_chosen = bool(torch.equal(op(x, w, None, "none", [], ""), x @ w.T))
+                _onednn_linear = op
+            except (AttributeError, RuntimeError):   # a torch built without oneDNN, or unusable on this CPU
+                pass
+    return _onednn_chosen
 
 
-def _onednn_usable() -> bool:
-    """oneDNN's fp32 GEMM for a prompt's many rows on a CPU. On this project's AMD EPYC VM torch's default, MKL's
-    sgemm, ran SmolLM2's projections (4096 rows by 576..1536) 15-27 % slower, and SmolLM2's prompt pass at batch
-    32 x 512 took 1.05x (full cache) and 1.21x (H2O) as long (benchmarks/results/prefill-onednn-ab/NOTES.md has
-    the command). oneDNN is also what OpenVINO's prompt pass runs on. FLEXGEN_H2O_CPU_GEMM=blas keeps MKL."""
-    if os.environ.get("FLEXGEN_H2O_CPU_GEMM", "onednn") == "blas" or _onednn_linear is None:
-        return False
-    try:
-        x, w = torch.ones(2, 3), torch.ones(4, 3)
-        return bool(torch.equal(_onednn_linear(x, w, None, "none", [], ""), x @ w.T))
-    except RuntimeError:                          # present but unusable on this CPU
-        return False
-
-
-ONEDNN_GEMM = _onednn_usable()                    # chosen once, like the attention backend
 ONEDNN_MIN_ROWS = 512                             # below this the call's fixed cost outweighs its faster kernel
 
 
 def _gemm(x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
     """x @ w.T (+ b) with x and w of one dtype: oneDNN for a prompt's many fp32 rows on a CPU, else torch."""
-    if (ONEDNN_GEMM and x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() >= 2
-            and x.numel() >= ONEDNN_MIN_ROWS * x.shape[-1] and x.is_contiguous()):
+    if (x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() >= 2 and x.is_contiguous()
+            and x.numel() >= ONEDNN_MIN_ROWS * x.shape[-1] and onednn_gemm()):
         return _onednn_linear(x, w, b, "none", [], "")
     return F.linear(x, w, b)
 

@@ -70,10 +70,7 @@ def test_measured_peak_rss_is_covered_by_the_preflight(args, tmp_path):
     measured = max(sampled, m["peak_rss_bytes"])
     print(f"{' '.join(args)}: predicted {predicted / MIB:.1f} MiB, measured {measured / MIB:.1f} MiB "
           f"(sampled {sampled / MIB:.1f}), ratio {predicted / measured:.3f}")
-    # issue 32's band is 1.15; since the prompt's GEMMs run through oneDNN (models/ops.py) the smollm2 full-cache
-    # prompts case measures ~14 MiB less and lands at 1.153 (make test, 2026-11-27): the planner does not yet
-    # know oneDNN's smaller workspace, so the band here is 1.16 until it does
-    assert measured <= predicted <= 1.16 * measured
+    assert measured <= predicted <= 1.15 * measured
 
 
 @pytest.mark.parametrize("model, rows, tokens", [("opt-125m", 8, 512), ("smollm2-135m", 2, 2048),
