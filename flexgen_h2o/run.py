@@ -182,7 +182,7 @@ def _generate(args, mode, offload, eviction, gen_len, prompt_len, log_path, requ
     store = args.path or str(default_store_path(cfg.name + "-dummy"))
     new_store = deferred and not os.path.isfile(os.path.join(store, "manifest.json"))
     plan = dict(prompt_len=max(lens), gen_len=max(max_new), n_seqs=n_seqs,
-                dummy_store_bytes=cfg.n_params() * 2 if new_store else 0)
+                dummy_store_bytes=cfg.n_params() * 2 if new_store else 0, real_weights=not args.dummy_weights)
     if args.skip_preflight:
         est = estimate(cfg, offload, eviction, compute_dtype_bytes=2 if backend.is_cuda else 4, **plan)
         checked = None

@@ -298,6 +298,13 @@ def onednn_gemm() -> bool:
 ONEDNN_MIN_ROWS = 512                             # below this the call's fixed cost outweighs its faster kernel
 
 
+def onednn_may_run(gemm_rows: int) -> bool:
+    """Whether a CPU prompt pass whose GEMMs have `gemm_rows` rows would take oneDNN (without loading it: the
+    planner asks before anything runs)."""
+    return (gemm_rows >= ONEDNN_MIN_ROWS and os.environ.get("FLEXGEN_H2O_CPU_GEMM", "onednn") != "blas"
+            and torch.backends.mkldnn.is_available())
+
+
 def _gemm(x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
     """x @ w.T (+ b) with x and w of one dtype: oneDNN for a prompt's many fp32 rows on a CPU, else torch."""
     if (x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() >= 2 and x.is_contiguous()

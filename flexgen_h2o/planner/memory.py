@@ -70,11 +70,12 @@ def kv_slot_bytes(model: ModelConfig, kv_dtype_bytes: int) -> int:
 
 def estimate(model: ModelConfig, offload: OffloadPolicy, eviction: EvictionConfig, *, prompt_len: int,
              gen_len: int, n_seqs: int | None = None, compute_dtype_bytes: int = 4,
-             dummy_store_bytes: int = 0, device_type: str | None = None) -> Estimate:
+             dummy_store_bytes: int = 0, device_type: str | None = None, real_weights: bool = False) -> Estimate:
     """Peak bytes per tier of one block of `n_seqs` prompts (default: a full block) padded to `prompt_len`,
     generating `gen_len` tokens. compute_dtype_bytes: 4 on CPU (fp32 compute), 2 on CUDA.
     dummy_store_bytes: a dummy store that will be written before the run (counted on disk). device_type:
-    "cpu" or "cuda"; by default inferred from compute_dtype_bytes, which misreads an fp32 engine on CUDA."""
+    "cpu" or "cuda"; by default inferred from compute_dtype_bytes, which misreads an fp32 engine on CUDA.
+    real_weights: read from a converted store, not drawn through the dummy loader's scratch (allocator_bytes)."""
     offload = offload.validate()
     n = min(n_seqs or offload.block_size, offload.block_size)
     c = compute_dtype_bytes
@@ -126,7 +127,10 @@ def estimate(model: ModelConfig, offload: OffloadPolicy, eviction: EvictionConfi
                 if tier != "disk":         # disk parts are memmaps of the offload files
                     heap_live += n_attn * _heap_served(_kv_tensors(model, k, budget.capacity, kv_b))
         # (the previous block's caches are dropped before a block allocates: Engine._generate_block)
-        est.beyond_tiers = allocator_bytes(model, rows, prompt_len, c, block, heap_live)
+        est.beyond_tiers = allocator_bytes(model, rows, prompt_len, c, block, heap_live,
+                                           loader_scratch=0 if real_weights else LOADER_SCRATCH)
+        if ops.onednn_may_run(rows * prompt_len):
+            est.beyond_tiers["oneDNN"] = ONEDNN_BYTES
     return est
 
 
@@ -169,6 +173,11 @@ def _weights(est: Estimate, layers: list, offload: OffloadPolicy, c: int, device
 # The threshold is dynamic: each freed mapped block raises it to that block's size, up to this ceiling
 # (DEFAULT_MMAP_THRESHOLD_MAX on 64-bit), so after the first layer every transient up to 32 MiB is heap-served.
 MMAP_CEILING = 32 << 20
+# What oneDNN's prompt-pass GEMMs (ops.onednn_gemm) add to the peak RSS beyond torch's tensors: its JIT kernels,
+# primitive cache and scratchpad, and the heap they leave. Peak RSS with FLEXGEN_H2O_CPU_GEMM=onednn minus =blas,
+# pytest tests/memory/test_preflight_rss.py -s: OPT-125M 8 x 256 +0..33 MiB (AVX-512), +27 MiB with
+# ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 (CI's kind of CPU); 16 x 512 +9 MiB.
+ONEDNN_BYTES = 32 << 20
 # The heap's free top goes back to the OS only beyond the trim threshold, which glibc keeps at twice the mmap
 # threshold: up to twice the largest heap-served block freed so far stays resident. Dummy weights are drawn
 # through a 16 MiB fp32 scratch (weights/dummy.py), so after loading them the threshold is at least that.
@@ -208,14 +217,14 @@ def _kv_tensors(model: ModelConfig, seqs: int, capacity: int, kv_b: int) -> list
 
 
 def allocator_bytes(model: ModelConfig, rows: int, tokens: int, itemsize: int, score_block: int,
-                    heap_live: int) -> dict[str, int]:
+                    heap_live: int, *, loader_scratch: int = 0) -> dict[str, int]:
     """RAM glibc keeps resident beyond the live bytes of a prompt pass of `rows` x `tokens` (the peak phase).
     - "mmap split": the workspace formula takes the largest phase, as if the MLP's blocks reused the attention's
       pages. They do only when both are heap-served; when a phase's blocks exceed the ceiling (OPT-125M's MLP at
       4096 tokens: 2 x 48 MiB) they are fresh mappings while the attention's freed blocks stay in the heap, so
       the peak holds the largest heap-served phase plus the largest mapped one.
     - "heap top": the free top of the heap below glibc's trim threshold, twice the largest heap-served block
-      (the layer's largest transient under the ceiling, or the dummy weights' scratch).
+      (the layer's largest transient under the ceiling, or the dummy weights' scratch: `loader_scratch`).
     - "heap holes": HEAP_HOLES_FRACTION of the heap-served bytes live at that peak (heap_live: KV parts and
       resting activations in RAM, plus the layer's heap-served transients)."""
     hidden, phases = layer_transients(model, rows, tokens, itemsize, score_block)
@@ -223,5 +232,5 @@ def allocator_bytes(model: ModelConfig, rows: int, tokens: int, itemsize: int, s
     mapped = {p: sum(t) - heap[p] for p, t in phases.items()}
     split = max(heap.values()) + max(mapped.values()) - max(sum(t) for t in phases.values())
     live = heap_live + _heap_served(hidden) + max(heap.values())
-    largest = max([LOADER_SCRATCH] + [x for t in [hidden, *phases.values()] for x in t if x < MMAP_CEILING])
+    largest = max([loader_scratch] + [x for t in [hidden, *phases.values()] for x in t if x < MMAP_CEILING])
     return {"mmap split": split, "heap top": 2 * largest, "heap holes": int(HEAP_HOLES_FRACTION * live)}

@@ -177,7 +177,7 @@ def suggest(model: ModelConfig, offload: OffloadPolicy, eviction: EvictionConfig
             limit: int = 3, **kw) -> list[str]:
     """Up to `limit` one-flag changes whose estimate fits this machine (kw: estimate() and checks() args)."""
     est_kw = {k: v for k, v in kw.items() if k in ("prompt_len", "gen_len", "n_seqs", "compute_dtype_bytes",
-                                                   "dummy_store_bytes")}
+                                                   "dummy_store_bytes", "real_weights")}
     chk_kw = {k: v for k, v in kw.items() if k in ("offload_root", "store_dir")}
     found = []
     for text, off, ev in _candidates(offload, eviction):
@@ -195,12 +195,12 @@ def suggest(model: ModelConfig, offload: OffloadPolicy, eviction: EvictionConfig
 
 def preflight(model: ModelConfig, offload: OffloadPolicy, eviction: EvictionConfig, *, prompt_len: int,
               gen_len: int, n_seqs: int | None = None, backend=None, offload_root: str | os.PathLike | None = None,
-              store_dir: str | os.PathLike | None = None, dummy_store_bytes: int = 0,
+              store_dir: str | os.PathLike | None = None, dummy_store_bytes: int = 0, real_weights: bool = False,
               machine: Machine | None = None, parts: tuple[str, ...] = PARTS) -> tuple[Estimate, list[Check]]:
     """Estimate and check; raises PreflightError (numbers and suggestions) when any resource is short."""
     c = 2 if backend is not None and getattr(backend, "is_cuda", False) else 4
     kw = dict(prompt_len=prompt_len, gen_len=gen_len, n_seqs=n_seqs, compute_dtype_bytes=c,
-              dummy_store_bytes=dummy_store_bytes)
+              dummy_store_bytes=dummy_store_bytes, real_weights=real_weights)
     est = estimate(model, offload, eviction, **kw)
     machine = machine or Machine.probe(backend)
     results = checks(est, machine, offload_root=offload_root, store_dir=store_dir, parts=parts)
