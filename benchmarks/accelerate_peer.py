@@ -1,4 +1,5 @@
-"""The HF Accelerate disk-offload peer for `benchmarks/offload.py` (FlexGen's baseline harness, ANCHORS.md §1.11).
+"""The HF Accelerate disk-offload peer for `benchmarks/studies/offload.py` (FlexGen's baseline harness, ANCHORS.md
+§1.11).
 
 One process = one measured case: `python -m benchmarks.accelerate_peer --model opt-1.3b --batch 4 --prompt-len 64
 --gen-len 16 --metrics-json out.json`. The parent (`offload.py`) runs it as a subprocess, interleaved with the engine.

@@ -2,17 +2,15 @@
 repeats, and a cold page cache without root.
 
 Every case runs `python -m flexgen_h2o.run ... --metrics-json F` in its own process, so peak RSS (ru_maxrss) and
-the allocator state belong to that case alone; the parent only reads the JSON back.
+the allocator state belong to that case alone; the parent only reads the JSON back. The studies' A/B helpers
+(another revision's code, alternating order, results.json) are in benchmarks/studies/ab.py.
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -66,57 +64,6 @@ def run_json(args: Sequence[str], json_path: str | os.PathLike, *, env: dict[str
 def interleaved(cases: Sequence[T], repeats: int) -> list[tuple[int, T]]:
     """A B A B ... order: slow drift of the machine (other tenants, thermal state) hits every case alike."""
     return [(r, c) for r in range(repeats) for c in cases]
-
-
-def time_interleaved(run: dict[str, Callable[[], object]], repeats: int, calls: int = 1) -> dict[str, list[float]]:
-    """ms per call of each case, `calls` calls per timed block, in the order A B C, then C B A, ...: in-process
-    micro-benchmarks see the VM's drift alike."""
-    names = list(run)
-    times: dict[str, list[float]] = {name: [] for name in names}
-    for rep in range(repeats):
-        for name in (names if rep % 2 == 0 else names[::-1]):
-            start = time.perf_counter()
-            for _ in range(calls):
-                run[name]()
-            times[name].append(1e3 * (time.perf_counter() - start) / calls)
-    return times
-
-
-def timing_summary(times: dict[str, list[float]], baseline: str) -> dict:
-    """The timings, their medians and each case's median over the baseline's, as the JSON of a micro-benchmark."""
-    med = {name: median(ts) for name, ts in times.items()}
-    return {"ms_per_layer": times, "median_ms": med, f"over_{baseline}": {n: med[n] / med[baseline] for n in med}}
-
-
-def write_timings(out: Path, result: dict, baseline: str, title: str, digits: int = 3) -> None:
-    """Write a timing_summary result to out/results.json (atomically) and print its medians in one line."""
-    from flexgen_h2o.eval.results import write_text_atomic
-    out.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(out / "results.json", json.dumps(result, indent=2))
-    med, ratio = result["median_ms"], result[f"over_{baseline}"]
-    print(f"{title}: " + ", ".join(f"{n} {med[n]:.{digits}f} ms ({ratio[n]:.2f}x)" for n in med))
-
-
-def kernels_missing() -> bool:
-    """True, after one error line saying why, where the compiled CPU kernels cannot be loaded: a benchmark that
-    times them then exits 2."""
-    from flexgen_h2o.models import fused
-    if fused.module() is not None:
-        return False
-    why = fused.unavailable_reason() or f"switched off by {fused.ENV_SWITCH}=0"
-    print(f"error: the compiled kernels are unavailable ({why}); `make install` builds them with a C++ compiler "
-          "and ninja", file=sys.stderr)
-    return True
-
-
-def write_ab(out: Path, result: dict, ratio_key: str, line: Callable[[str, float], str]) -> None:
-    """Write an A/B run's result to out/results.json (atomically) and print line(case, ratio) for each case of
-    result[ratio_key]."""
-    from flexgen_h2o.eval.results import write_text_atomic
-    out.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(out / "results.json", json.dumps(result, indent=2))
-    for case, ratio in result[ratio_key].items():
-        print(line(case, ratio))
 
 
 def drop_page_cache(files: Iterable[str | os.PathLike]) -> tuple[int, int]:
@@ -208,42 +155,3 @@ class RssSampler:
         self._stop.set()
         self._thread.join()
         self._sample()
-
-
-def module_at(rev: str, path: str, name: str):
-    """The module at `path` as it was at git revision `rev`, loaded under `name` beside the working tree's (the
-    A/B benchmarks time an old function against the new one in one process)."""
-    source = subprocess.run(["git", "show", f"{rev}:{path}"], cwd=REPO_ROOT, capture_output=True, text=True,
-                            check=True).stdout
-    with tempfile.TemporaryDirectory() as tmp:
-        file = Path(tmp) / f"{name}.py"
-        file.write_text(source)
-        spec = importlib.util.spec_from_file_location(name, file)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    return module
-
-
-def kernels_at(rev: str):
-    """The compiled kernels (flexgen_h2o/models/csrc) as they were at git revision `rev`, built under another
-    extension name beside the working tree's (an A/B of a kernel change in one process)."""
-    from flexgen_h2o.models import fused
-    csrc = fused.CSRC.relative_to(REPO_ROOT)
-    # keyed by the commit, not the name: HEAD or a branch names other sources once it moves
-    commit = subprocess.run(["git", "rev-parse", "--short=12", f"{rev}^{{commit}}"], cwd=REPO_ROOT,
-                            capture_output=True, text=True, check=True).stdout.strip()
-    build_dir = Path(tempfile.gettempdir()) / f"flexgen_h2o_csrc_{commit}"
-    folder = build_dir / csrc
-    if not folder.is_dir():                           # extracted beside it, then renamed: whole or absent
-        staging = tempfile.mkdtemp(dir=build_dir.parent, prefix=build_dir.name + ".")
-        try:
-            archive = subprocess.run(["git", "archive", commit, str(csrc)], cwd=REPO_ROOT, capture_output=True,
-                                     check=True).stdout
-            subprocess.run(["tar", "-x", "-C", staging], input=archive, check=True)
-            os.rename(staging, build_dir)
-        except OSError:
-            if not folder.is_dir():                   # not another process extracting the same commit first
-                raise
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
-    return fused.build(sorted(folder.glob("*.cpp")), tag="_" + commit)

@@ -14,7 +14,7 @@ measurement; the report prints the measured KV bytes, compute-tier peak and peak
 Each case is a `python -m flexgen_h2o.run` subprocess (peak RSS per case); full and h2o alternate A B A B.
 Outputs in --out: results.json, results.md, step_time_vs_seq_len.png, logs/. The step-time slope here is read
 off one decode's time series, where the machine's drift lines up with the sequence length; on a shared VM
-benchmarks/step_scaling.py (lengths in shuffled order) is the measurement to judge flatness by.
+benchmarks/studies/step_scaling.py (lengths in shuffled order) is the measurement to judge flatness by.
 
     python -m benchmarks.h2o_throughput --repeats 2             # the full benchmark (long on a small CPU box)
     python -m benchmarks.h2o_throughput --quick                 # smoke run, ~2 min on 2 cores

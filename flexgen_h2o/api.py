@@ -8,7 +8,7 @@
 
 Two kinds of policy, two names: `offload` (OffloadPolicy: where weights, KV and activations live, batch sizes)
 and `eviction` (EvictionConfig: which KV entries are kept). Prompts go through the same bucketing and block
-loop as the CLI's batch mode (frontends/batch.py), so the API and `python -m flexgen_h2o.run --input` give the
+loop as the CLI's batch mode (schedule/blocks.py), so the API and `python -m flexgen_h2o.run --input` give the
 same tokens for the same prompts, seed and policies.
 """
 from __future__ import annotations
@@ -19,7 +19,8 @@ from dataclasses import dataclass
 from typing import Any, Iterator, Mapping, Sequence
 
 from flexgen_h2o.config import ConfigError, GenerationConfig, OffloadPolicy
-from flexgen_h2o.frontends.batch import (BlockResult, add_metrics, check_budgets, check_context, encode_prompts,
+from flexgen_h2o.formats import WEIGHT_FORMAT
+from flexgen_h2o.schedule.blocks import (BlockResult, add_metrics, check_budgets, check_context, encode_prompts,
                                         plan_blocks, run_blocks)
 from flexgen_h2o.kv import EvictionConfig
 from flexgen_h2o.planner import PARTS, preflight as run_preflight
@@ -96,7 +97,7 @@ class LLM:
             pending = dummy_weights and on_disk and not os.path.isfile(os.path.join(store, "manifest.json"))
             run_preflight(cfg, offload, EvictionConfig(), prompt_len=1, gen_len=1, backend=get_backend(device),
                           store_dir=store if pending else None, parts=("weights",),
-                          dummy_store_bytes=cfg.n_params() * 2 if pending else 0)
+                          dummy_store_bytes=WEIGHT_FORMAT.nbytes(cfg.n_params()) if pending else 0)
         try:
             loaded = load_model(model, path=path, dummy_weights=dummy_weights, dummy_on_disk=on_disk,
                                 progress=progress)

@@ -33,6 +33,10 @@ class ConfigError(ValueError):
     """Bad user configuration; the message says what was wrong and what to do."""
 
 
+PERCENT_FIELDS = ("weights_gpu_pct", "weights_cpu_pct", "cache_gpu_pct", "cache_cpu_pct", "act_gpu_pct",
+                  "act_cpu_pct")
+
+
 @dataclass(frozen=True)
 class OffloadPolicy:
     gpu_batch_size: int = 4            # sequences per GPU batch
@@ -58,9 +62,11 @@ class OffloadPolicy:
         if len(percent) != 6:
             raise ConfigError(f"--percent takes 6 numbers (w_gpu w_cpu cache_gpu cache_cpu act_gpu act_cpu), "
                               f"got {len(percent)}")
-        names = ("weights_gpu_pct", "weights_cpu_pct", "cache_gpu_pct", "cache_cpu_pct", "act_gpu_pct",
-                 "act_cpu_pct")
-        return cls(**dict(zip(names, (float(p) for p in percent))), **kw)
+        return cls(**dict(zip(PERCENT_FIELDS, (float(p) for p in percent))), **kw)
+
+    def with_percent(self, percent: Sequence[float]) -> "OffloadPolicy":
+        """This policy with another placement; every other field (batch, prefill rows, KV dtype, ...) kept."""
+        return self.replace(**dict(zip(PERCENT_FIELDS, (float(p) for p in percent))))
 
     @property
     def block_size(self) -> int:
@@ -117,6 +123,12 @@ class OffloadPolicy:
         parts = split_by_fraction(batch, self.tier_fractions("cache"))
         return (attention_device_type == "cpu" and self.kv_dtype != "float32" and not rolling and len(parts) == 1
                 and parts[0][2] != "disk")
+
+    @property
+    def kv_format(self):
+        """The KV cache's StorageFormat (flexgen_h2o.formats), from kv_dtype."""
+        from flexgen_h2o.formats import storage_format      # torch-free config: imported when asked
+        return storage_format(self.kv_dtype)
 
     def replace(self, **changes) -> "OffloadPolicy":
         return dataclasses.replace(self, **changes)

@@ -16,14 +16,14 @@ import torch
 from torch import Tensor
 
 from flexgen_h2o.backend import get_backend
-from flexgen_h2o.config import ConfigError, GenerationConfig, GenerationResult, OffloadPolicy, split_by_fraction
-from flexgen_h2o.kv import EvictionConfig, RowBudgets, get_policy, policy_for
+from flexgen_h2o.config import ConfigError, GenerationConfig, GenerationResult, OffloadPolicy
+from flexgen_h2o.kv import EvictionConfig, RowBudgets, get_policy
 from flexgen_h2o.kv.cache import KVCache, StagingBuffers, gather_slots
 from flexgen_h2o.kv.draws import KeyedDraws
 from flexgen_h2o.kv.mixed import SplitKVCache
 from flexgen_h2o.memory import ComputeTier, DiskTier, HostTier, OffloadDir, check_space
-from flexgen_h2o.models import ModelConfig, StepContext, build_layers, fused, ops, schedule_groups
-from flexgen_h2o.planner import estimate
+from flexgen_h2o.models import ModelConfig, build_layers, fused, schedule_groups
+from flexgen_h2o.planner.plan import BatchPlan, Plan
 from flexgen_h2o.sampling import Sampler, StopTracker
 from flexgen_h2o.schedule.activations import ActivationHome
 from flexgen_h2o.schedule.executor import BatchState, BlockExecutor, RunParts
@@ -84,7 +84,7 @@ class Engine:
         self.check_context = check_context
         self.backend = get_backend(device, compute_dtype)
         self.device, self.compute_dtype = self.backend.compute_device, self.backend.compute_dtype
-        self.kv_dtype = getattr(torch, self.offload.kv_dtype)
+        self.kv_dtype = self.offload.kv_format.dtype
         # CPU: staged KV windows reuse buffers (CUDA's caching allocator already recycles device memory)
         self.kv_staging = None if self.backend.is_cuda else StagingBuffers()
         if not self.backend.is_cuda or self.offload.tier_fractions("cache")[0] < 1:
@@ -110,6 +110,7 @@ class Engine:
                                            uncached_disk=self.offload.uncached_disk_weights,
                                            tiers=self.tiers)
         self.last_caches: list[dict[int, SplitKVCache]] = []     # the last block's caches, for inspection
+        self.last_plan: Plan | None = None                       # and its plan (budgets, splits, bytes)
         self._handles: list = []                                 # tier allocations of the current block
         # optional hook (token step, sequence indices, logits (b, V)): tests and per-step timing use it
         self.on_step_logits: Callable[[int, list[int], Tensor], None] | None = None
@@ -161,31 +162,23 @@ class Engine:
         """The random rule's draws for one layer's rows, keyed by each prompt's tokens (kv/draws.py)."""
         return KeyedDraws.for_prompts(ev.seed, layer, prompts) if ev.policy == "random" else None
 
-    def _make_cache(self, layer, batch: int, budget: RowBudgets, capacity: int, policy, draws: KeyedDraws | None,
-                    rolling: bool) -> SplitKVCache:
+    def _make_cache(self, layer, plan: BatchPlan, budget: RowBudgets, capacity: int, policy,
+                    draws: KeyedDraws | None, rolling: bool) -> SplitKVCache:
         """One GPU batch's cache of one layer: every tier's part allocates the block's capacity (its largest
         sequence budget, as the planner counts it) and keeps its own rows' budgets."""
         parts = []
-        split = split_by_fraction(batch, self.offload.tier_fractions("cache"))
         # attention reads the window on the compute device, or where the KV lives with cpu_cache_compute
-        off_device = any(kind != "compute" for _, _, kind in split)
+        off_device = any(kind != "compute" for _, _, kind in plan.cache)
         host_attention = (self.offload.cpu_cache_compute and off_device
                           and (self.device.type != "cpu" or self.host_attention_on_cpu))
-        in_place = self.offload.kv_read_in_place("cpu" if host_attention else self.device.type, rolling, batch)
-        for lo, hi, kind in split:
+        in_place = self.offload.kv_read_in_place("cpu" if host_attention else self.device.type, rolling, plan.size)
+        for lo, hi, kind in plan.cache:
             cache = KVCache(layer.kv_spec(), hi - lo, capacity, policy, budget.part(lo, hi), dtype=self.kv_dtype,
                             alloc=lambda shape, dtype, kind=kind: self._alloc(kind, shape, dtype), tier_kind=kind,
                             rolling=rolling, generator=None if draws is None else draws.part(lo, hi),
                             staging=self.kv_staging, read_in_place=in_place)
             parts.append((lo, hi, cache))
         return SplitKVCache(parts, attention_device=torch.device("cpu") if host_attention else None)
-
-    def _disk_bytes(self, n_seqs: int, prompt_len: int, n_new: int, ev: EvictionConfig) -> int:
-        """Offload-file bytes a block allocates (its disk-homed KV slots and resting hidden states), from the
-        planner's estimate, which follows the engine's own split and slot layout."""
-        est = estimate(self.model, self.offload, ev, prompt_len=prompt_len, gen_len=n_new, n_seqs=n_seqs,
-                       compute_dtype_bytes=self.compute_dtype.itemsize, device_type=self.device.type)
-        return est.bytes["disk"]["kv"] + est.bytes["disk"]["activations"]
 
     def _async_lanes(self) -> frozenset:
         """Lanes worth a worker thread: on CUDA every copy is a DMA that runs beside the kernels. On a CPU a
@@ -283,6 +276,14 @@ class Engine:
                         seeds: Sequence[int], ev: EvictionConfig, prefilled: Prefilled | None = None,
                         capture: dict | None = None):
         """capture: filled with each GPU batch's step-0 logits (Engine.prefill)."""
+        plan, batches = self._prepare_block(prompts, gen, per_seq_max, ev, prefilled, capture is not None)
+        return self._run_block(plan, batches, seq_index, gen, per_seq_max, forced, seeds, prefilled, capture)
+
+    def _prepare_block(self, prompts: list[Sequence[int]], gen: GenerationConfig, per_seq_max: list[int] | None,
+                       ev: EvictionConfig, prefilled: Prefilled | None,
+                       keep_all: bool) -> tuple[Plan, list[BatchState]]:
+        """Check the block, plan it, and allocate its GPU batches: padded ids, caches (cut to this rule from a
+        kept prefill), activation homes. The previous block's tensors are freed first."""
         if prefilled is not None and prefilled.rolling != ev.position_rolling:
             state = "on" if prefilled.rolling else "off"
             raise ConfigError(f"this prefill stored its keys for position rolling {state}; call "
@@ -295,10 +296,13 @@ class Engine:
             raise ConfigError(f"prompt ({prompt_len}) + new tokens ({n_new}) exceed the context window "
                               f"({self.model.max_seq_len}) of {self.model.name}; shorten them or use "
                               "--position-rolling (Llama)")
-        # each sequence's budget from its own real prompt length (h2o-port: the block's, as the port does)
-        budget = ev.resolve_rows([len(p) for p in prompts], per_seq_max or [gen.max_new_tokens] * len(prompts))
-        # a prefill kept for later rules keeps every token and still needs the scores, which `full` skips
-        policy = get_policy(ev.policy) if capture is not None else policy_for(ev, budget)
+        # each sequence's budget from its own real prompt length (h2o-port: the block's, as the port does); a
+        # prefill kept for later rules keeps every token and still needs the scores, which `full` skips
+        plan = Plan.for_block(self.model, self.offload, ev, [len(p) for p in prompts],
+                              per_seq_max or [gen.max_new_tokens] * len(prompts), device_type=self.device.type,
+                              compute_itemsize=self.compute_dtype.itemsize, keep_all=keep_all)
+        budget, policy = plan.budgets, get_policy(plan.policy)
+        self.last_plan = plan
         self.release()                 # the previous block's KV goes before this block's is allocated
         pad_id = self.model.pad_id if self.model.pad_id is not None else 0
         ids = torch.full((len(prompts), prompt_len), pad_id, dtype=torch.long)
@@ -306,32 +310,35 @@ class Engine:
         for r, p in enumerate(prompts):
             ids[r, prompt_len - len(p):] = torch.tensor(list(p), dtype=torch.long)
             valid[r, prompt_len - len(p):] = True
-        gbs = self.offload.gpu_batch_size
-        prefill_rows = self.offload.prefill_rows(min(gbs, len(prompts)), prompt_len, self.device.type)
         # the transient tensors of one layer forward are real memory too: charge the compute tier an estimate
-        block = (ops.score_block_bytes(prefill_rows, self.model.n_heads, prompt_len, StepContext.query_chunk,
-                                       self.device.type) if policy.needs_scores else 0)
-        workspace = self.model.workspace_bytes(prefill_rows, prompt_len, self.compute_dtype.itemsize, block)
-        self._handles.append(self.tiers["compute"].reserve(workspace, "workspace (estimated)"))
+        self._handles.append(self.tiers["compute"].reserve(plan.layer_workspace(), "workspace (estimated)"))
         if "disk" in self.tiers:                # before the first file: enough room for this block?
-            check_space(self.offload_dir.root, self._disk_bytes(len(prompts), prompt_len, n_new, ev))
+            check_space(self.offload_dir.root, plan.disk_bytes())
         batches = []
-        for lo in range(0, len(prompts), gbs):
-            hi = min(len(prompts), lo + gbs)
+        for bp in plan.batches:
+            lo, hi = bp.lo, bp.hi
             rows = budget.part(lo, hi)
             b = BatchState(seq_index=list(range(lo, hi)), prompt_ids=ids[lo:hi], token_valid=valid[lo:hi],
                            real_len=valid[lo:hi].sum(1), kept_max=torch.tensor(rows.values("budget")))
-            b.caches = {l: self._make_cache(layer, hi - lo, rows, budget.capacity, policy,
+            b.caches = {l: self._make_cache(layer, bp, rows, plan.capacity, policy,
                                             self._draws(ev, l, prompts[lo:hi]), ev.position_rolling)
                         for l, layer in enumerate(self.layers) if layer.kind == "attn"}
             if prefilled is not None:          # this rule's choice of the kept prompt rows, as a prefill makes it
                 for l, (k, v, score, pos) in prefilled.layers[len(batches)].items():
                     b.caches[l].commit_prefill(k, v, score if policy.needs_scores else None, pos)
-            b.activations = ActivationHome(split_by_fraction(hi - lo, self.offload.tier_fractions("act")),
-                                           self._alloc, self.device)
+            b.activations = ActivationHome(list(bp.act), self._alloc, self.device)
             batches.append(b)
+        return plan, batches
+
+    def _run_block(self, plan: Plan, batches: list[BatchState], seq_index: list[int], gen: GenerationConfig,
+                   per_seq_max: list[int] | None, forced: list[Sequence[int]] | None, seeds: Sequence[int],
+                   prefilled: Prefilled | None, capture: dict | None):
+        """Walk the block through the zig-zag schedule (from step 1 after a kept prefill), sampling and
+        tracking stops; return its tokens, texts, finish reasons and metrics."""
+        ev, policy, prompt_len, n_new = plan.eviction, get_policy(plan.policy), plan.prompt_len, plan.gen_len
+        n_seqs = plan.n_seqs
         sampler = Sampler(gen, seeds)
-        stops = StopTracker(len(prompts), gen, self.model.eos_id, self.decode, per_seq_max)
+        stops = StopTracker(n_seqs, gen, self.model.eos_id, self.decode, per_seq_max)
 
         def on_logits(token: int, batch: int, logits: Tensor) -> None:
             b = batches[batch]
@@ -353,8 +360,8 @@ class Engine:
         parts = RunParts(backend=self.backend, layers=self.layers, groups=self.groups, weights=self.weights,
                          device=self.device, compute_dtype=self.compute_dtype, needs_scores=policy.needs_scores,
                          rolling=ev.position_rolling, score_reduce=ev.score_reduce,
-                         prefill_rows=prefill_rows, async_lanes=self._async_lanes(),
-                         prefill_by_rows=self.offload.prefill_by_rows(self.device.type),
+                         prefill_rows=plan.prefill_rows, async_lanes=self._async_lanes(),
+                         prefill_by_rows=plan.prefill_by_rows,
                          on_logits=on_logits,
                          should_stop=lambda token: stops.all_done or token + 1 >= n_new)
         t0 = time.perf_counter()
@@ -370,8 +377,8 @@ class Engine:
         self.last_caches = [b.caches for b in batches]
         tokens, texts, reasons = stops.finish()
         n_gen = sum(len(t) for t in tokens)
-        metrics = {"prefill_s": times[0] - t0, "decode_s": t_end - times[0], "prompt_tokens": len(prompts) * prompt_len,
-                   "generated_tokens": n_gen, "decode_steps": len(times) - 1, "block_size": len(prompts),
+        metrics = {"prefill_s": times[0] - t0, "decode_s": t_end - times[0], "prompt_tokens": n_seqs * prompt_len,
+                   "generated_tokens": n_gen, "decode_steps": len(times) - 1, "block_size": n_seqs,
                    "padded_prompt_len": prompt_len,
                    # wall time of decode step i (i >= 1), which attends prompt_len + i tokens (or the budget)
                    "step_times_s": [b - a for a, b in zip(times, times[1:])]}

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import resource
 import sys
+from typing import Any
 
 import psutil
 
@@ -47,6 +48,33 @@ def throughput(block: int, prompt_len: int, gen_len: int, prefill_s: float, deco
     return {"prefill_tok_s": block * prompt_len / max(prefill_s, 1e-9),
             "decode_tok_s": block * max(gen_len - 1, 0) / max(decode_s, 1e-9),
             "total_tok_s": block * gen_len / max(prefill_s + decode_s, 1e-9)}
+
+
+def tier_peaks(engine: Any, weights_in_tiers: bool) -> dict[str, int]:
+    """Peak bytes per tier. Resident weights are added when the tiers do not already account for them."""
+    peaks = {name: int(tier.peak_bytes) for name, tier in engine.tiers.items()}
+    if not weights_in_tiers:
+        for name, n in engine.weights.summary().items():
+            if name in ("compute", "host"):
+                peaks[name] = peaks.get(name, 0) + int(n)
+    return peaks
+
+
+def engine_metrics(llm: Any, weights_in_tiers: bool, *, kv_cache_bytes: int, full_cache_bytes: int,
+                   hidden_bytes: int) -> dict[str, Any]:
+    """What every mode reports about the model, the placement, the eviction and the memory it used; the modes add
+    their own counts and times (run.py's batch and prompt modes, frontends/benchmark.py)."""
+    from flexgen_h2o.formats import WEIGHT_FORMAT
+    engine, cfg = llm.engine, llm.config
+    peaks = tier_peaks(engine, weights_in_tiers)
+    device_peak = engine.backend.device_memory()["peak_bytes"]
+    return {"model": cfg.name, "hidden_size": cfg.hidden_size, "model_bytes": WEIGHT_FORMAT.nbytes(cfg.n_params()),
+            "kv_cache_bytes": kv_cache_bytes, "full_cache_bytes": full_cache_bytes, "hidden_bytes": hidden_bytes,
+            # FlexGen's "peak gpu mem": the compute tier (on CUDA, the allocator's own peak when larger)
+            "peak_compute_bytes": max(peaks.get("compute", 0), device_peak), "tier_peak_bytes": peaks,
+            "device_peak_bytes": device_peak, "weights_by_tier": engine.weights.summary(),
+            "percent": list(llm.offload.percent), "eviction": llm.eviction.policy,
+            "eviction_request": llm.eviction.describe_request()}
 
 
 def flexgen_log(m: dict) -> str:

@@ -126,7 +126,7 @@ def _generate(args, mode, offload, eviction, gen_len, prompt_len, log_path, requ
 
     from flexgen_h2o.api import LLM
     from flexgen_h2o.backend import get_backend
-    from flexgen_h2o.frontends.batch import check_budgets, check_context, encode_prompts, plan_blocks
+    from flexgen_h2o.schedule.blocks import check_budgets, check_context, encode_prompts, plan_blocks
     from flexgen_h2o.frontends.benchmark import corpus_prompts, memory_line, run_benchmark, sizes_line
     from flexgen_h2o.frontends.jsonl import generate_file
     from flexgen_h2o.kv import describe_rows
@@ -134,6 +134,7 @@ def _generate(args, mode, offload, eviction, gen_len, prompt_len, log_path, requ
     from flexgen_h2o.memory.offload_dir import sweep_stale
     from flexgen_h2o.metrics import flexgen_log
     from flexgen_h2o.models import resolve_model
+    from flexgen_h2o.formats import WEIGHT_FORMAT
     from flexgen_h2o.planner import estimate, preflight, summary_line
     from flexgen_h2o.planner.memory import kv_slot_bytes
     from flexgen_h2o.weights import default_store_path
@@ -182,7 +183,8 @@ def _generate(args, mode, offload, eviction, gen_len, prompt_len, log_path, requ
     store = args.path or str(default_store_path(cfg.name + "-dummy"))
     new_store = deferred and not os.path.isfile(os.path.join(store, "manifest.json"))
     plan = dict(prompt_len=max(lens), gen_len=max(max_new), n_seqs=n_seqs,
-                dummy_store_bytes=cfg.n_params() * 2 if new_store else 0, real_weights=not args.dummy_weights)
+                dummy_store_bytes=WEIGHT_FORMAT.nbytes(cfg.n_params()) if new_store else 0,
+                real_weights=not args.dummy_weights)
     if args.skip_preflight:
         est = estimate(cfg, offload, eviction, compute_dtype_bytes=2 if backend.is_cuda else 4, **plan)
         checked = None
@@ -192,8 +194,8 @@ def _generate(args, mode, offload, eviction, gen_len, prompt_len, log_path, requ
     print(f"model: {cfg.name} ({cfg.family}, {cfg.n_layers} layers, width {cfg.hidden_size}) | {len(prompts)} "
           f"prompt(s), block {offload.block_size} = {offload.gpu_batch_size} x {offload.num_gpu_batches} | "
           f"--percent {' '.join(f'{x:g}' for x in offload.percent)}")
-    kv_b = 4 if offload.kv_dtype == "float32" else 2      # slot bytes as allocated: K, V, score, position
-    print(describe_rows(budgets, lens, max_new, kv_slot_bytes(cfg, kv_b) * cfg.n_layers * n_seqs))
+    # slot bytes as allocated: K, V, score, position
+    print(describe_rows(budgets, lens, max_new, kv_slot_bytes(cfg, offload.kv_format) * cfg.n_layers * n_seqs))
     if mode == "benchmark":
         prompts, source = corpus_prompts(tok, offload.block_size, prompt_len, cfg.vocab_size)
         print(f"prompts: {len(prompts)} x {prompt_len} tokens of {source}")
@@ -249,26 +251,20 @@ def _gen_config(args: argparse.Namespace, gen_len: int) -> Any:
 
 def _run_metrics(llm: Any, t: dict, est: Any, mode: str, weights_in_tiers: bool, n_prompts: int) -> dict:
     """Batch and prompt modes: FlexGen's throughput definitions over real (unpadded) prompt tokens."""
-    from flexgen_h2o.frontends.benchmark import tier_peaks
-    from flexgen_h2o.metrics import peak_rss_bytes
-    engine, cfg = llm.engine, llm.config
-    peaks = tier_peaks(engine, weights_in_tiers)
+    from flexgen_h2o.metrics import engine_metrics, peak_rss_bytes
     prefill_s, decode_s = t.get("prefill_s", 0.0), t.get("decode_s", 0.0)
     gen_tokens, prompt_tokens = t.get("generated_tokens", 0), t.get("prompt_tokens", 0)
     padded = t.get("padded_prompt_tokens", 0)
-    return {"mode": mode, "model": cfg.name, "prompts": n_prompts, "blocks": t.get("blocks", 0),
+    return {"mode": mode, "prompts": n_prompts, "blocks": t.get("blocks", 0),
             "block_size": llm.offload.block_size, "prompt_tokens": prompt_tokens, "padded_prompt_tokens": padded,
             "padding_frac": 1 - prompt_tokens / padded if padded else 0.0, "generated_tokens": gen_tokens,
             "prefill_s": prefill_s, "decode_s": decode_s, "total_s": prefill_s + decode_s,
             "prefill_tok_s": prompt_tokens / max(prefill_s, 1e-9),
             "decode_tok_s": max(gen_tokens - n_prompts, 0) / max(decode_s, 1e-9),
             "total_tok_s": gen_tokens / max(prefill_s + decode_s, 1e-9), "projected": False,
-            "hidden_size": cfg.hidden_size, "model_bytes": cfg.n_params() * 2, "kv_cache_bytes": est.kv_bytes,
-            "full_cache_bytes": est.full_kv_bytes, "hidden_bytes": est.n_seqs * est.prompt_len * cfg.hidden_size * 2,
-            "peak_compute_bytes": max(peaks.get("compute", 0), engine.backend.device_memory()["peak_bytes"]),
-            "tier_peak_bytes": peaks, "weights_by_tier": engine.weights.summary(), "peak_rss_bytes": peak_rss_bytes(),
-            "percent": list(llm.offload.percent), "eviction": llm.eviction.policy,
-            "eviction_request": llm.eviction.describe_request()}
+            **engine_metrics(llm, weights_in_tiers, kv_cache_bytes=est.kv_bytes, full_cache_bytes=est.full_kv_bytes,
+                             hidden_bytes=est.n_seqs * est.prompt_len * llm.config.hidden_size * 2),
+            "peak_rss_bytes": peak_rss_bytes()}
 
 
 def _summary(m: dict) -> str:

@@ -14,9 +14,9 @@ cd "$(dirname "$0")/.."
 OUT=${1:-benchmarks/results/gpu-profile}
 source scripts/gpu_steps.sh
 step machine 60 "$PY" -m benchmarks.machine --json "$OUT/machine.json" --threads "$(nproc)"
-step prefill ${PREFILL_LIMIT:-200} "$PY" -m benchmarks.profile_decode --device cuda --phase prefill --model opt-1.3b \
-    --dummy-weights --percent 0 100 100 0 100 0 --batch 256 --prompt-len 512 --cases full h2o --hh-size 51 \
-    --recent-size 51 --threads "$(nproc)" --machine-json "$OUT/machine.json" --out "$OUT/prefill"
+step prefill ${PREFILL_LIMIT:-200} "$PY" -m benchmarks.studies.profile_decode --device cuda --phase prefill \
+    --model opt-1.3b --dummy-weights --percent 0 100 100 0 100 0 --batch 256 --prompt-len 512 --cases full h2o \
+    --hh-size 51 --recent-size 51 --threads "$(nproc)" --machine-json "$OUT/machine.json" --out "$OUT/prefill"
 # our full cache at FlexGen's block shape (32 x 8), against gpu_check.sh's 256 x 1: does the GPU batch matter?
 step ours_32x8 90 "$PY" -m flexgen_h2o.run --model opt-1.3b --dummy-weights --device cuda --percent 0 100 100 0 100 0 \
     --prompt-len 512 --gen-len 32 --gpu-batch-size 32 --num-gpu-batches 8 --full-cache --no-progress \

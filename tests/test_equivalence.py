@@ -213,7 +213,7 @@ def test_engine_checks_disk_space_for_the_block_before_writing(tmp_path, monkeyp
     engine = make_engine(tiny_hf("llama-gqa"), offload=policy, offload_dir=tmp_path, record=False)
     prompts = random_prompts([5, 7, 4, 6])
     engine.generate(prompts, greedy(3))
-    needed = engine._disk_bytes(len(prompts), 7, 3, engine.eviction)
+    needed = engine.last_plan.disk_bytes()
     assert needed > 0 and engine.tiers["disk"].peak_bytes == needed  # the estimate is what the files took
     engine.release()
     real_usage = shutil.disk_usage

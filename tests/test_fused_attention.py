@@ -111,7 +111,7 @@ def test_engine_with_the_kernel_keeps_and_generates_what_it_does_without(kernel,
 
 def test_full_cache_prompt_does_not_use_the_kernel(kernel, monkeypatch):
     """No scores wanted: the prompt stays on torch's fused SDPA (the kernel is only ~6 % faster on the attention
-    alone, benchmarks/prompt_attention.py)."""
+    alone, benchmarks/studies/prompt_attention.py)."""
     calls = []
     monkeypatch.setattr(fused, "scored_prompt_attention", lambda *a, **kw: calls.append(1))
     make_engine(tiny_hf("llama-gqa")).generate(random_prompts([12, 7]), greedy(2))

@@ -165,7 +165,7 @@ def test_big_budget_is_bit_identical_to_full(kind, monkeypatch):
     # the bits come from switching to the full policy (kv.policy_for); the H2O machinery itself, scoring and
     # choosing victims under a covering budget, must agree too: it never evicts, and only the summation order
     # of the unfused attention differs
-    monkeypatch.setattr("flexgen_h2o.engine.policy_for", lambda ev, budget: get_policy(ev.policy))
+    monkeypatch.setattr("flexgen_h2o.planner.plan.policy_for", lambda ev, budget: get_policy(ev.policy))
     scored, out_scored = run_engine(model, prompts, covering)
     assert out_scored.token_ids == out_full.token_ids
     for i in range(len(prompts)):

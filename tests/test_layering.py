@@ -47,3 +47,9 @@ def test_zigzag_is_pure_python():
 def test_files_stay_small():
     too_long = [f"{p.relative_to(PKG)}: {n}" for p in PKG.rglob("*.py") if (n := len(p.read_text().splitlines())) > 400]
     assert not too_long, too_long
+
+
+def test_the_api_and_the_library_do_not_import_a_front_end():
+    """Front ends (frontends/, run.py) sit on the library; the library's block loop is schedule/blocks.py."""
+    assert "frontends" not in _imports(PKG / "api.py")
+    assert "frontends" not in _imports(PKG / "engine.py")

@@ -149,3 +149,15 @@ def test_engine_and_planner_charge_the_capped_score_blocks(tmp_path, monkeypatch
     uncapped = estimate(cfg, offload, eviction, prompt_len=prompt_len, gen_len=2, compute_dtype_bytes=4)
     saved = uncapped.bytes["compute"]["workspace"] - est.bytes["compute"]["workspace"]
     assert saved == whole - capped
+
+
+def test_a_suggested_placement_keeps_every_other_setting_of_the_run():
+    """A suggestion is priced for the configuration the user runs: only the placement (or batch) changes."""
+    from flexgen_h2o.planner.preflight import _candidates
+    off = OffloadPolicy(gpu_batch_size=8, prefill_batch_size=3, kv_dtype="float32", overlap=False,
+                        uncached_disk_weights=True)
+    moves = [new for text, new, _ in _candidates(off, EvictionConfig()) if text.startswith("--percent")]
+    assert len(moves) == 4                # the two moves that equal the default placement are skipped
+    for new in moves:
+        assert new.replace(**dict(zip(("weights_gpu_pct", "weights_cpu_pct", "cache_gpu_pct", "cache_cpu_pct",
+                                       "act_gpu_pct", "act_cpu_pct"), off.percent))) == off

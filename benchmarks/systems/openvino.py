@@ -13,8 +13,8 @@ fp32), into `<store_root>/formats/<model>-ov-fp32`, weights kept fp32. Each case
 venv's interpreter on the engine's own prompt token ids (`kvpress.write_prompt_ids`): identical tokens for all.
 Compute precision is the plugin's default, which on a CPU with AVX512_BF16 or AMX (this VM's EPYC) is bf16
 matmuls over the fp32 weights; the extras name it (`inference_precision`). With f32 forced, OpenVINO's greedy ids
-equal HF's on every prompt of benchmarks/check_formats.py; with bf16, one 128-token news prompt flips a near-tie at
-its 10th token.
+equal HF's on every prompt of benchmarks/studies/check_formats.py; with bf16, one 128-token news prompt flips a
+near-tie at its 10th token.
 
 Budget mapping (`eviction_sizes`). ours-h2o-20 is `--hh-ratio 0.1`: heavy = recent = int(0.1 * P) slots, no sinks
 (P 512: 51 + 51 = 102 slots; P 2048: 204 + 204 = 408). OpenVINO's CacheEvictionConfig takes three sizes in

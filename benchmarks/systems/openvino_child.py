@@ -281,7 +281,8 @@ def profile(a: argparse.Namespace) -> dict[str, Any]:
 
 
 def check_greedy(a: argparse.Namespace) -> dict[str, Any]:
-    """Greedy token ids of a few prompts of any lengths (benchmarks/check_formats.py compares them with HF's)."""
+    """Greedy token ids of a few prompts of any lengths (benchmarks/studies/check_formats.py compares them with
+    HF's)."""
     prompts = json.loads(Path(a.check_greedy).read_text())
     if not a.num_kv_blocks:
         a.num_kv_blocks = sum(-(-(len(p) + a.gen_len) // BLOCK) + 1 for p in prompts)

@@ -96,9 +96,10 @@ class Ours(System):
         more slots per sequence. H2O's capacity depends on the prompt alone."""
         if self.hh_ratio is not None:
             return 0
+        from flexgen_h2o.formats import FP16
         from flexgen_h2o.planner.memory import kv_slot_bytes
         cfg = w.model_config()
-        return batch * tokens * cfg.n_layers * kv_slot_bytes(cfg, self.kv_dtype_bytes)
+        return batch * tokens * cfg.n_layers * kv_slot_bytes(cfg, FP16)
 
     def child_metrics(self, raw: dict[str, Any], c: Candidate) -> dict[str, Any]:
         block = raw["block_size"]

@@ -11,9 +11,9 @@ from dataclasses import dataclass
 
 from flexgen_h2o.config import ConfigError
 from flexgen_h2o.kv import EvictionConfig
-from flexgen_h2o.kv.budget import DEFAULT_SINKS, HEAVY_HITTER_POLICIES, POLICY_NAMES
+from flexgen_h2o.kv import policy_names, trait
 
-DEFAULT_POLICIES = POLICY_NAMES                       # full, h2o, h2o-port, h2o-avg, local, sink, random
+DEFAULT_POLICIES = policy_names()                     # every registered rule: full, h2o, h2o-port, h2o-avg, ...
 DEFAULT_BUDGETS = ("5%", "10%", "20%", "40%", "64", "128", "256", "512", "1024")
 
 
@@ -65,9 +65,10 @@ def parse_budgets(text: str) -> list[BudgetSpec]:
 
 def parse_policies(text: str) -> list[str]:
     names = [t.strip() for t in text.split(",") if t.strip()]
-    bad = [n for n in names if n not in POLICY_NAMES]
+    bad = [n for n in names if n not in policy_names()]
     if bad or not names:
-        raise ConfigError(f"unknown policy {', '.join(bad) or '(none given)'}; choose from {', '.join(POLICY_NAMES)}")
+        raise ConfigError(f"unknown policy {', '.join(bad) or '(none given)'}; choose from "
+                          f"{', '.join(policy_names())}")
     if len(set(names)) != len(names):
         raise ConfigError(f"--policies repeats a policy: {','.join(names)}")
     return names
@@ -93,13 +94,13 @@ class GridPoint:
         if self.budget is None:
             return None
         # sink needs room for its 4 sinks plus one window slot; smaller requests are raised (and recorded)
-        return max(self.budget.slots_for(seq_len), DEFAULT_SINKS.get(self.policy, 0) + 1)
+        return max(self.budget.slots_for(seq_len), trait(self.policy, "default_sinks") + 1)
 
     def eviction(self, seq_len: int, seed: int = 0) -> EvictionConfig:
         slots = self.slots(seq_len)
         if slots is None:
             return EvictionConfig(policy="full", position_rolling=self.rolling)
-        if self.policy in HEAVY_HITTER_POLICIES and self.heavy_share is not None:
+        if trait(self.policy, "needs_scores") and self.heavy_share is not None:
             heavy = int(round(self.heavy_share * slots))
             return EvictionConfig(policy=self.policy, hh_size=heavy, recent_size=slots - heavy,
                                   position_rolling=self.rolling, seed=seed)

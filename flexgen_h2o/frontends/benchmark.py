@@ -13,7 +13,8 @@ from typing import Any, Callable
 
 from flexgen_h2o.config import GenerationConfig
 from flexgen_h2o.frontends.corpus import benchmark_prompts, lee_articles
-from flexgen_h2o.metrics import GIB, fmt_bytes, peak_rss_bytes, reset_peak_rss, throughput
+from flexgen_h2o.metrics import GIB, engine_metrics, fmt_bytes, peak_rss_bytes, reset_peak_rss, throughput
+from flexgen_h2o.formats import WEIGHT_FORMAT
 from flexgen_h2o.planner.memory import kv_slot_bytes
 
 WARMUP_PROMPT_LEN = 32          # FlexGen's warm-up prompt length
@@ -39,16 +40,6 @@ def project_decode(step_times: list[float], gen_len: int) -> float:
     if not rest:
         return sum(first) / max(len(first), 1) * (gen_len - 1)
     return sum(first) + sum(rest) / len(rest) * (gen_len - 1 - len(first))
-
-
-def tier_peaks(engine: Any, weights_in_tiers: bool) -> dict[str, int]:
-    """Peak bytes per tier. Resident weights are added when the tiers do not already account for them."""
-    peaks = {name: int(tier.peak_bytes) for name, tier in engine.tiers.items()}
-    if not weights_in_tiers:
-        for name, n in engine.weights.summary().items():
-            if name in ("compute", "host"):
-                peaks[name] = peaks.get(name, 0) + int(n)
-    return peaks
 
 
 def reset_peaks(engine: Any) -> None:
@@ -97,33 +88,25 @@ def run_benchmark(llm: Any, prompts: list[list[int]], *, gen_len: int, cut_gen_l
     gen = GenerationConfig(max_new_tokens=run_len, stop_at_eos=False, **sampling).validate()
     result = engine.generate(prompts, gen)
     m = result.metrics
-    kv_b = 4 if llm.offload.kv_dtype == "float32" else 2
     kv_bytes = sum(c.nbytes for caches in engine.last_caches for c in caches.values())
     decode_s, projected = m["decode_s"], cut_gen_len is not None
     if projected:
         decode_s = project_decode(m["step_times_s"], gen_len)
     rates = throughput(block, prompt_len, gen_len, m["prefill_s"], decode_s)
-    peaks = tier_peaks(engine, weights_in_tiers)
-    device = engine.backend.device_memory()
+    # the same slot accounting as the real cache (K, V, fp32 score, int32 position), every token kept
+    full_cache_bytes = cfg.n_layers * block * (prompt_len + gen_len) * kv_slot_bytes(cfg, llm.offload.kv_format)
     metrics = {
         **{k: v for k, v in m.items() if k != "decode_s"}, **rates,
-        "mode": "benchmark", "model": cfg.name, "block_size": block, "gpu_batch_size": llm.offload.gpu_batch_size,
+        "mode": "benchmark", "block_size": block, "gpu_batch_size": llm.offload.gpu_batch_size,
         "num_gpu_batches": llm.offload.num_gpu_batches, "prompt_len": prompt_len, "gen_len": gen_len,
         "executed_gen_len": run_len, "decode_s": decode_s, "measured_decode_s": m["decode_s"],
         "total_s": m["prefill_s"] + decode_s, "projected": projected, "warmup_s": warmup_s,
-        "hidden_size": cfg.hidden_size, "model_bytes": cfg.n_params() * 2, "kv_cache_bytes": kv_bytes,
-        # the same slot accounting as the real cache (K, V, fp32 score, int32 position), every token kept
-        "full_cache_bytes": cfg.n_layers * block * (prompt_len + gen_len) * kv_slot_bytes(cfg, kv_b),
-        "hidden_bytes": block * prompt_len * cfg.hidden_size * 2,
-        # FlexGen's "peak gpu mem": the compute tier (on CUDA, the allocator's own peak when larger)
-        "peak_compute_bytes": max(peaks.get("compute", 0), device["peak_bytes"]),
-        "tier_peak_bytes": peaks, "device_peak_bytes": device["peak_bytes"],
-        "weights_by_tier": engine.weights.summary(),
+        **engine_metrics(llm, weights_in_tiers, kv_cache_bytes=kv_bytes, full_cache_bytes=full_cache_bytes,
+                         hidden_bytes=block * prompt_len * cfg.hidden_size * 2),
         "weights_bytes_read": {k: v - read0.get(k, 0) for k, v in engine.weights.bytes_read.items()},
         "peak_rss_bytes": max(load_peak_rss, peak_rss_bytes()),
-        "peak_rss_run_bytes": peak_rss_bytes() if rss_window else None, "percent": list(llm.offload.percent),
-        "eviction": llm.eviction.policy, "eviction_request": llm.eviction.describe_request(),
-        "kv_slots_per_seq": llm.eviction.resolve(prompt_len, run_len).capacity,
+        "peak_rss_run_bytes": peak_rss_bytes() if rss_window else None,
+        "kv_slots_per_seq": engine.last_plan.capacity,
         "sample_text": result.texts[0] if result.texts else "",
     }
     if show_sample and result.texts and result.texts[0]:      # real weights: show that the text is real
@@ -144,6 +127,6 @@ def memory_line(m: dict) -> str:
 
 def sizes_line(cfg: Any, est: Any, block: int, prompt_len: int) -> str:
     """FlexGen's size line, with the real KV next to the full-cache size FlexGen printed alone."""
-    return (f"model size: {fmt_bytes(cfg.n_params() * 2)} fp16 | KV cache: {fmt_bytes(est.kv_bytes)} real, "
-            f"{fmt_bytes(est.full_kv_bytes)} full cache | hidden size (prefill): "
+    return (f"model size: {fmt_bytes(WEIGHT_FORMAT.nbytes(cfg.n_params()))} {WEIGHT_FORMAT.name} | KV cache: "
+            f"{fmt_bytes(est.kv_bytes)} real, {fmt_bytes(est.full_kv_bytes)} full cache | hidden size (prefill): "
             f"{fmt_bytes(block * prompt_len * cfg.hidden_size * 2)} (width {cfg.hidden_size})")

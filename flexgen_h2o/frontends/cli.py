@@ -12,6 +12,7 @@ import sys
 from typing import Any, NoReturn
 
 from flexgen_h2o.config import OffloadPolicy
+from flexgen_h2o.kv.registry import cli_policies, cli_variants
 
 
 class Parser(argparse.ArgumentParser):
@@ -93,10 +94,10 @@ def build_parser() -> argparse.ArgumentParser:
     kv.add_argument("--recent-size", type=count, help="recent slots (overrides --recent-ratio)")
     kv.add_argument("--sink-size", type=count, help="first tokens always kept (attention sinks)")
     kv.add_argument("--kv-budget", type=positive, help="total slots per sequence, split evenly heavy/recent")
-    kv.add_argument("--h2o-variant", choices=("exact", "port", "avg"), default="exact",
+    kv.add_argument("--h2o-variant", choices=("exact", *cli_variants("h2o")), default="exact",
                     help="exact H2O; the FlexGen port's victim rule; or exact H2O ranking by each key's attention "
                          "averaged over the queries that saw it, not summed (less bias to old tokens)")
-    kv.add_argument("--policy", choices=("h2o", "local", "sink", "random"), default="h2o",
+    kv.add_argument("--policy", choices=cli_policies(), default="h2o",
                     help="eviction rule when a budget is given (baselines at equal budget)")
     kv.add_argument("--full-cache", action="store_true", help="no eviction (the default when no budget is given)")
     kv.add_argument("--position-rolling", action="store_true",
@@ -160,7 +161,7 @@ def eviction_from_args(a: argparse.Namespace) -> Any:
         return EvictionConfig(policy="full", position_rolling=a.position_rolling)
     if not given:
         return EvictionConfig(policy="full", position_rolling=a.position_rolling)
-    policy = f"h2o-{a.h2o_variant}" if (a.policy == "h2o" and a.h2o_variant != "exact") else a.policy
+    policy = cli_variants(a.policy).get(a.h2o_variant, a.policy)
     return EvictionConfig(policy=policy, position_rolling=a.position_rolling, seed=a.seed, **sizes)
 
 

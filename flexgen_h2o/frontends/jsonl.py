@@ -33,12 +33,7 @@ def check_writable(path: str | os.PathLike, flag: str) -> None:
         raise ConfigError(f"{flag} {path} is a directory")
     if not parent.is_dir():
         raise ConfigError(f"{flag} {path}: folder {parent} does not exist")
-    try:   # a real probe: permission bits say nothing for root or a read-only mount
-        fd, probe = tempfile.mkstemp(prefix=".probe-", dir=parent)
-        os.close(fd)
-        os.remove(probe)
-    except OSError as e:
-        raise ConfigError(f"{flag} {path} is not writable: {e.strerror or e}") from None
+    _probe_write(parent, flag, path)
     if p.exists() and not os.access(p, os.W_OK):
         raise ConfigError(f"{flag} {path} is not writable")
 
@@ -52,8 +47,13 @@ def check_folder_writable(path: str | os.PathLike, flag: str) -> None:
         anc = anc.parent
     if not anc.is_dir():
         raise ConfigError(f"{flag} {path}: {anc} is not a folder")
+    _probe_write(anc, flag, path)
+
+
+def _probe_write(folder: Path, flag: str, path: str | os.PathLike) -> None:
+    """Create and remove a file in `folder`: permission bits say nothing for root or a read-only mount."""
     try:
-        fd, probe = tempfile.mkstemp(prefix=".probe-", dir=anc)
+        fd, probe = tempfile.mkstemp(prefix=".probe-", dir=folder)
         os.close(fd)
         os.remove(probe)
     except OSError as e:

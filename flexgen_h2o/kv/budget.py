@@ -24,10 +24,9 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-POLICY_NAMES = ("full", "h2o", "h2o-port", "h2o-avg", "local", "sink", "random")
-HEAVY_HITTER_POLICIES = ("h2o", "h2o-port", "h2o-avg")      # rank prompt tokens by attention
+from flexgen_h2o.kv.registry import policy_names, trait
+
 SCORE_REDUCE = ("sum", "mean")
-DEFAULT_SINKS = {"sink": 4}          # StreamingLLM's start_size; every other policy has no sinks by default
 
 
 @dataclass(frozen=True)
@@ -121,7 +120,7 @@ class RowBudgets:
 @dataclass(frozen=True)
 class EvictionConfig:
     """The user's eviction request. Field names say what they count; the CLI keeps the port's `--hh-ratio`."""
-    policy: str = "full"                 # one of POLICY_NAMES
+    policy: str = "full"                 # a registered policy (kv/registry.py)
     hh_ratio: float | None = None        # heavy hitters as a fraction of the prompt (the port's --hh-ratio)
     recent_ratio: float | None = None    # recent window as a fraction of the prompt (default: same as heavy)
     hh_size: int | None = None           # heavy hitters in slots (overrides hh_ratio)
@@ -133,8 +132,8 @@ class EvictionConfig:
     seed: int = 0                        # for the random policy's generator
 
     def __post_init__(self) -> None:
-        if self.policy not in POLICY_NAMES:
-            raise ValueError(f"unknown eviction policy {self.policy!r}; choose one of {', '.join(POLICY_NAMES)}")
+        if self.policy not in policy_names():
+            raise ValueError(f"unknown eviction policy {self.policy!r}; choose one of {', '.join(policy_names())}")
         if self.score_reduce not in SCORE_REDUCE:
             raise ValueError(f"score_reduce must be 'sum' or 'mean', got {self.score_reduce!r}")
         for name in ("hh_ratio", "recent_ratio"):
@@ -157,11 +156,11 @@ class EvictionConfig:
                      if getattr(self, n) is not None]
             if given:
                 raise ValueError(f"policy 'full' keeps every token; drop {', '.join(given)} or pick an evicting "
-                                 f"policy ({', '.join(POLICY_NAMES[1:])})")
+                                 f"policy ({', '.join(n for n in policy_names() if n != 'full')})")
         elif not self._has_budget():
             raise ValueError(f"policy {self.policy!r} needs a budget: hh_ratio (--hh-ratio), hh_size/recent_size, "
                              f"or kv_budget")
-        if self.policy == "local" and self.sink_size:
+        if self.policy == "local" and self.sink_size:        # (sink is local with sinks)
             raise ValueError("policy 'local' is a plain recent window without sinks; use policy 'sink' for "
                              "sink tokens + window")
 
@@ -171,11 +170,11 @@ class EvictionConfig:
 
     @property
     def needs_scores(self) -> bool:
-        return self.policy in HEAVY_HITTER_POLICIES
+        return trait(self.policy, "needs_scores")
 
     @property
     def sinks(self) -> int:
-        return self.sink_size if self.sink_size is not None else DEFAULT_SINKS.get(self.policy, 0)
+        return self.sink_size if self.sink_size is not None else trait(self.policy, "default_sinks")
 
     def resolve(self, prompt_len: int, gen_len: int) -> Budget:
         """One sequence's slot counts, for `prompt_len` prompt tokens and `gen_len` new tokens."""
@@ -193,10 +192,10 @@ class EvictionConfig:
             heavy, recent = rest // 2, rest - rest // 2
         else:
             heavy, recent = self._heavy_recent(prompt_len)
-        if self.policy in ("local", "sink"):
+        if trait(self.policy, "window_only"):
             heavy, recent = 0, heavy + recent        # no heavy hitters: the whole share is the window
-        if self.policy == "h2o-port" and heavy < 1:
-            raise ValueError(f"h2o-port needs at least one heavy hitter (the port asserts "
+        if heavy < trait(self.policy, "min_heavy"):
+            raise ValueError(f"{self.policy} needs at least one heavy hitter (the port asserts "
                              f"int(prompt_len * hh_ratio) > 0); got {heavy} for prompt_len {prompt_len}")
         if sink + heavy + recent < 1:
             raise ValueError(f"the eviction budget is 0 slots for prompt_len {prompt_len} ({self.describe_request()}); "
@@ -215,7 +214,7 @@ class EvictionConfig:
     @property
     def per_block(self) -> bool:
         """The FlexGen port's ratio semantics: a block's budget from its padded length (--h2o-variant port)."""
-        return self.policy == "h2o-port"
+        return trait(self.policy, "per_block")
 
     def _heavy_recent(self, prompt_len: int) -> tuple[int, int]:
         heavy_given = self.hh_size is not None or self.hh_ratio is not None
@@ -231,7 +230,7 @@ class EvictionConfig:
             recent = int(self.recent_ratio * prompt_len)
         elif heavy_given:
             # the port keeps hh_k - 1 recent rows (+ the current one); elsewhere recent mirrors heavy
-            recent = max(heavy - 1, 0) if self.policy == "h2o-port" else heavy
+            recent = max(heavy - 1, 0) if self.per_block else heavy     # the port's default window
         else:
             recent = 0
         return heavy, recent
@@ -297,7 +296,7 @@ def describe_rows(budgets: Sequence[Budget], prompt_lens: Sequence[int], gen_len
                                                         ([b.recent for b in budgets], "recent")) if max(vals)]
     pct = [100.0 * b.budget / max(t, 1) for b, t in zip(budgets, totals)]
     cap = max(b.capacity for b in budgets)
-    per = "the block's longest prompt" if budgets[0].policy == "h2o-port" else "each prompt's own length"
+    per = "the block's longest prompt" if trait(budgets[0].policy, "per_block") else "each prompt's own length"
     line = (f"KV cache: {budgets[0].policy}, {_span([b.budget for b in budgets])} slots/seq "
             f"({' + '.join(parts)}; from {per}) = {_span(pct, '{:.1f}')}% of prompt + new tokens; "
             f"up to {_fmt_bytes(cap * kv_bytes_per_token)} instead of {full_bytes}")

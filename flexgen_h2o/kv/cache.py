@@ -24,6 +24,7 @@ from torch import Tensor
 
 from flexgen_h2o.kv.budget import Budget, RowBudgets
 from flexgen_h2o.kv.draws import KeyedDraws
+from flexgen_h2o.kv.registry import trait
 from flexgen_h2o.kv.select import pack_kept
 from flexgen_h2o.models import fused
 from flexgen_h2o.models.layer import KVSpec, KVView, LayerOutput
@@ -33,7 +34,6 @@ Allocator = Callable[[tuple[int, ...], torch.dtype], Tensor]
 BIG_POSITION = 1 << 40
 # the rules the compiled commit implements, by the number it knows them by (commit_step.cpp's Rule): the same
 # decisions as kv/h2o.py, which the tests hold it to
-COMPILED_RULES = {"full": 0, "h2o": 1, "h2o-avg": 2, "h2o-port": 3}
 
 
 def _plain_alloc(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
@@ -152,7 +152,7 @@ class KVCache:
         b, g, p, _ = k_new.shape
         rows = slice(first_row, first_row + b)
         positions = token_pos[:, None, :].expand(b, g, p).long()
-        if unpadded and getattr(self.policy, "keeps_every_row", False):
+        if unpadded and trait(self.policy.name, "keeps_every_row"):
             # every row, in order: slices, with no keep mask, packing, gather or host sync (the gathers alone
             # were 59 ms of the H100 profile's 1,183 ms full-cache prompt pass, benchmarks/results/suite-log/NOTES.md)
             n_keep = self._room_for(p)
@@ -226,7 +226,7 @@ class KVCache:
         slot = view.write_slot.to(self.k.device)                                        # (b, g)
         s = view.k.shape[2]
         if self._compiled_commit():
-            rule = COMPILED_RULES[self.policy.name]
+            rule = self.policy.compiled_rule
             mass = out.scores.to(self.score.device) if out.scores is not None else torch.empty(0)
             ext = fused.module()
             recent, budget = self._row_counts
@@ -246,7 +246,7 @@ class KVCache:
         implements; GPU caches and the random and window rules run kv/'s torch ops (and so does a block of unequal
         budgets under an older revision's build, whose commit takes one budget)."""
         ext = fused.module()
-        return (self.policy.name in COMPILED_RULES and self.k.device.type == "cpu" and self.k.is_contiguous()
+        return (self.policy.compiled_rule is not None and self.k.device.type == "cpu" and self.k.is_contiguous()
                 and self.k.dtype in (torch.float16, torch.float32) and ext is not None
                 and (self._uniform_counts or getattr(ext, "commit_takes_row_budgets", False)))
 

@@ -50,8 +50,6 @@ def _only_over(victim: Tensor, over: Tensor) -> Tensor:
 
 class H2OPolicy:
     """Exact H2O: argmin over {heavy hitters} ∪ {the token leaving the recent window}."""
-    name = "h2o"
-    needs_scores = True
 
     def rank(self, scores: Tensor, positions: Tensor) -> Tensor:
         """What keys are ranked by, in prefill and at every victim choice: the accumulated attention itself."""
@@ -82,7 +80,6 @@ def per_query_average(scores: Tensor, positions: Tensor) -> Tensor:
 
 class H2OAveragePolicy(H2OPolicy):
     """The exact rule, ranking by the per-query average attention instead of the sum."""
-    name = "h2o-avg"
 
     def rank(self, scores: Tensor, positions: Tensor) -> Tensor:
         return per_query_average(scores, positions)
@@ -90,7 +87,6 @@ class H2OAveragePolicy(H2OPolicy):
 
 class H2OPortPolicy(H2OPolicy):
     """The port's approximation: the token leaving the window always enters the heavy set."""
-    name = "h2o-port"
 
     def choose_victim(self, scores: Tensor, positions: Tensor, budget: Budget | RowBudgets,
                       generator: torch.Generator | None = None) -> Tensor:
@@ -108,8 +104,6 @@ class H2OPortPolicy(H2OPolicy):
 
 class RandomPolicy:
     """H2O's shape (sinks + heavy + recent) with the heavy set chosen and evicted uniformly at random."""
-    name = "random"
-    needs_scores = False
 
     def select_prefill(self, scores: Tensor | None, positions: Tensor, budget: Budget | RowBudgets,
                        generator: KeyedDraws | torch.Generator | None = None) -> Tensor:

@@ -10,14 +10,15 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from flexgen_h2o.kv.budget import POLICY_NAMES, Budget, EvictionConfig, RowBudgets
-from flexgen_h2o.kv.h2o import H2OAveragePolicy, H2OPolicy, H2OPortPolicy, RandomPolicy
-from flexgen_h2o.kv.window import FullPolicy, SinkPolicy, WindowPolicy
+from flexgen_h2o.kv.budget import Budget, EvictionConfig, RowBudgets
+from flexgen_h2o.kv.registry import get_policy
 
 
 class EvictionPolicy(Protocol):
+    # set from the policy's spec by registry.get_policy
     name: str
     needs_scores: bool          # True: attention must return the per-key mass (the slower, unfused path)
+    compiled_rule: int | None
 
     def select_prefill(self, scores: Tensor | None, positions: Tensor, budget: Budget | RowBudgets,
                        generator: torch.Generator | None = None) -> Tensor:
@@ -31,18 +32,6 @@ class EvictionPolicy(Protocol):
         positions (b, g, s) long (-1 = free) -> victim slot (b, g) long, -1 where the column is within budget."""
         ...
 
-
-_POLICIES: dict[str, EvictionPolicy] = {p.name: p for p in (FullPolicy(), H2OPolicy(), H2OPortPolicy(),
-                                                             H2OAveragePolicy(), WindowPolicy(), SinkPolicy(),
-                                                             RandomPolicy())}
-assert tuple(sorted(_POLICIES)) == tuple(sorted(POLICY_NAMES)), "registry and budget.POLICY_NAMES disagree"
-
-
-def get_policy(name: str) -> EvictionPolicy:
-    try:
-        return _POLICIES[name]
-    except KeyError:
-        raise ValueError(f"unknown eviction policy {name!r}; choose one of {', '.join(POLICY_NAMES)}") from None
 
 
 def policy_for(config: EvictionConfig, budget: Budget | RowBudgets) -> EvictionPolicy:

@@ -16,9 +16,6 @@ from flexgen_h2o.kv.select import NO_VICTIM, expand_positions, keep_prefill, old
 
 class FullPolicy:
     """Keeps every real token; the capacity is prompt_len + gen_len."""
-    name = "full"
-    needs_scores = False
-    keeps_every_row = True             # KVCache.commit_prefill writes an unpadded prompt as slices
 
     def select_prefill(self, scores: Tensor | None, positions: Tensor, budget: Budget | RowBudgets,
                        generator: torch.Generator | None = None) -> Tensor:
@@ -32,8 +29,6 @@ class FullPolicy:
 
 class WindowPolicy:
     """Sinks + a recent window; the victim is the oldest token that is not a sink."""
-    name = "local"
-    needs_scores = False
 
     def select_prefill(self, scores: Tensor | None, positions: Tensor, budget: Budget | RowBudgets,
                        generator: torch.Generator | None = None) -> Tensor:
@@ -53,4 +48,3 @@ class WindowPolicy:
 
 class SinkPolicy(WindowPolicy):
     """StreamingLLM's cache shape: attention sinks + rolling window."""
-    name = "sink"

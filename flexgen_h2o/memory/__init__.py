@@ -1,17 +1,17 @@
-"""memory/: the bytes. Tier handles, the one copy primitive, staging slots and offload-dir hygiene.
+"""memory/: the bytes. Tiers (compute, host, disk) and their byte accounting, the TieredTensor handles they hand
+out, one-slot ValueHolders for the schedule's buffers, the copy lanes the executor runs staging jobs on
+(`Transfer`), and the offload folder's hygiene (a private per-run folder, stale-folder sweep, space check).
 
 Level 1 of the import rules (LAYOUT.md §8.3): imports only torch, numpy, the stdlib and `backend/`.
 """
-from .holder import HolderStateError, ValueHolder, holder_grid
+from .holder import HolderStateError, ValueHolder
 from .offload_dir import DiskSpaceError, OffloadDir, OffloadDirError, check_space
-from .tensor import DiskFile, Index, MixedTensor, Segment, TieredTensor, normalize_index, split_sizes
-from .tier import (ComputeTier, DiskFullError, DiskTier, HostTier, MixedTier, Tier, TierFullError,
-                   drop_file_cache, drop_page_cache)
-from .transfer import CopyHandle, Transfer, TransferTimeoutError
+from .tensor import TieredTensor
+from .tier import ComputeTier, DiskFullError, DiskTier, HostTier, Tier, TierFullError, drop_file_cache
+from .transfer import Transfer
 
 __all__ = [
-    "ComputeTier", "CopyHandle", "DiskFile", "DiskFullError", "DiskSpaceError", "DiskTier", "HolderStateError",
-    "HostTier", "Index", "MixedTensor", "MixedTier", "OffloadDir", "OffloadDirError", "Segment", "Tier",
-    "TierFullError", "TieredTensor", "Transfer", "TransferTimeoutError", "ValueHolder", "check_space",
-    "drop_file_cache", "drop_page_cache", "holder_grid", "normalize_index", "split_sizes",
+    "ComputeTier", "DiskFullError", "DiskSpaceError", "DiskTier", "HolderStateError", "HostTier", "OffloadDir",
+    "OffloadDirError", "Tier", "TierFullError", "TieredTensor", "Transfer", "ValueHolder", "check_space",
+    "drop_file_cache",
 ]

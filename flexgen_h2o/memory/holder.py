@@ -41,15 +41,5 @@ class ValueHolder(Generic[T]):
             raise HolderStateError(f"holder {self.name!r}: read of an empty slot")
         return self._value  # type: ignore[return-value]
 
-    def clear(self) -> None:
-        self._value = _EMPTY
-
     def __repr__(self) -> str:
         return f"ValueHolder({self.name!r}, {'full' if self.is_full else 'empty'})"
-
-
-def holder_grid(*dims: int, name: str = "") -> list:
-    """Nested lists of empty holders, e.g. holder_grid(n_layers, n_batches)[layer][batch]."""
-    if not dims:
-        return ValueHolder(name)  # type: ignore[return-value]
-    return [holder_grid(*dims[1:], name=f"{name}[{i}]") for i in range(dims[0])]

@@ -1,9 +1,9 @@
 """Tiers: where a TieredTensor's bytes live, and the engine's own byte accounting for each place.
 
 ComputeTier (the GPU on CUDA; a budgeted host pool on CPU, so placements like `--percent 20 80` mean the same
-thing everywhere), HostTier (CPU RAM, optionally pinned), DiskTier (one real `.npy` file per tensor) and
-MixedTier (one logical tensor split along a dim across the others). FlexGen's TorchDevice / TorchDisk /
-TorchMixedDevice (ANCHORS.md §1.3). Every tier counts `current_bytes` and `peak_bytes` of what it handed out.
+thing everywhere), HostTier (CPU RAM, optionally pinned) and DiskTier (one real `.npy` file per tensor). FlexGen's
+TorchDevice / TorchDisk (ANCHORS.md §1.3). Every tier counts `current_bytes` and `peak_bytes` of what it handed
+out; the engine reads and writes the payloads (or a disk tensor's `torch_view`) itself.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from ..backend.base import Backend
-from .tensor import DiskFile, Index, MixedTensor, Segment, TieredTensor, region_shape, split_sizes
+from .tensor import DiskFile, TieredTensor
 
 
 RESERVED = "reserved"       # payload of a reserve() handle: accounted bytes with nothing behind them
@@ -49,7 +49,7 @@ class DiskFullError(OSError):
 
 
 class Tier:
-    """Base: allocation bookkeeping shared by every tier. Subclasses provide allocate/free/read/write."""
+    """Base: allocation bookkeeping shared by every tier. Subclasses provide allocate/free."""
     kind: ClassVar[str] = "?"
 
     def __init__(self, name: str, capacity_bytes: int | None = None) -> None:
@@ -58,10 +58,6 @@ class Tier:
         self.current_bytes = 0
         self.peak_bytes = 0
         self._lock = threading.Lock()    # tensors may be allocated or freed from copy workers
-
-    @property
-    def free_bytes(self) -> int | None:
-        return None if self.capacity_bytes is None else self.capacity_bytes - self.current_bytes
 
     def _charge(self, nbytes: int) -> None:
         with self._lock:
@@ -93,10 +89,6 @@ class Tier:
     def reset_peak(self) -> None:
         self.peak_bytes = self.current_bytes
 
-    def stats(self) -> dict[str, int | None]:
-        return {"current_bytes": self.current_bytes, "peak_bytes": self.peak_bytes,
-                "capacity_bytes": self.capacity_bytes}
-
     def allocate(self, shape: Sequence[int], dtype: torch.dtype, *, pinned: bool | None = None,
                  name: str = "") -> TieredTensor:
         raise NotImplementedError
@@ -104,26 +96,13 @@ class Tier:
     def free(self, t: TieredTensor) -> None:
         raise NotImplementedError
 
-    def read(self, t: TieredTensor, index: Index = None) -> Tensor:
-        raise NotImplementedError
-
-    def write(self, t: TieredTensor, index: Index, value: Tensor, *, non_blocking: bool = False) -> None:
-        raise NotImplementedError
-
-    def from_tensor(self, x: Tensor, *, dtype: torch.dtype | None = None, name: str = "",
-                    pinned: bool | None = None) -> TieredTensor:
-        """Allocate a tensor shaped like `x` here and fill it synchronously (dtype converted)."""
-        t = self.allocate(tuple(x.shape), dtype or x.dtype, pinned=pinned, name=name)
-        self.write(t, None, x)
-        return t
-
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name!r}, current={self.current_bytes}, peak={self.peak_bytes})"
 
 
 # --- memory tiers ---
 class _MemoryTier(Tier):
-    """A tier whose payloads are plain torch tensors; read returns a live view."""
+    """A tier whose payloads are plain torch tensors."""
 
     def __init__(self, backend: Backend, name: str, capacity_bytes: int | None) -> None:
         super().__init__(name, capacity_bytes)
@@ -159,12 +138,6 @@ class _MemoryTier(Tier):
     def free(self, t: TieredTensor) -> None:
         self._release(t)
 
-    def read(self, t: TieredTensor, index: Index = None) -> Tensor:
-        return t.payload if index is None else t.payload[index]
-
-    def write(self, t: TieredTensor, index: Index, value: Tensor, *, non_blocking: bool = False) -> None:
-        self.read(t, index).copy_(value, non_blocking=non_blocking)
-
 
 class ComputeTier(_MemoryTier):
     """The compute device's memory: the GPU on CUDA, a budgeted host pool on CPU."""
@@ -199,7 +172,6 @@ class HostTier(_MemoryTier):
 _NP_DTYPE = {torch.float16: np.float16, torch.float32: np.float32, torch.float64: np.float64,
              torch.bfloat16: np.uint16, torch.int8: np.int8, torch.uint8: np.uint8, torch.int16: np.int16,
              torch.int32: np.int32, torch.int64: np.int64, torch.bool: np.bool_}
-_TORCH_DTYPE = {np.dtype(v): k for k, v in _NP_DTYPE.items() if k is not torch.bfloat16}
 
 
 def _fallocate(path: str, nbytes: int) -> None:
@@ -226,17 +198,9 @@ def drop_file_cache(path: str | os.PathLike) -> int:
         os.close(fd)
 
 
-def drop_page_cache(t: TieredTensor) -> None:
-    """drop_file_cache for a disk-tier tensor."""
-    drop_file_cache(t.payload.path)
-
-
 class DiskTier(Tier):
-    """Each tensor is a real `.npy` file under `root_dir`, opened as a memmap per access and deleted on free.
-
-    Mapping per access (not once) keeps no file descriptors open and lets `drop_page_cache` evict the pages,
-    which it cannot do while a mapping holds them.
-    """
+    """Each tensor is a real `.npy` file under `root_dir`, created (blocks reserved) at allocate, mapped by
+    `torch_view` and deleted on free or close."""
     kind = "disk"
 
     def __init__(self, root_dir: str | os.PathLike, capacity_bytes: int | None = None, name: str = "disk") -> None:
@@ -244,8 +208,7 @@ class DiskTier(Tier):
         self.root_dir = Path(root_dir)
         self.root_dir.mkdir(parents=True, exist_ok=True)
         self._seq = itertools.count()
-        self._live: dict[int, TieredTensor] = {}
-        self._owned: set[int] = set()
+        self._live: dict[int, TieredTensor] = {}     # what close() still has to delete
 
     def allocate(self, shape: Sequence[int], dtype: torch.dtype, *, pinned: bool | None = None,
                  name: str = "") -> TieredTensor:
@@ -271,115 +234,26 @@ class DiskTier(Tier):
             raise
         t.payload = DiskFile(path, offset, np.dtype(_NP_DTYPE[dtype]))
         self._live[id(t)] = t
-        self._owned.add(id(t))
         return t
 
-    def open_npy(self, path: str | os.PathLike, name: str = "") -> TieredTensor:
-        """Wrap an existing `.npy` (e.g. converted weights) without copying; free() leaves the file alone."""
-        mm = np.load(path, mmap_mode="r")
-        if mm.dtype not in _TORCH_DTYPE or mm.dtype.hasobject or not mm.flags.c_contiguous:
-            raise TypeError(f"{path}: unsupported .npy layout ({mm.dtype}, C-order required)")
-        t = TieredTensor(tuple(mm.shape), _TORCH_DTYPE[mm.dtype], self,
-                         DiskFile(str(path), int(mm.offset), mm.dtype), name or Path(path).stem)
-        self._live[id(t)] = t
-        return t
-
-    def _map(self, t: TieredTensor, index: Index, mode: str) -> Tensor:
+    def torch_view(self, t: TieredTensor) -> Tensor:
+        """Shared, writable zero-copy view of the file: writes land in it."""
         f: DiskFile = t.payload
         if f is None:
             raise RuntimeError(f"use of freed {t!r}")
         if t.numel == 0:                     # mmap cannot map zero bytes
-            return torch.empty(region_shape(t.shape, index), dtype=t.dtype)
-        arr = np.memmap(f.path, dtype=f.np_dtype, mode=mode, offset=f.offset, shape=t.shape)
-        x = torch.from_numpy(arr)
-        if t.dtype is torch.bfloat16:
-            x = x.view(torch.bfloat16)
-        return x if index is None else x[index]
-
-    def read(self, t: TieredTensor, index: Index = None) -> Tensor:
-        """Zero-copy view of `t[index]`. A private (copy-on-write) mapping: writing to it never reaches the file."""
-        return self._map(t, index, "c")
-
-    def torch_view(self, t: TieredTensor, index: Index = None) -> Tensor:
-        """Shared, writable zero-copy view: writes land in the file."""
-        return self._map(t, index, "r+")
-
-    def write(self, t: TieredTensor, index: Index, value: Tensor, *, non_blocking: bool = False) -> None:
-        if t.numel:
-            self._map(t, index, "r+").copy_(value)
+            return torch.empty(t.shape, dtype=t.dtype)
+        x = torch.from_numpy(np.memmap(f.path, dtype=f.np_dtype, mode="r+", offset=f.offset, shape=t.shape))
+        return x.view(torch.bfloat16) if t.dtype is torch.bfloat16 else x
 
     def free(self, t: TieredTensor) -> None:
-        path = t.payload.path if t.payload is not None else None
-        if id(t) in self._owned:
-            self._release(t)
-            self._owned.discard(id(t))
-            if os.path.exists(path):
-                os.remove(path)
-        elif t.payload is None:
-            raise RuntimeError(f"double free of {t!r}")
-        else:
-            t.payload = None
+        path = None if t.freed else t.payload.path
+        self._release(t)                     # raises on a double free, before the file is touched
         self._live.pop(id(t), None)
-
-    def drop_page_cache(self, t: TieredTensor) -> None:
-        drop_page_cache(t)
+        if os.path.exists(path):
+            os.remove(path)
 
     def close(self) -> None:
         """Free (delete) every tensor still allocated here."""
         for t in list(self._live.values()):
             self.free(t)
-
-
-# --- mixed tier ---
-class MixedTier(Tier):
-    """Splits each tensor along `dim` across `tiers` by `fracs` (boundaries rounded to `granule` rows).
-
-    For KV, dim is the batch dim and granule 1: whole sequences per tier, never a split by token position.
-    """
-    kind = "mixed"
-
-    def __init__(self, tiers: Sequence[Tier], fracs: Sequence[float], *, dim: int = 0, granule: int = 1,
-                 name: str = "mixed") -> None:
-        super().__init__(name)
-        if len(tiers) != len(fracs) or not 1 <= len(tiers) <= 3:
-            raise ValueError("a mixed tier needs one to three tiers and one fraction each")
-        self.tiers, self.fracs, self.dim, self.granule = list(tiers), list(fracs), dim, granule
-        split_sizes(1, self.fracs)    # validate the fractions now, not at first allocation
-
-    def allocate(self, shape: Sequence[int], dtype: torch.dtype, *, pinned: bool | None = None,
-                 name: str = "") -> MixedTensor:
-        shape = tuple(int(s) for s in shape)
-        segments: list[Segment] = []
-        start = 0
-        try:
-            for i, (tier, n) in enumerate(zip(self.tiers, split_sizes(shape[self.dim], self.fracs, self.granule))):
-                if n:
-                    part = shape[:self.dim] + (n,) + shape[self.dim + 1:]
-                    seg_t = tier.allocate(part, dtype, pinned=pinned, name=f"{name}.{i}" if name else "")
-                    segments.append(Segment(start, start + n, seg_t))
-                start += n
-        except BaseException:
-            for s in segments:              # no half-allocated tensor leaks bytes on the other tiers
-                s.tensor.free()
-            raise
-        t = MixedTensor(shape, dtype, self, segments, name, dim=self.dim, segments=segments)
-        self._charge(t.nbytes)
-        return t
-
-    def free(self, t: TieredTensor) -> None:
-        for s in t.segments:
-            s.tensor.free()
-        self._release(t)
-        t.segments = []
-
-    def read(self, t: TieredTensor, index: Index = None, *, device: torch.device | str = "cpu") -> Tensor:
-        """Gather `t[index]` (slices only) into a new tensor on `device`."""
-        out = torch.empty(region_shape(t.shape, index), dtype=t.dtype, device=device)
-        for seg, seg_idx, rel in t.locate(index):
-            out[rel].copy_(seg.tensor.read(seg_idx))
-        return out
-
-    def write(self, t: TieredTensor, index: Index, value: Tensor, *, non_blocking: bool = False) -> None:
-        value = value.expand(region_shape(t.shape, index))
-        for seg, seg_idx, rel in t.locate(index):
-            seg.tensor.tier.write(seg.tensor, seg_idx, value[rel], non_blocking=non_blocking)

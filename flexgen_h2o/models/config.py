@@ -1,6 +1,7 @@
 """ModelConfig: one frozen description of an OPT or Llama-family decoder, plus named presets.
 
-Owns shapes and hyper-parameters only; imports nothing from the package. Sources for the preset numbers:
+Owns shapes and hyper-parameters only; imports nothing from the package (reading a config.json asks the
+family registry, models/families.py, which family reads it). Sources for the preset numbers:
 the HF config.json of each checkpoint (ANCHORS.md §3.4, §3.5).
 """
 from __future__ import annotations
@@ -164,7 +165,7 @@ class CheckpointConfigError(ModelNameError):
 _MISSING = object()
 
 
-class _Fields:
+class HFFields:
     """Typed reads of an HF config dict; every problem is a CheckpointConfigError naming `where` and the key.
     JSON null counts as absent, as transformers writes null for unset optional fields."""
 
@@ -208,7 +209,12 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _first(d: dict[str, Any], *keys: str, default: Any = None) -> Any:
+def _listing(items: list[str], last: str) -> str:
+    """'a, b or c'."""
+    return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} {last} {items[-1]}"
+
+
+def first_set(d: dict[str, Any], *keys: str, default: Any = None) -> Any:
     for k in keys:
         if d.get(k) is not None:
             return d[k]
@@ -216,60 +222,32 @@ def _first(d: dict[str, Any], *keys: str, default: Any = None) -> Any:
 
 
 def from_hf_config(hf: dict[str, Any], name: str = "custom", source: str | None = None) -> ModelConfig:
-    """Map an HF config dict (OPT, or Llama-like: llama/mistral/qwen2-style without biases) to a ModelConfig.
+    """Map an HF config dict to a ModelConfig, by the registered family that reads it (models/families.py).
     `source` (the config.json path) is what error messages name; a bad field raises CheckpointConfigError."""
     where = source or name
     if not isinstance(hf, dict):
         raise CheckpointConfigError(f"{where}: expected a JSON object of model settings, got {type(hf).__name__}; "
                                     "use the config.json saved with the checkpoint")
+    from flexgen_h2o.models.families import FAMILIES, family_for_hf     # the families import this module
     model_type = hf.get("model_type") or ""
-    archs = hf.get("architectures") or []
-    llama_like = model_type in ("llama", "mistral") or (isinstance(archs, list) and "LlamaForCausalLM" in archs)
-    if not model_type and not llama_like:
-        raise CheckpointConfigError(f"{where}: field \"model_type\" is missing; set it to \"opt\", \"llama\" or "
-                                    "\"mistral\" (flexgen_h2o runs OPT and Llama-like models)")
-    if model_type != "opt" and not llama_like:
-        raise CheckpointConfigError(f"{where}: model_type {json.dumps(model_type)} is not supported; flexgen_h2o runs "
-                                    "OPT and Llama-like models (model_type \"opt\", \"llama\" or \"mistral\")")
-    f = _Fields(hf, where, model_type or "llama")
+    family = family_for_hf(hf)
+    known = _listing([json.dumps(t) for fam in FAMILIES.values() for t in fam.hf_model_types], "or")
+    runs = f"flexgen_h2o runs {_listing([fam.label for fam in FAMILIES.values()], 'and')} models"
+    if not model_type and family is None:
+        raise CheckpointConfigError(f"{where}: field \"model_type\" is missing; set it to {known} ({runs})")
+    if family is None:
+        raise CheckpointConfigError(f"{where}: model_type {json.dumps(model_type)} is not supported; {runs} "
+                                    f"(model_type {known})")
+    f = HFFields(hf, where, model_type or family.name)
     hidden, heads = f.int("hidden_size"), f.int("num_attention_heads")
     head_dim = f.int("head_dim", None)
     if head_dim is None and hidden % heads:
         raise CheckpointConfigError(f"{where}: \"hidden_size\" ({hidden}) is not a multiple of "
                                     f"\"num_attention_heads\" ({heads}); fix one of them, or add \"head_dim\"")
     common = dict(name=name, n_layers=f.int("num_hidden_layers"), hidden_size=hidden, n_heads=heads,
-                  vocab_size=f.int("vocab_size"), max_seq_len=f.int("max_position_embeddings", 2048))
-    if model_type == "opt":
-        proj = f.int("word_embed_proj_dim", hidden)
-        pre = f.flag("do_layer_norm_before", True)
-        bias = f.flag("enable_bias", True)
-        act = f.get("activation_function", "relu", "\"relu\" (every OPT model uses it)", lambda v: v == "relu")
-        return ModelConfig(
-            family="opt", n_kv_heads=heads, head_dim=head_dim or hidden // heads, ffn_size=f.int("ffn_dim"),
-            activation=act, pre_norm=pre, word_embed_dim=proj if proj != hidden else None, attn_bias=bias,
-            mlp_bias=bias, final_norm=pre and not f.flag("_remove_final_layer_norm", False),
-            tie_word_embeddings=f.flag("tie_word_embeddings", True), bos_id=f.token("bos_token_id", 2),
-            eos_id=f.token("eos_token_id", 2), pad_id=f.token("pad_token_id", 1), **common)
-    kv_heads = f.int("num_key_value_heads", heads)
-    if heads % kv_heads:
-        raise CheckpointConfigError(f"{where}: \"num_attention_heads\" ({heads}) is not a multiple of "
-                                    f"\"num_key_value_heads\" ({kv_heads}); fix one of them")
-    rope = f.obj("rope_parameters")
-    theta = _first(rope, "rope_theta", default=None) or f.num("rope_theta", 10000.0)
-    scaling = f.obj("rope_scaling") or {k: v for k, v in rope.items() if k != "rope_theta"}
-    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-    if rope_type not in ("default", "llama3"):
-        raise ModelNameError(f"{where}: rope type {rope_type!r} is not supported (only default and llama3)")
-    if hf.get("sliding_window") and hf.get("use_sliding_window", True) and model_type == "mistral":
-        raise ModelNameError(f"{where}: sliding-window attention is not supported")
-    return ModelConfig(
-        family="llama", n_kv_heads=kv_heads, head_dim=head_dim or hidden // heads,
-        ffn_size=f.int("intermediate_size"), activation="silu", norm="rmsnorm", norm_eps=f.num("rms_norm_eps", 1e-6),
-        positions="rope", rope_theta=float(theta),
-        rope_scaling=tuple(sorted(scaling.items())) if rope_type == "llama3" else None,
-        tie_word_embeddings=f.flag("tie_word_embeddings", False), attn_bias=f.flag("attention_bias", False),
-        mlp_bias=f.flag("mlp_bias", False), bos_id=f.token("bos_token_id"), eos_id=f.token("eos_token_id"),
-        pad_id=f.token("pad_token_id"), **common)
+                  head_dim=head_dim or hidden // heads, vocab_size=f.int("vocab_size"),
+                  max_seq_len=f.int("max_position_embeddings", 2048))
+    return family.from_hf(f, common)
 
 
 def read_hf_config(path: str | os.PathLike) -> dict[str, Any]:

@@ -207,7 +207,7 @@ def _wait_for_orphans(build_dir: Path, deadline: float) -> None:
 
 def jit_build(sources: list[Path] = SOURCES, tag: str = "", wait_s: float | None = None) -> ModuleType:
     """Compile (or load from the cache) the kernels from these sources, the include folder beside them, under
-    build_lock. A tag names another build (benchmarks.common.kernels_at: an older revision's kernels)."""
+    build_lock. A tag names another build (benchmarks.studies.ab.kernels_at: an older revision's kernels)."""
     from torch.utils.cpp_extension import _get_build_directory, load     # late: it pulls in setuptools
     flags = isa_flags()
     name = jit_name(sources, tag, flags)

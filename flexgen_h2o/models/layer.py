@@ -13,6 +13,7 @@ from typing import Callable, Mapping, Protocol
 import torch
 from torch import Tensor
 
+from flexgen_h2o.formats import FP16, StorageFormat
 from flexgen_h2o.models.ops import rope_cos_sin
 
 
@@ -38,9 +39,10 @@ class KVSpec:
     n_kv_heads: int
     head_dim: int
 
-    def row_bytes(self, store_bytes: int = 2) -> int:
-        """K + V bytes plus the fp32 score and int32 position that travel with every slot, per KV head."""
-        return self.n_kv_heads * (2 * self.head_dim * store_bytes + 4 + 4)
+    def row_bytes(self, fmt: StorageFormat = FP16) -> int:
+        """K + V bytes in the cache's format plus the fp32 score and int32 position that travel with every slot,
+        per KV head."""
+        return self.n_kv_heads * (2 * fmt.nbytes(self.head_dim) + 4 + 4)
 
 
 @dataclass
@@ -59,7 +61,7 @@ class StepContext:
     def rope(self, inv_freq: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """cos, sin (b, t, d) of these positions, computed once per step: a model's layers share one frequency
         tensor (transformer._inv_freq), and each computation is a few parallel regions on a CPU (~0.35 ms at
-        batch 120 on 2 threads, benchmarks/layer_math_cost.py)."""
+        batch 120 on 2 threads, benchmarks/studies/layer_math_cost.py)."""
         key = (id(inv_freq), dtype)
         if key not in self._rope:
             self._rope[key] = (inv_freq, *rope_cos_sin(self.positions, inv_freq, dtype))   # holds the id's owner

@@ -6,7 +6,9 @@ at n_kv_heads (ANCHORS.md §2.7, §3.1).
 """
 from __future__ import annotations
 
-from flexgen_h2o.models.config import ModelConfig
+from typing import Any
+
+from flexgen_h2o.models.config import CheckpointConfigError, HFFields, ModelConfig, ModelNameError, first_set
 from flexgen_h2o.models.layer import WeightSpec
 from flexgen_h2o.models.transformer import AttentionLayer, EmbedLayer, HeadLayer, MLPLayer
 
@@ -37,8 +39,33 @@ def build_llama_layers(cfg: ModelConfig) -> list:
                _spec("mlp.up_proj.weight", p + "mlp.up_proj.weight", (f, h)),
                _spec("mlp.down_proj.weight", p + "mlp.down_proj.weight", (h, f)),
                _spec("post_attention_layernorm.weight", p + "post_attention_layernorm.weight", (h,), "ones")]
-        layers += [AttentionLayer(f"attn.{i}", cfg, attn, out_proj="o_proj"), MLPLayer(f"mlp.{i}", cfg, mlp)]
+        layers += [AttentionLayer(f"attn.{i}", cfg, attn, out_proj="o_proj", norm="input_layernorm"),
+                   MLPLayer(f"mlp.{i}", cfg, mlp, norm="post_attention_layernorm")]
     lm_name = "embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
     layers.append(HeadLayer("head", cfg, [_spec("norm.weight", "norm.weight", (h,), "ones"),
-                                          _spec("lm_head.weight", lm_name, (cfg.vocab_size, h))]))
+                                          _spec("lm_head.weight", lm_name, (cfg.vocab_size, h))], norm="norm"))
     return layers
+
+
+def llama_from_hf(f: HFFields, common: dict[str, Any]) -> ModelConfig:
+    """A Llama-like config.json's own fields (`common`: the shapes every family reads)."""
+    heads = common["n_heads"]
+    kv_heads = f.int("num_key_value_heads", heads)
+    if heads % kv_heads:
+        raise CheckpointConfigError(f"{f.where}: \"num_attention_heads\" ({heads}) is not a multiple of "
+                                    f"\"num_key_value_heads\" ({kv_heads}); fix one of them")
+    rope = f.obj("rope_parameters")
+    theta = first_set(rope, "rope_theta", default=None) or f.num("rope_theta", 10000.0)
+    scaling = f.obj("rope_scaling") or {k: v for k, v in rope.items() if k != "rope_theta"}
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type not in ("default", "llama3"):
+        raise ModelNameError(f"{f.where}: rope type {rope_type!r} is not supported (only default and llama3)")
+    if f.hf.get("sliding_window") and f.hf.get("use_sliding_window", True) and f.model_type == "mistral":
+        raise ModelNameError(f"{f.where}: sliding-window attention is not supported")
+    return ModelConfig(
+        family="llama", n_kv_heads=kv_heads, ffn_size=f.int("intermediate_size"), activation="silu",
+        norm="rmsnorm", norm_eps=f.num("rms_norm_eps", 1e-6), positions="rope", rope_theta=float(theta),
+        rope_scaling=tuple(sorted(scaling.items())) if rope_type == "llama3" else None,
+        tie_word_embeddings=f.flag("tie_word_embeddings", False), attn_bias=f.flag("attention_bias", False),
+        mlp_bias=f.flag("mlp_bias", False), bos_id=f.token("bos_token_id"), eos_id=f.token("eos_token_id"),
+        pad_id=f.token("pad_token_id"), **common)

@@ -5,7 +5,9 @@ and no final LayerNorm (ANCHORS.md §3.3).
 """
 from __future__ import annotations
 
-from flexgen_h2o.models.config import ModelConfig
+from typing import Any
+
+from flexgen_h2o.models.config import HFFields, ModelConfig
 from flexgen_h2o.models.layer import WeightSpec
 from flexgen_h2o.models.transformer import AttentionLayer, EmbedLayer, HeadLayer, MLPLayer
 
@@ -43,11 +45,27 @@ def build_opt_layers(cfg: ModelConfig) -> list:
         attn += _ln("self_attn_layer_norm", p + "self_attn_layer_norm", h)
         mlp = (_linear("fc1", p + "fc1", f, h, cfg.mlp_bias) + _linear("fc2", p + "fc2", h, f, cfg.mlp_bias)
                + _ln("final_layer_norm", p + "final_layer_norm", h))
-        layers += [AttentionLayer(f"attn.{i}", cfg, attn, out_proj="out_proj"), MLPLayer(f"mlp.{i}", cfg, mlp)]
+        layers += [AttentionLayer(f"attn.{i}", cfg, attn, out_proj="out_proj", norm="self_attn_layer_norm"),
+                   MLPLayer(f"mlp.{i}", cfg, mlp, norm="final_layer_norm")]
     head = _ln("final_layer_norm", "final_layer_norm", h) if cfg.final_norm else []
     if e != h:
         head += _linear("project_out", "project_out", e, h, bias=False)
     lm_name = "embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
     head.append(_spec("lm_head.weight", lm_name, (cfg.vocab_size, e)))
-    layers.append(HeadLayer("head", cfg, head))
+    layers.append(HeadLayer("head", cfg, head, norm="final_layer_norm"))
     return layers
+
+
+def opt_from_hf(f: HFFields, common: dict[str, Any]) -> ModelConfig:
+    """An OPT config.json's own fields (`common`: the shapes every family reads)."""
+    hidden, heads = common["hidden_size"], common["n_heads"]
+    proj = f.int("word_embed_proj_dim", hidden)
+    pre = f.flag("do_layer_norm_before", True)
+    bias = f.flag("enable_bias", True)
+    act = f.get("activation_function", "relu", "\"relu\" (every OPT model uses it)", lambda v: v == "relu")
+    return ModelConfig(
+        family="opt", n_kv_heads=heads, ffn_size=f.int("ffn_dim"), activation=act, pre_norm=pre,
+        word_embed_dim=proj if proj != hidden else None, attn_bias=bias, mlp_bias=bias,
+        final_norm=pre and not f.flag("_remove_final_layer_norm", False),
+        tie_word_embeddings=f.flag("tie_word_embeddings", True), bos_id=f.token("bos_token_id", 2),
+        eos_id=f.token("eos_token_id", 2), pad_id=f.token("pad_token_id", 1), **common)

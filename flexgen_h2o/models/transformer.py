@@ -19,10 +19,12 @@ from flexgen_h2o.models.layer import KVSpec, KVView, LayerOutput, StepContext, W
 class _Base:
     kind = ""
 
-    def __init__(self, name: str, cfg: ModelConfig, specs: list[WeightSpec]):
+    def __init__(self, name: str, cfg: ModelConfig, specs: list[WeightSpec], norm: str | None = None):
+        """norm: the weight-name prefix of the layer's norm, which each family names its own way."""
         self.name = name
         self.cfg = cfg
         self._specs = specs
+        self.norm = norm
 
     def weight_specs(self) -> list[WeightSpec]:
         return list(self._specs)
@@ -65,10 +67,9 @@ class AttentionLayer(_Base):
     """Self-attention with its norm and residual. Writes the new token into the staged KV view, then attends."""
     kind = "attn"
 
-    def __init__(self, name: str, cfg: ModelConfig, specs: list[WeightSpec], out_proj: str):
-        super().__init__(name, cfg, specs)
+    def __init__(self, name: str, cfg: ModelConfig, specs: list[WeightSpec], out_proj: str, norm: str):
+        super().__init__(name, cfg, specs, norm)
         self.out_proj = out_proj
-        self.norm_prefix = "input_layernorm" if cfg.family == "llama" else "self_attn_layer_norm"
         self.inv_freq = _inv_freq(cfg) if cfg.positions == "rope" else None
 
     def kv_spec(self) -> KVSpec:
@@ -79,7 +80,7 @@ class AttentionLayer(_Base):
 
     def forward(self, x: Tensor, w: Mapping[str, Tensor], kv: KVView | None, ctx: StepContext) -> LayerOutput:
         cfg = self.cfg
-        h = self._norm(x, w, self.norm_prefix) if cfg.pre_norm else x
+        h = self._norm(x, w, self.norm) if cfg.pre_norm else x
         q = ops.split_heads(self._proj(h, w, "q_proj"), cfg.n_heads)          # (b, h, t, d)
         k = ops.split_heads(self._proj(h, w, "k_proj"), cfg.n_kv_heads)       # (b, g, t, d)
         v = ops.split_heads(self._proj(h, w, "v_proj"), cfg.n_kv_heads)       # (b, g, t, d)
@@ -133,7 +134,7 @@ class AttentionLayer(_Base):
                          w.get(f"self_attn.{self.out_proj}.bias"))
         x = x + out
         if not self.cfg.pre_norm:
-            x = self._norm(x, w, self.norm_prefix)
+            x = self._norm(x, w, self.norm)
         return LayerOutput(hidden=x, k_new=k_store, v_new=v, scores=scores)
 
 
@@ -142,15 +143,14 @@ class MLPLayer(_Base):
     kind = "mlp"
 
     def forward(self, x: Tensor, w: Mapping[str, Tensor], kv: KVView | None, ctx: StepContext) -> LayerOutput:
-        norm = "post_attention_layernorm" if self.cfg.family == "llama" else "final_layer_norm"
-        h = self._norm(x, w, norm) if self.cfg.pre_norm else x
+        h = self._norm(x, w, self.norm) if self.cfg.pre_norm else x
         if self.cfg.activation == "silu":
             out = ops.swiglu_mlp(h, w["mlp.gate_proj.weight"], w["mlp.up_proj.weight"], w["mlp.down_proj.weight"])
         else:
             out = ops.relu_mlp(h, w["fc1.weight"], w.get("fc1.bias"), w["fc2.weight"], w.get("fc2.bias"))
         x = x + out
         if not self.cfg.pre_norm:
-            x = self._norm(x, w, norm)
+            x = self._norm(x, w, self.norm)
         return LayerOutput(hidden=x)
 
 
@@ -161,7 +161,7 @@ class HeadLayer(_Base):
     def forward(self, x: Tensor, w: Mapping[str, Tensor], kv: KVView | None, ctx: StepContext) -> LayerOutput:
         x = x[:, -1:]                            # left padding puts every sequence's last token at the end
         if self.cfg.final_norm:
-            x = self._norm(x, w, "norm" if self.cfg.family == "llama" else "final_layer_norm")
+            x = self._norm(x, w, self.norm)
         if "project_out.weight" in w:
             x = ops.linear(x, w["project_out.weight"])
         logits = ops.linear(x, w["lm_head.weight"]).float()    # a resident tied table stays fp16: upcast by rows

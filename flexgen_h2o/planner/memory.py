@@ -24,9 +24,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from flexgen_h2o.config import OffloadPolicy, split_by_fraction
+from flexgen_h2o.config import OffloadPolicy
+from flexgen_h2o.formats import WEIGHT_FORMAT, StorageFormat
 from flexgen_h2o.kv import Budget, EvictionConfig
-from flexgen_h2o.models import KVSpec, ModelConfig, StepContext, build_layers, ops, schedule_groups
+from flexgen_h2o.models import KVSpec, ModelConfig, build_layers, ops, schedule_groups
+from flexgen_h2o.planner.plan import Plan
 from flexgen_h2o.weights.placement import choose_home, is_lookup_table, resident_dtype
 
 TIERS = ("compute", "host", "disk")
@@ -54,82 +56,63 @@ class Estimate:
         self.bytes[tier][part] += int(n)
 
 
-def _sizes(split: list[tuple[int, int, str]]) -> list[tuple[int, str]]:
-    return [(hi - lo, tier) for lo, hi, tier in split]
-
-
-def batch_sizes(n_seqs: int, gpu_batch_size: int) -> list[int]:
-    """Sizes of the GPU batches the engine cuts a block of n_seqs sequences into."""
-    return [min(gpu_batch_size, n_seqs - lo) for lo in range(0, n_seqs, gpu_batch_size)]
-
-
-def kv_slot_bytes(model: ModelConfig, kv_dtype_bytes: int) -> int:
+def kv_slot_bytes(model: ModelConfig, fmt: StorageFormat) -> int:
     """One slot of one sequence in one attention layer (KVSpec.row_bytes: K + V, fp32 score, int32 position)."""
-    return KVSpec(model.n_kv_heads, model.head_dim).row_bytes(kv_dtype_bytes)
+    return KVSpec(model.n_kv_heads, model.head_dim).row_bytes(fmt)
 
 
 def estimate(model: ModelConfig, offload: OffloadPolicy, eviction: EvictionConfig, *, prompt_len: int,
              gen_len: int, n_seqs: int | None = None, compute_dtype_bytes: int = 4,
              dummy_store_bytes: int = 0, device_type: str | None = None, real_weights: bool = False) -> Estimate:
     """Peak bytes per tier of one block of `n_seqs` prompts (default: a full block) padded to `prompt_len`,
-    generating `gen_len` tokens. compute_dtype_bytes: 4 on CPU (fp32 compute), 2 on CUDA.
+    generating `gen_len` tokens (Plan.for_shape). compute_dtype_bytes: 4 on CPU (fp32 compute), 2 on CUDA.
     dummy_store_bytes: a dummy store that will be written before the run (counted on disk). device_type:
     "cpu" or "cuda"; by default inferred from compute_dtype_bytes, which misreads an fp32 engine on CUDA.
     real_weights: read from a converted store, not drawn through the dummy loader's scratch (allocator_bytes)."""
-    offload = offload.validate()
-    n = min(n_seqs or offload.block_size, offload.block_size)
-    c = compute_dtype_bytes
-    kv_b = 4 if offload.kv_dtype == "float32" else 2
-    budget = eviction.resolve(prompt_len, gen_len)
-    est = Estimate(budget=budget, n_seqs=n, prompt_len=prompt_len, gen_len=gen_len)
+    device_type = device_type or ("cpu" if compute_dtype_bytes == 4 else "cuda")   # the CLI: fp32 only on a CPU
+    plan = Plan.for_shape(model, offload, eviction, prompt_len=prompt_len, gen_len=gen_len, n_seqs=n_seqs,
+                          device_type=device_type, compute_itemsize=compute_dtype_bytes)
+    return plan_bytes(plan, dummy_store_bytes=dummy_store_bytes, real_weights=real_weights)
+
+
+def plan_bytes(plan: Plan, *, dummy_store_bytes: int = 0, real_weights: bool = False) -> Estimate:
+    """A plan's peak bytes per tier and part, and (a CPU run) what malloc keeps beyond them."""
+    model, offload, c = plan.model, plan.offload, plan.compute_itemsize
+    est = Estimate(budget=plan.budgets.rows[0], n_seqs=plan.n_seqs, prompt_len=plan.prompt_len,
+                   gen_len=plan.gen_len)
     layers = build_layers(model)
-    device_type = device_type or ("cpu" if c == 4 else "cuda")     # the CLI computes in fp32 only on a CPU
-    _weights(est, layers, offload, c, device_type)
+    _weights(est, layers, offload, c, plan.device_type)
     est.add("disk", "weights", dummy_store_bytes)
-    est.model_bytes = model.n_params() * 2
-
-    # --- KV: a full block's caches, split by sequences ---
-    n_attn = sum(1 for layer in layers if layer.kind == "attn")
-    slot = kv_slot_bytes(model, kv_b)
-    for b in batch_sizes(n, offload.gpu_batch_size):
-        for k, tier in _sizes(split_by_fraction(b, offload.tier_fractions("cache"))):
-            est.add(tier, "kv", n_attn * k * budget.capacity * slot)
+    est.model_bytes = WEIGHT_FORMAT.nbytes(model.n_params())
+    for tier, n in plan.kv_bytes().items():
+        est.add(tier, "kv", n)
     est.kv_bytes = sum(est.bytes[t]["kv"] for t in TIERS)
-    est.full_kv_bytes = n_attn * n * (prompt_len + gen_len) * slot
-
-    # --- activations: hidden states resting between layers, in compute dtype ---
-    m = model.hidden_size
-    by_rows = offload.prefill_by_rows(device_type)
-    for b in batch_sizes(n, offload.gpu_batch_size):
-        est.add("compute", "activations", b * model.vocab_size * 4)      # the batch's fp32 step-0 logits
-        for k, tier in _sizes(split_by_fraction(b, offload.tier_fractions("act"))):
-            # off-compute parts keep a prefill buffer (unless prefilled by rows) and a decode buffer
-            rows = 1 if by_rows else prompt_len if tier == "compute" else prompt_len + 1
-            est.add(tier, "activations", k * rows * m * c)
+    est.full_kv_bytes = model.n_layers * plan.n_seqs * (plan.prompt_len + plan.gen_len) * plan.slot_bytes()
+    for tier, n in plan.activation_bytes().items():
+        est.add(tier, "activations", n)
 
     # --- workspace on the compute tier ---
-    gbs = min(offload.gpu_batch_size, n)
+    gbs = min(offload.gpu_batch_size, plan.n_seqs)
     windows = 2 if offload.overlap else 1
     # staged KV window of the current and the next batch: k and v upcast to compute dtype, plus masks and
     # positions. Where the cache is read in place (OffloadPolicy.kv_read_in_place, the engine's rule), it is
     # upcast a few MB at a time into the linear layers' scratch: only the fp32 logits and probabilities remain
-    in_place = offload.kv_read_in_place(device_type, eviction.position_rolling, gbs)
+    in_place = offload.kv_read_in_place(plan.device_type, plan.eviction.position_rolling, gbs)
     per_slot = 2 * (model.n_heads // model.n_kv_heads) * 4 if in_place else 2 * model.head_dim * c
-    est.add("compute", "workspace", windows * gbs * model.n_kv_heads * budget.capacity * (per_slot + 16))
-    rows = offload.prefill_rows(gbs, prompt_len, device_type)
-    block = (ops.score_block_bytes(rows, model.n_heads, prompt_len, StepContext.query_chunk, device_type)
-             if eviction.needs_scores else 0)
-    est.add("compute", "workspace", model.workspace_bytes(rows, prompt_len, c, block))
-    if device_type == "cpu":            # on a GPU the transients are device memory, not malloc's
+    est.add("compute", "workspace", windows * gbs * model.n_kv_heads * plan.capacity * (per_slot + 16))
+    est.add("compute", "workspace", plan.layer_workspace())
+    if plan.device_type == "cpu":            # on a GPU the transients are device memory, not malloc's
         heap_live = est.bytes["compute"]["activations"] + est.bytes["host"]["activations"]
-        for b in batch_sizes(n, offload.gpu_batch_size):
-            for k, tier in _sizes(split_by_fraction(b, offload.tier_fractions("cache"))):
+        for b in plan.batches:
+            for lo, hi, tier in b.cache:
                 if tier != "disk":         # disk parts are memmaps of the offload files
-                    heap_live += n_attn * _heap_served(_kv_tensors(model, k, budget.capacity, kv_b))
+                    heap_live += model.n_layers * _heap_served(_kv_tensors(model, hi - lo, plan.capacity,
+                                                                           plan.kv_format))
         # (the previous block's caches are dropped before a block allocates: Engine._generate_block)
-        est.beyond_tiers = allocator_bytes(model, rows, prompt_len, c, block, heap_live,
+        rows, tokens = plan.prefill_rows, plan.prompt_len
+        est.beyond_tiers = allocator_bytes(model, rows, tokens, c, plan.score_block, heap_live,
                                            loader_scratch=0 if real_weights else LOADER_SCRATCH)
-        if ops.onednn_may_run(rows * prompt_len):
+        if ops.onednn_may_run(rows * tokens):
             est.beyond_tiers["oneDNN"] = ONEDNN_BYTES
     return est
 
@@ -142,7 +125,7 @@ def _weights(est: Estimate, layers: list, offload: OffloadPolicy, c: int, device
     staged_per_layer: list[int] = []
     for layer in layers:
         specs = layer.weight_specs()
-        homes = choose_home([s.numel * 2 for s in specs], offload.tier_fractions("weights"))
+        homes = choose_home([WEIGHT_FORMAT.nbytes(s.numel) for s in specs], offload.tier_fractions("weights"))
         staged = 0
         for spec, home in zip(specs, homes):
             if spec.name in home_of:               # a tied tensor keeps its first home, but is staged again
@@ -152,9 +135,9 @@ def _weights(est: Estimate, layers: list, offload: OffloadPolicy, c: int, device
                 if home == "compute":
                     est.add("compute", "weights", spec.numel * resident_dtype(spec.shape, device, dtype).itemsize)
                 elif home == "host":
-                    est.add("host", "weights", spec.numel * 2)
+                    est.add("host", "weights", WEIGHT_FORMAT.nbytes(spec.numel))
                 else:
-                    est.store_bytes += spec.numel * 2
+                    est.store_bytes += WEIGHT_FORMAT.nbytes(spec.numel)
             if home != "compute" and not is_lookup_table(layer, spec):
                 # placement._stage_one: matrices stay fp16 (a host one on a CPU is used in place); vectors
                 # take the compute dtype; offloaded embedding tables are read by row, never staged
@@ -210,10 +193,10 @@ def _heap_served(sizes: list[int]) -> int:
     return sum(s for s in sizes if s < MMAP_CEILING)
 
 
-def _kv_tensors(model: ModelConfig, seqs: int, capacity: int, kv_b: int) -> list[int]:
+def _kv_tensors(model: ModelConfig, seqs: int, capacity: int, fmt: StorageFormat) -> list[int]:
     """One cache part's tensors (KVCache: k, v, fp32 score, int32 position)."""
     slots = seqs * model.n_kv_heads * capacity
-    return [slots * model.head_dim * kv_b] * 2 + [slots * 4] * 2
+    return [fmt.nbytes(slots * model.head_dim)] * 2 + [slots * 4] * 2
 
 
 def allocator_bytes(model: ModelConfig, rows: int, tokens: int, itemsize: int, score_block: int,

@@ -161,9 +161,7 @@ def _candidates(offload: OffloadPolicy, eviction: EvictionConfig) -> list[tuple[
     ]
     for what, pct in moves:
         if tuple(pct) != offload.percent:
-            new = OffloadPolicy.from_percent(pct, **{k: getattr(offload, k) for k in (
-                "gpu_batch_size", "num_gpu_batches", "overlap", "pin_weight", "cpu_cache_compute", "sep_layer",
-                "kv_dtype", "compute_budget_bytes")})
+            new = offload.with_percent(pct)
             out.append((f"{_percent_args(new)} ({what})", new, eviction))
     gbs = offload.gpu_batch_size
     while gbs > 1:

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from flexgen_h2o.formats import WEIGHT_FORMAT
 from flexgen_h2o.models.layer import WeightSpec
 from flexgen_h2o.weights.staging import RowLookup, StagingPool, file_rows, host_rows, read_file_range
 
@@ -78,14 +79,14 @@ class WeightPlacement:
         self.resident_bytes: Counter = Counter()  # (tier) -> bytes homed there
         for layer in layers:
             specs = layer.weight_specs()
-            homes = choose_home([s.numel * 2 for s in specs], fractions)
+            homes = choose_home([WEIGHT_FORMAT.nbytes(s.numel) for s in specs], fractions)
             for spec, home in zip(specs, homes):
                 if spec.name in self.home_of:      # a tied tensor keeps its first home
                     continue
                 self.home_of[spec.name] = home
                 if home == "disk" and locate is not None:
                     self._disk[spec.name] = (*locate(spec.name), tuple(spec.shape))
-                    self.resident_bytes["disk"] += spec.numel * 2
+                    self.resident_bytes["disk"] += WEIGHT_FORMAT.nbytes(spec.numel)
                     continue
                 array = read(spec.name)
                 if tuple(array.shape) != tuple(spec.shape):
@@ -124,7 +125,7 @@ class WeightPlacement:
     def layer_bytes(self, index: int) -> int:
         """Bytes one stage(index) reads as whole tensors (embedding tables are read by row)."""
         layer = self.layers[index]
-        return sum(s.numel * 2 for s in layer.weight_specs() if not is_lookup_table(layer, s))
+        return sum(WEIGHT_FORMAT.nbytes(s.numel) for s in layer.weight_specs() if not is_lookup_table(layer, s))
 
     def stage(self, index: int) -> Mapping[str, Tensor | RowLookup]:
         """The layer's weights on the compute device (see _stage_one for dtypes). Offloaded embedding tables come as a

@@ -21,6 +21,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
+from flexgen_h2o.formats import WEIGHT_FORMAT
 from flexgen_h2o.memory.tensor import TieredTensor
 
 
@@ -108,7 +109,7 @@ def host_rows(table: Tensor) -> Callable[[Tensor], Tensor]:
 def file_rows(path: Path, offset: int, shape: tuple[int, int]) -> Callable[[Tensor], Tensor]:
     """Rows of an fp16 (n, m) table stored C-order at `offset` in `path`, one positioned read per run of
     consecutive ids."""
-    row_bytes = shape[1] * 2
+    row_bytes = WEIGHT_FORMAT.nbytes(shape[1])
 
     def read(unique: Tensor) -> Tensor:
         out = torch.empty((len(unique), shape[1]), dtype=torch.float16)

@@ -18,13 +18,14 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from flexgen_h2o.formats import WEIGHT_FORMAT
 from flexgen_h2o.models.config import PRESETS, ModelConfig
 from flexgen_h2o.models.layer import WeightSpec
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 TOKENIZER_DIR = "tokenizer"
-DTYPE = np.dtype("<f2")
+DTYPE = WEIGHT_FORMAT.numpy_dtype
 ENV_HOME = "FLEXGEN_H2O_HOME"
 
 

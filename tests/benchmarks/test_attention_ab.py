@@ -1,8 +1,8 @@
-"""benchmarks/attention_ab.py: loading another revision's attention function, and the ratio arithmetic."""
+"""benchmarks/studies/attention_ab.py: loading another revision's attention function, and the ratio arithmetic."""
 import pytest
 import torch
 
-from benchmarks.attention_ab import old_attention, ratios
+from benchmarks.studies.attention_ab import old_attention, ratios
 from flexgen_h2o.models import ops
 
 

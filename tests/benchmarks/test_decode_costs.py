@@ -1,11 +1,12 @@
-"""benchmarks/commit_cost.py and benchmarks/decode_ab.py: tiny runs time both sides of each comparison (no timing
-is asserted) and check what they must check (the same cache state; one median per call and side)."""
+"""benchmarks/studies/commit_cost.py and benchmarks/studies/decode_ab.py: tiny runs time both sides of each
+comparison (no timing is asserted) and check what they must check (the same cache state; one median per call and
+side)."""
 import json
 import os
 
 import pytest
 
-from benchmarks import commit_cost, decode_ab, layer_math_cost, linear_cost
+from benchmarks.studies import ab, commit_cost, decode_ab, layer_math_cost, linear_cost
 
 
 @pytest.mark.parametrize("policy", ["h2o", "h2o-avg", "h2o-port"])
@@ -98,7 +99,7 @@ def test_decode_ab_base_times_another_build_of_the_kernels(kernel, tmp_path, mon
     calls = []
     base = SimpleNamespace(**{name: getattr(current, name) for name in dir(current) if not name.startswith("_")})
     base.half_linear = lambda *a: calls.append(1) or current.half_linear(*a)
-    monkeypatch.setattr(decode_ab, "kernels_at", lambda rev: base if rev == "abc123" else pytest.fail(rev))
+    monkeypatch.setattr(ab, "kernels_at", lambda rev: base if rev == "abc123" else pytest.fail(rev))
     assert decode_ab.main(["--batch", "2", "--prompt-len", "24", "--steps", "3", "--repeats", "2", "--cases", "h2o",
                            "--hh-size", "4", "--recent-size", "4", "--threads", "1", "--out", str(tmp_path),
                            "--base", "abc123"]) == 0
@@ -112,13 +113,13 @@ def test_decode_ab_base_times_another_build_of_the_kernels(kernel, tmp_path, mon
 
 def test_kernels_at_builds_the_revisions_own_sources(tmp_path, monkeypatch):
     import subprocess
-    from benchmarks.common import REPO_ROOT, kernels_at
+    from benchmarks.common import REPO_ROOT
     from flexgen_h2o.models import fused
     built = {}
     monkeypatch.setattr(fused, "build", lambda sources, tag: built.update(sources=sources, tag=tag) or "module")
     head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=REPO_ROOT, capture_output=True,
                           text=True, check=True).stdout.strip()
-    assert kernels_at("HEAD") == "module" and built["tag"] == f"_{head}"     # the commit, not the moving name
+    assert ab.kernels_at("HEAD") == "module" and built["tag"] == f"_{head}"     # the commit, not the moving name
     names = {p.name for p in built["sources"]}
     assert "bindings.cpp" in names and "half_linear.cpp" in names
     for path in built["sources"]:

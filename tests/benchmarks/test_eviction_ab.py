@@ -1,7 +1,7 @@
-"""benchmarks/eviction_ab.py: the cache columns it times, and one tiny end-to-end run against HEAD."""
+"""benchmarks/studies/eviction_ab.py: the cache columns it times, and one tiny end-to-end run against HEAD."""
 import json
 
-from benchmarks.eviction_ab import cache_columns, main
+from benchmarks.studies.eviction_ab import cache_columns, main
 
 
 def test_columns_hold_heavy_past_a_consecutive_window_and_one_free_slot():

@@ -1,9 +1,9 @@
-"""benchmarks/openvino_ruler.py's budget mapping and scoring glue: pure, no OpenVINO virtualenv needed."""
+"""benchmarks/studies/openvino_ruler.py's budget mapping and scoring glue: pure, no OpenVINO virtualenv needed."""
 from __future__ import annotations
 
 import pytest
 
-from benchmarks.openvino_ruler import answer_text, budget_slots, make_jobs, ov_sizes, score, table
+from benchmarks.studies.openvino_ruler import answer_text, budget_slots, make_jobs, ov_sizes, score, table
 
 
 @pytest.mark.parametrize("lens, label, slots", [

@@ -1,9 +1,9 @@
-"""benchmarks/policy_cost.py: one tiny run times every scoring policy on the same over-budget columns."""
+"""benchmarks/studies/policy_cost.py: one tiny run times every scoring policy on the same over-budget columns."""
 import json
 
 import pytest
 
-from benchmarks.policy_cost import POLICIES, main
+from benchmarks.studies.policy_cost import POLICIES, main
 
 
 def test_tiny_run_times_every_policy(tmp_path, capsys):

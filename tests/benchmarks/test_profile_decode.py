@@ -1,9 +1,9 @@
-"""benchmarks/profile_decode.py: op grouping and the per-step arithmetic (no timing is asserted)."""
+"""benchmarks/studies/profile_decode.py: op grouping and the per-step arithmetic (no timing is asserted)."""
 import argparse
 
 import pytest
 
-from benchmarks.profile_decode import OUTSIDE, group_of, grouped, markdown, named_kernels
+from benchmarks.studies.profile_decode import OUTSIDE, group_of, grouped, markdown, named_kernels
 
 
 def test_ops_fall_into_their_groups():
@@ -55,9 +55,9 @@ def test_markdown_states_the_ratio_to_the_bound():
 
 def test_percent_places_the_weights_and_the_bound_counts_the_disk_share():
     from benchmarks.machine import bound
-    from benchmarks.profile_decode import offload_policy, step_bound
+    from benchmarks.studies.profile_decode import offload_policy, step_bound
     from flexgen_h2o.models import resolve_model
-    from benchmarks.profile_decode import build_parser
+    from benchmarks.studies.profile_decode import build_parser
     resident = offload_policy(argparse.Namespace(batch=8, percent=None))   # no --percent: all resident
     args = build_parser().parse_args(["--dummy-weights", "--batch", "8", "--percent", "0", "0", "100", "0", "100", "0"])
     on_disk = offload_policy(args)
@@ -79,7 +79,7 @@ def test_percent_places_the_weights_and_the_bound_counts_the_disk_share():
 
 
 def test_gemm_flops_reads_the_factors_from_the_input_shapes():
-    from benchmarks.profile_decode import gemm_flops
+    from benchmarks.studies.profile_decode import gemm_flops
     assert gemm_flops("aten::mm", [[4096, 576], [576, 1536]]) == 2.0 * 4096 * 576 * 1536
     assert gemm_flops("aten::mm", [[128, 2048], [2048, 64], [128, 64]]) == 2.0 * 128 * 2048 * 64   # out= last
     assert gemm_flops("aten::bmm", [[9, 128, 64], [9, 64, 2048]]) == 2.0 * 9 * 128 * 64 * 2048
@@ -90,7 +90,7 @@ def test_gemm_flops_reads_the_factors_from_the_input_shapes():
 
 
 def test_shapes_flag_adds_the_gemm_table():
-    from benchmarks.profile_decode import build_parser, markdown
+    from benchmarks.studies.profile_decode import build_parser, markdown
     a = build_parser().parse_args(["--phase", "prefill", "--shapes"])
     assert a.shapes
     entry = {"step_ms_median": 10.0, "step_ms_profiled_median": 11.0, "timed": "self CPU", "busy_ms_per_step": 9.0,
@@ -107,7 +107,7 @@ def test_shapes_flag_adds_the_gemm_table():
 def test_gemm_by_shape_groups_a_real_profile():
     import torch
     from torch.profiler import profile
-    from benchmarks.profile_decode import gemm_by_shape
+    from benchmarks.studies.profile_decode import gemm_by_shape
     a, b = torch.randn(256, 128), torch.randn(128, 192)   # big enough for a nonzero time
     with profile(record_shapes=True) as prof:
         for _ in range(3):

@@ -1,9 +1,10 @@
-"""benchmarks/prompt_attention.py: one tiny run times the three prompt-attention paths (no timing asserted)."""
+"""benchmarks/studies/prompt_attention.py: one tiny run times the three prompt-attention paths (no timing
+asserted)."""
 import json
 
 import pytest
 
-from benchmarks.prompt_attention import CASES, main
+from benchmarks.studies.prompt_attention import CASES, main
 from flexgen_h2o.models import fused
 
 
@@ -23,13 +24,13 @@ def test_base_times_another_build_of_the_kernel_and_puts_the_built_one_back(tmp_
     working tree's build is in place afterwards."""
     from types import SimpleNamespace
 
-    import benchmarks.prompt_attention as bench
+    from benchmarks.studies import ab
     built = fused.module()
     if built is None:
         pytest.skip(f"compiled prompt attention unavailable: {fused.unavailable_reason()}")
     calls = []
     other = SimpleNamespace(scored_prompt_attention=lambda *a: calls.append(1) or built.scored_prompt_attention(*a))
-    monkeypatch.setattr(bench, "kernels_at", lambda rev: other if rev == "abc123" else None)
+    monkeypatch.setattr(ab, "kernels_at", lambda rev: other if rev == "abc123" else None)
     assert main(["--batch", "1", "--prompt-len", "24", "--repeats", "2", "--threads", "1", "--base", "abc123",
                  "--out", str(tmp_path)]) == 0
     result = json.loads((tmp_path / "results.json").read_text())

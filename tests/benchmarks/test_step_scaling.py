@@ -1,7 +1,7 @@
-"""benchmarks/step_scaling.py: the slope arithmetic and the target check (no timing is asserted)."""
+"""benchmarks/studies/step_scaling.py: the slope arithmetic and the target check (no timing is asserted)."""
 import pytest
 
-from benchmarks.step_scaling import prompts_for, slope_and_error, summarize
+from benchmarks.studies.step_scaling import prompts_for, slope_and_error, summarize
 
 
 def call(case, length, seconds, rep=0):

@@ -6,7 +6,7 @@ import random
 import pytest
 
 from flexgen_h2o.config import ConfigError, GenerationConfig, OffloadPolicy
-from flexgen_h2o.frontends.batch import check_context, padding_tokens, plan_blocks, run_blocks
+from flexgen_h2o.schedule.blocks import check_context, padding_tokens, plan_blocks, run_blocks
 from tests.helpers import make_engine, random_prompts, tiny_hf
 
 

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from flexgen_h2o.kv import Budget, get_policy
-from flexgen_h2o.kv.cache import COMPILED_RULES, KVCache
+from flexgen_h2o.kv import policy_names, trait
+from flexgen_h2o.kv.cache import KVCache
 from flexgen_h2o.models.layer import KVSpec, KVView, LayerOutput
 
 B, G, CAP, D = 7, 3, 24, 16
@@ -56,7 +57,7 @@ def _step(cache: KVCache, seed: int, with_mass: bool) -> None:
     cache.commit_decode(view, out, torch.arange(B) + newest + 1)
 
 
-@pytest.mark.parametrize("policy", sorted(COMPILED_RULES))
+@pytest.mark.parametrize("policy", sorted(n for n in policy_names() if trait(n, "compiled_rule") is not None))
 @pytest.mark.parametrize("sink, heavy, recent", [(0, 6, 6), (2, 5, 3), (0, 0, 10), (0, 11, 0), (3, 4, 40),
                                                  (0, 30, 2)])
 @pytest.mark.parametrize("kv_dtype", [torch.float16, torch.float32])

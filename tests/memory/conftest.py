@@ -1,10 +1,10 @@
-"""Fixtures for memory/ tests: a CPU (or CUDA, when present) backend and the four tiers on a temp dir."""
+"""Fixtures for memory/ tests: a CPU backend and the three tiers on a temp dir."""
 from __future__ import annotations
 
 import pytest
 
 from flexgen_h2o.backend import CPUBackend
-from flexgen_h2o.memory import ComputeTier, DiskTier, HostTier, Transfer
+from flexgen_h2o.memory import ComputeTier, DiskTier, HostTier
 
 
 @pytest.fixture
@@ -17,9 +17,3 @@ def tiers(backend, tmp_path):
     disk = DiskTier(tmp_path / "disk")
     yield {"compute": ComputeTier(backend, capacity_bytes=1 << 20), "host": HostTier(backend), "disk": disk}
     disk.close()
-
-
-@pytest.fixture
-def transfer(backend):
-    with Transfer(backend) as tr:
-        yield tr

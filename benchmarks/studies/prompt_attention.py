@@ -3,41 +3,33 @@ full-cache prompt runs: no key mass), the torch-op scored path (ops.grouped_atte
 compiled kernel (models/fused.py, output and key mass in one pass). SmolLM2's shape by default: 9 query heads,
 3 KV heads, head size 64. Random q, k, v; no pads.
 
-    python -m benchmarks.prompt_attention --out benchmarks/results/prompt_attention
+    python -m benchmarks.studies.prompt_attention --out benchmarks/results/prompt_attention
     # a kernel change: `scored-kernel@REV` is csrc/ as it was at git revision REV, built beside the working tree's
-    python -m benchmarks.prompt_attention --base 1f7d688 --out benchmarks/results/prompt_attention_ab
+    python -m benchmarks.studies.prompt_attention --base 1f7d688 --out benchmarks/results/prompt_attention_ab
 """
 from __future__ import annotations
 
-import os
+from benchmarks.studies import ab  # first: it sets OMP_WAIT_POLICY before torch loads
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")     # before torch loads OpenMP
-
-import argparse  # noqa: E402
 import sys  # noqa: E402
-from pathlib import Path  # noqa: E402
 
-from benchmarks.common import (kernels_at, kernels_missing, time_interleaved, timing_summary,  # noqa: E402
-                               write_timings)
 
 CASES = ("sdpa", "scored-torch", "scored-kernel")
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.prompt_attention", description=__doc__.split("\n\n")[0])
+    p = ab.parser("prompt_attention", __doc__)
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--heads", type=int, default=9)
     p.add_argument("--kv-heads", type=int, default=3)
     p.add_argument("--prompt-len", type=int, default=2048)
     p.add_argument("--head-dim", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=6)
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--base", metavar="REV", help="also time the kernels of this git revision (scored-kernel@REV)")
-    p.add_argument("--out", type=Path, default=Path("benchmarks/results/prompt_attention"))
+    ab.add_common(p, "benchmarks/results/prompt_attention", repeats=6,
+                  base="also time the kernels of this git revision (scored-kernel@REV)")
     a = p.parse_args(argv)
     import torch
     from flexgen_h2o.models import fused, ops
-    if kernels_missing():
+    if ab.kernels_missing():
         return 2
     torch.set_num_threads(a.threads)
     gen = torch.Generator().manual_seed(0)
@@ -57,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     run = {"sdpa": lambda: ops.grouped_attention(q, k, v, mask, scale, causal_only=True),
            "scored-torch": lambda: ops.grouped_attention(q, k, v, mask, scale, want_scores=True, causal_only=True),
            "scored-kernel": kernel_of(current),
-           **({f"scored-kernel@{a.base}": kernel_of(kernels_at(a.base))} if a.base else {})}
+           **({f"scored-kernel@{a.base}": kernel_of(ab.kernels_at(a.base))} if a.base else {})}
     try:
         results = {name: f() for name, f in run.items()}                      # warm-up, and the same values
         same_out = all(torch.allclose(results["sdpa"][0], out, atol=1e-4) for out, _ in results.values())
@@ -66,13 +58,12 @@ def main(argv: list[str] | None = None) -> int:
         if not (same_out and same_mass):
             print("error: the paths disagree (output or key mass)", file=sys.stderr)
             return 2
-        times = time_interleaved(run, a.repeats)
+        times = ab.time_interleaved(run, a.repeats)
     finally:
         fused.use(current)
-    result = {"args": {key: str(val) for key, val in vars(a).items()},
-              **timing_summary(times, "sdpa")}
-    write_timings(a.out, result, "sdpa", f"prompt attention per layer ({b} x {a.heads}/{a.kv_heads} heads x {t}, "
-                                         f"{a.threads} threads, median of {a.repeats})", digits=1)
+    result = {"args": ab.args_json(a), **ab.timing_summary(times, "sdpa")}
+    ab.write_timings(a.out, result, "sdpa", f"prompt attention per layer ({b} x {a.heads}/{a.kv_heads} heads x {t}, "
+                                            f"{a.threads} threads, median of {a.repeats})", digits=1)
     return 0
 
 

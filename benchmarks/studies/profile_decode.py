@@ -11,13 +11,13 @@ per unit and its share, and on a CPU the wall time no op accounts for (Python, t
 cuda`: its own kernels' GPU time, and a Chrome trace). A decode profile also holds generate's one-time setup
 (committing the kept prompt rows), spread over the steps.
 
-    python -m benchmarks.profile_decode --batch 54 --prompt-len 2048 --out benchmarks/results/profile_decode
-    python -m benchmarks.profile_decode --phase prefill --batch 4 --out benchmarks/results/profile_prefill
+    python -m benchmarks.studies.profile_decode --batch 54 --prompt-len 2048 --out benchmarks/results/profile_decode
+    python -m benchmarks.studies.profile_decode --phase prefill --batch 4 --out benchmarks/results/profile_prefill
     # --shapes: also the GEMM calls by input shape, with their FLOP rates (the profiler records shapes)
-    python -m benchmarks.profile_decode --phase prefill --batch 4 --cases h2o --shapes \
+    python -m benchmarks.studies.profile_decode --phase prefill --batch 4 --cases h2o --shapes \
         --out benchmarks/results/profile_prefill_shapes
     # the disk512+128 shape: OPT-1.3B dummy weights read from files, a 103-slot H2O window as at 20 % of 512
-    python -m benchmarks.profile_decode --model opt-1.3b --dummy-weights --percent 0 0 100 0 100 0 --batch 58 \
+    python -m benchmarks.studies.profile_decode --model opt-1.3b --dummy-weights --percent 0 0 100 0 100 0 --batch 58 \
         --prompt-len 128 --hh-size 51 --recent-size 51 --cases h2o --out benchmarks/results/profile_decode_disk
 """
 from __future__ import annotations
@@ -147,7 +147,8 @@ def gemm_by_shape(prof, units: int, on_gpu: bool = False) -> list[dict]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.profile_decode", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.studies.profile_decode",
+                                description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--batch", type=int, default=54, help="sequences per decode step (one GPU batch)")
     p.add_argument("--prompt-len", type=int, default=2048)
@@ -213,7 +214,7 @@ def setup(a: argparse.Namespace, offload_dir: str | None = None):
     from flexgen_h2o.eval import data
     from flexgen_h2o.kv import EvictionConfig
     from flexgen_h2o.loader import load_model
-    from benchmarks.step_scaling import prompts_for
+    from benchmarks.studies.step_scaling import prompts_for
     torch.set_num_threads(a.threads)
     offload = offload_policy(a)
     model = load_model(a.model, dummy_weights=a.dummy_weights, dummy_on_disk=offload.tier_fractions("weights")[2] > 0,

@@ -9,7 +9,7 @@ differ. OpenVINO runs each KV precision (f16, u8) with the plugin's default comp
 AVX512_BF16) and with f32 forced. A row matches when all 16 ids are equal; `prefix` counts the leading equal ids
 (a quantized cache or bf16 compute may legitimately flip a near-tie late).
 
-    python -m benchmarks.check_formats [--gen-len 16] [--json check_formats.json]
+    python -m benchmarks.studies.check_formats [--gen-len 16] [--json check_formats.json]
 """
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ same ids the suite feeds every system). HF side: a plain argmax loop over full f
 EOS), which is what greedy with vLLM's `ignore_eos` means. vLLM side: `vllm_child.py --greedy-ids`, all prompts in
 one batch. Exit 0 when every prompt's tokens match, 1 otherwise.
 
-    python -m benchmarks.check_vllm_greedy [--gen-len 16] [--lee-len 64] [--inproc] [--json out.json]
+    python -m benchmarks.studies.check_vllm_greedy [--gen-len 16] [--lee-len 64] [--inproc] [--json out.json]
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from benchmarks.check_formats import TEXT_PROMPTS, hf_greedy   # one reference for both checks
+from benchmarks.studies.check_formats import TEXT_PROMPTS, hf_greedy   # one reference for both checks
 
 
 def prompt_ids(folder: Path, lee_len: int) -> list[list[int]]:

@@ -2,53 +2,52 @@
 compiled decode attention (models/fused.decode_attention), interleaved in one process (torch, compiled, then
 compiled, torch, ...), so the VM's drift lands on both alike.
 
-Everything else is the same engine, prompts (Wikipedia windows) and cache rules as benchmarks/profile_decode.py;
-every call decodes from one shared prefill (Engine.prefill), so only the decode attention differs. The figure
-is the median decode step of each call (its first step, which commits the kept prompt rows, left out).
+Everything else is the same engine, prompts (Wikipedia windows) and cache rules as
+benchmarks/studies/profile_decode.py; every call decodes from one shared prefill (Engine.prefill), so only the
+decode attention differs. The figure is the median decode step of each call (its first step, which commits the
+kept prompt rows, left out).
 `--switch layer-math` turns only csrc/layer_math.cpp off on the torch side; `--base REV` compares the working
 tree's kernels with those of git revision REV instead (both compiled); `--phase prefill` times whole prompt passes
 (a one-token generate each, no shared prefill) instead of decode steps.
 
-    python -m benchmarks.decode_ab --batch 120 --prompt-len 512 --out benchmarks/results/decode_ab
+    python -m benchmarks.studies.decode_ab --batch 120 --prompt-len 512 --out benchmarks/results/decode_ab
     # only the layer math (RMSNorm, SwiGLU's gate, RoPE: csrc/layer_math.cpp) switched, every other kernel on
-    python -m benchmarks.decode_ab --switch layer-math --cases h2o --out benchmarks/results/decode_ab_layer_math
+    python -m benchmarks.studies.decode_ab --switch layer-math --cases h2o \
+        --out benchmarks/results/decode_ab_layer_math
     # the same switch over whole prompt passes (SmolLM2, 4 x 2048)
-    python -m benchmarks.decode_ab --switch layer-math --phase prefill --cases h2o --batch 4 --prompt-len 2048
+    python -m benchmarks.studies.decode_ab --switch layer-math --phase prefill --cases h2o --batch 4 \
+        --prompt-len 2048
     # a kernel change: models/csrc as it was at 09ad2d5 (built beside the working tree's) against the working tree
-    python -m benchmarks.decode_ab --base 09ad2d5 --cases h2o --out benchmarks/results/decode_ab_kernels
+    python -m benchmarks.studies.decode_ab --base 09ad2d5 --cases h2o --out benchmarks/results/decode_ab_kernels
 """
 from __future__ import annotations
 
-import os
-
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")     # before torch loads OpenMP
+from benchmarks.studies import ab  # first: it sets OMP_WAIT_POLICY before torch loads
 
 import argparse  # noqa: E402
+import os  # noqa: E402
 import sys  # noqa: E402
-from pathlib import Path  # noqa: E402
 from typing import Callable  # noqa: E402
 
-from benchmarks.common import kernels_at, kernels_missing, median, write_ab  # noqa: E402
+from benchmarks.common import median  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.decode_ab", description=__doc__.split("\n\n")[0])
+    p = ab.parser("decode_ab", __doc__)
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--batch", type=int, default=120, help="sequences per decode step (one GPU batch)")
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--steps", type=int, default=16, help="decode steps per timed call")
-    p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--cases", nargs="+", default=["h2o", "full"], choices=["h2o", "h2o-avg", "full"])
     p.add_argument("--hh-size", type=int, default=204)
     p.add_argument("--recent-size", type=int, default=204)
-    p.add_argument("--threads", type=int, default=2)
     p.add_argument("--switch", choices=["all", "layer-math"], default="all",
                    help="what the torch side turns off: every compiled kernel, or only the layer math")
-    p.add_argument("--base", metavar="REV", help="the other side: every compiled kernel as it was at this git "
-                   "revision, instead of the torch ops (--switch is then unused)")
     p.add_argument("--phase", choices=["decode", "prefill"], default="decode",
                    help="prefill: time whole prompt passes (generate one token) instead of decode steps")
-    p.add_argument("--out", type=Path, default=Path("benchmarks/results/decode_ab"))
+    ab.add_common(p, "benchmarks/results/decode_ab", repeats=3,
+                  base="the other side: every compiled kernel as it was at this git revision, instead of the "
+                       "torch ops (--switch is then unused)")
     return p
 
 
@@ -57,7 +56,7 @@ def sides(a: argparse.Namespace) -> dict[str, Callable[[], object]]:
     against the compiled kernels, or REV's kernels against the working tree's."""
     from flexgen_h2o.models import fused
     if a.base:
-        base, current = kernels_at(a.base), fused.module()
+        base, current = ab.kernels_at(a.base), fused.module()
         return {f"kernels@{a.base}": lambda: fused.use(base), "compiled": lambda: fused.use(current)}
     switch = fused.ENV_SWITCH if a.switch == "all" else fused.LAYER_MATH_SWITCH
     return {"torch": lambda: os.environ.__setitem__(switch, "0"),
@@ -67,17 +66,16 @@ def sides(a: argparse.Namespace) -> dict[str, Callable[[], object]]:
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
     a.dummy_weights, a.percent, a.device = False, None, "cpu"     # what profile_decode.setup reads
-    from benchmarks.profile_decode import setup
+    from benchmarks.studies.profile_decode import setup
     from flexgen_h2o.config import GenerationConfig
     from flexgen_h2o.models import fused
-    if kernels_missing():
+    if ab.kernels_missing():
         return 2
     _, engine, prompts, rules = setup(a)
     current, switches = fused.module(), (fused.ENV_SWITCH, fused.LAYER_MATH_SWITCH)
     side_setup = sides(a)
     baseline = next(iter(side_setup))
     gen = GenerationConfig(max_new_tokens=a.steps + 1 if a.phase == "decode" else 1, stop_at_eos=False)
-    steps: dict[str, list[float]] = {}
     try:
         kept = engine.prefill(prompts) if a.phase == "decode" else None
         for case in a.cases:                                    # warm-up: each rule's buffers, both sides
@@ -85,29 +83,27 @@ def main(argv: list[str] | None = None) -> int:
                 use()
                 engine.generate(prompts, GenerationConfig(max_new_tokens=3, stop_at_eos=False),
                                 eviction=rules[case], prefilled=kept)
-        for rep in range(a.repeats):
-            for case, side in [(c, s) for c in a.cases
-                               for s in (list(side_setup) if rep % 2 == 0 else list(side_setup)[::-1])]:
-                side_setup[side]()
-                res = engine.generate(prompts, gen, eviction=rules[case], prefilled=kept)
-                # decode: the median step (0: prefill's logits; 1: the kept rows' commit); prefill: the pass
-                step = (median(res.metrics["step_times_s"][2:]) if a.phase == "decode"
-                        else res.metrics["prefill_s"])
-                steps.setdefault(f"{case}-{side}", []).append(step)
-                print(f"{case:8s} {side:8s}: {a.phase} {1e3 * step:.1f} ms", flush=True)
+
+        def measure(case: str) -> float:
+            res = engine.generate(prompts, gen, eviction=rules[case], prefilled=kept)
+            # decode: the median step (0: prefill's logits; 1: the kept rows' commit); prefill: the pass
+            return median(res.metrics["step_times_s"][2:]) if a.phase == "decode" else res.metrics["prefill_s"]
+
+        steps = ab.run_interleaved(a.cases, side_setup, a.repeats, measure,
+                                   lambda case, side, step: f"{case:8s} {side:8s}: {a.phase} {1e3 * step:.1f} ms")
     finally:
         for switch in switches:
             os.environ.pop(switch, None)
         fused.use(current)
         engine.close()
-    result = {"args": {k: str(v) for k, v in vars(a).items()}, "step_s": steps,
+    result = {"args": ab.args_json(a), "step_s": steps,
               f"{baseline}_over_compiled": {c: median(steps[f"{c}-{baseline}"]) / median(steps[f"{c}-compiled"])
                                             for c in a.cases}}
-    write_ab(a.out, result, f"{baseline}_over_compiled",
-             lambda case, r: f"{case}: {baseline} {1e3 * median(steps[f'{case}-{baseline}']):.1f} ms, compiled "
-                             f"{1e3 * median(steps[case + '-compiled']):.1f} ms a "
-                             f"{'step' if a.phase == 'decode' else 'prompt pass'} "
-                             f"(median of {a.repeats}): {r:.2f}x")
+    ab.write_ab(a.out, result, f"{baseline}_over_compiled",
+                lambda case, r: f"{case}: {baseline} {1e3 * median(steps[f'{case}-{baseline}']):.1f} ms, compiled "
+                                f"{1e3 * median(steps[case + '-compiled']):.1f} ms a "
+                                f"{'step' if a.phase == 'decode' else 'prompt pass'} "
+                                f"(median of {a.repeats}): {r:.2f}x")
     return 0
 
 

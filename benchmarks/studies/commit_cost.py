@@ -2,31 +2,27 @@
 choose and free a victim), the compiled commit (models/csrc/commit_step.cpp) against kv/'s torch ops, interleaved
 in one process (torch, compiled, then compiled, torch, ...).
 
-The cache shape is the s2048+512 run's (benchmarks.eviction_ab's columns: heavy hitters scattered over the past,
+The cache shape is the s2048+512 run's (benchmarks.studies.eviction_ab's columns: heavy hitters scattered over the past,
 a consecutive recent window, one free slot, shuffled), in fp16 as the engine keeps it. Both sides start from
 the same cache and take the same steps (one token over the budget each, so every column evicts), and the run
 checks that they end in the same state, byte for byte.
 
-    python -m benchmarks.commit_cost --batch 120 --out benchmarks/results/commit_cost
+    python -m benchmarks.studies.commit_cost --batch 120 --out benchmarks/results/commit_cost
 """
 from __future__ import annotations
 
-import os
+from benchmarks.studies import ab  # first: it sets OMP_WAIT_POLICY before torch loads
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")     # before torch loads OpenMP
-
-import argparse  # noqa: E402
 import sys  # noqa: E402
 
-from benchmarks.common import kernels_missing, time_interleaved, timing_summary, write_timings  # noqa: E402
-from benchmarks.eviction_ab import add_shape_arguments, cache_columns  # noqa: E402
+from benchmarks.studies.eviction_ab import add_shape_arguments, cache_columns  # noqa: E402
 
 HEAD_DIM = 64            # SmolLM2's
 RING = 8                 # distinct step inputs, cycled: the same sequence on both sides
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.commit_cost", description=__doc__.split("\n\n")[0])
+    p = ab.parser("commit_cost", __doc__)
     add_shape_arguments(p, "benchmarks/results/commit_cost")
     p.add_argument("--policy", default="h2o", choices=("h2o", "h2o-avg", "h2o-port"))
     a = p.parse_args(argv)
@@ -34,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     from flexgen_h2o.kv import Budget, get_policy
     from flexgen_h2o.kv.cache import KVCache
     from flexgen_h2o.models.layer import KVSpec, LayerOutput
-    if kernels_missing():
+    if ab.kernels_missing():
         return 2
     torch.set_num_threads(a.threads)
     newest = 2600
@@ -69,13 +65,12 @@ def main(argv: list[str] | None = None) -> int:
         taken[side] = n + 1
 
     run = {side: (lambda side=side: step(side)) for side in sides}
-    result = {"args": {k: str(v) for k, v in vars(a).items()},
-              **timing_summary(time_interleaved(run, a.repeats, a.calls), "torch")}
+    result = {"args": ab.args_json(a), **ab.timing_summary(ab.time_interleaved(run, a.repeats, a.calls), "torch")}
     same = all(torch.equal(getattr(sides["torch"], t), getattr(sides["compiled"], t))
                for t in ("k", "v", "pos", "score"))
     result["same_state"] = same
-    write_timings(a.out, result, "torch", f"KV commit per layer ({a.policy}, {b} x {g} x {slots} slots, fp16, "
-                                        f"{a.threads} threads, median of {a.repeats})")
+    ab.write_timings(a.out, result, "torch", f"KV commit per layer ({a.policy}, {b} x {g} x {slots} slots, fp16, "
+                                           f"{a.threads} threads, median of {a.repeats})")
     if not same:
         print("error: the compiled and torch-op commits left different caches", file=sys.stderr)
         return 1

@@ -1,10 +1,10 @@
 """OpenVINO GenAI's greedy answers to the RULER prompts, run by the openvino virtualenv: never imports flexgen_h2o.
 
-    ~/.cache/flexgen_h2o/venvs/openvino/bin/python benchmarks/openvino_ruler_child.py \
+    ~/.cache/flexgen_h2o/venvs/openvino/bin/python benchmarks/studies/openvino_ruler_child.py \
         --ir ~/.cache/flexgen_h2o/formats/smollm2-135m-ov-fp32 --jobs jobs.json --out tokens.json
 
-`benchmarks/openvino_ruler.py` writes the jobs file and scores what comes back. Each job is one task at one cache
-setting: {"name", "prompts" (token id lists), "eviction": null or {"start_size", "recent_size", "max_cache_size",
+`benchmarks/studies/openvino_ruler.py` writes the jobs file and scores what comes back. Each job is one task at one
+cache setting: {"name", "prompts" (token id lists), "eviction": null or {"start_size", "recent_size", "max_cache_size",
 "snapkv_window_size"}}. Every job gets its own `ContinuousBatchingPipeline` (the eviction sizes belong to the
 scheduler), built as benchmarks/systems/openvino_child.py builds one: CPU, INFERENCE_NUM_THREADS from
 OMP_NUM_THREADS, KV_CACHE_PRECISION and INFERENCE_PRECISION_HINT named, prefix caching and split-fuse off, and

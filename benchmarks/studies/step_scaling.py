@@ -12,7 +12,7 @@ instead of lining up with one of them. Both cases run the same batch, so only th
 The slope of each case is the least-squares line through all (length, median step time) points; the issue's
 target is |h2o slope| <= 0.1 x the full cache's.
 
-    python -m benchmarks.step_scaling --out benchmarks/results/step_scaling
+    python -m benchmarks.studies.step_scaling --out benchmarks/results/step_scaling
 """
 from __future__ import annotations
 

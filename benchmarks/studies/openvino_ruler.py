@@ -1,6 +1,6 @@
 """OpenVINO GenAI's cache eviction on the RULER prompts the accuracy harness scored: one more row of its table.
 
-    OMP_NUM_THREADS=1 python -m benchmarks.openvino_ruler            # --ruler-len 2048 --ruler-samples 10 --seed 0
+    OMP_NUM_THREADS=1 python -m benchmarks.studies.openvino_ruler    # --ruler-len 2048 --ruler-samples 10 --seed 0
 
 The prompts are the harness's own (flexgen_h2o.eval.ruler.niah_samples with the same tasks, length, sample count
 and seed, and the smollm2-135m store's tokenizer), so the token ids OpenVINO reads are the ones our engine read.
@@ -48,7 +48,7 @@ from typing import Any, Callable, Sequence
 from benchmarks.systems.openvino import BLOCK, ceil_block
 
 CHILD = Path(__file__).resolve().parent / "openvino_ruler_child.py"
-RESULTS = Path(__file__).resolve().parent / "results" / "eval-ruler"
+RESULTS = Path(__file__).resolve().parents[1] / "results" / "eval-ruler"
 TASKS = ("niah_single_1", "niah_multikey_2", "niah_multikey_3")
 OURS_POLICIES = ("h2o", "local", "sink")          # ruler.json's rows set beside OpenVINO's
 START = BLOCK                                       # OpenVINO's start area: one block

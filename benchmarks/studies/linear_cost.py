@@ -11,21 +11,16 @@ timed in the same rotation so the VM's drift lands on it too. The JSON has each 
 case's time over its FLOPs at the peak case's rate (how far the step's linear layers alone are from their share
 of the bound; benchmarks/results/suite-log/NOTES.md).
 
-    python -m benchmarks.linear_cost --rows 120 --out benchmarks/results/linear_cost
+    python -m benchmarks.studies.linear_cost --rows 120 --out benchmarks/results/linear_cost
     # a change to the kernel: `kernel@REV` is half_linear.cpp as it was at git revision REV, built beside it
-    python -m benchmarks.linear_cost --rows 120 --base 09ad2d5 --out benchmarks/results/linear_cost_ab
+    python -m benchmarks.studies.linear_cost --rows 120 --base 09ad2d5 --out benchmarks/results/linear_cost_ab
 """
 from __future__ import annotations
 
-import os
+from benchmarks.studies import ab  # first: it sets OMP_WAIT_POLICY before torch loads
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")     # before torch loads OpenMP
-
-import argparse  # noqa: E402
 import sys  # noqa: E402
-from pathlib import Path  # noqa: E402
 
-from benchmarks.common import kernels_at, kernels_missing, time_interleaved, timing_summary, write_timings  # noqa: E402
 
 # (out features, in features) of SmolLM2-135M's matrices, with how many of each a decode step multiplies
 SHAPES = {"q/o (576 x 576)": (576, 576, 60), "k/v (192 x 576)": (192, 576, 60),
@@ -35,17 +30,15 @@ PEAK_ROWS = 2048            # benchmarks/machine.py's prefill-shape GEMM: the ra
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.linear_cost", description=__doc__.split("\n\n")[0])
+    p = ab.parser("linear_cost", __doc__)
     p.add_argument("--rows", type=int, default=120, help="rows of x: the sequences of a decode step")
     p.add_argument("--calls", type=int, default=5, help="calls per timed block")
-    p.add_argument("--repeats", type=int, default=6)
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--base", metavar="REV", help="also time the kernels of this git revision (case kernel@REV)")
-    p.add_argument("--out", type=Path, default=Path("benchmarks/results/linear_cost"))
+    ab.add_common(p, "benchmarks/results/linear_cost", repeats=6,
+                  base="also time the kernels of this git revision (case kernel@REV)")
     a = p.parse_args(argv)
     import torch
     from flexgen_h2o.models import fused, ops
-    if kernels_missing():
+    if ab.kernels_missing():
         return 2
     torch.set_num_threads(a.threads)
     gen = torch.Generator().manual_seed(0)
@@ -60,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     square = [torch.randn(PEAK_ROWS, PEAK_ROWS, generator=gen) for _ in range(2)]
     limit = ops.HALF_LINEAR_MAX_ROWS
     current = fused.module()
-    builds = {"kernel": current, **({f"kernel@{a.base}": kernels_at(a.base)} if a.base else {})}
+    builds = {"kernel": current, **({f"kernel@{a.base}": ab.kernels_at(a.base)} if a.base else {})}
 
     def use(build) -> None:
         """ops.linear through `build`'s kernel (None: through the BLAS path)."""
@@ -83,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         cases = {"blas": step, "blas-fp32": step_fp32,
                  **{name: (lambda b=build: step(b)) for name, build in builds.items()},
                  "peak-gemm": lambda: torch.mm(*square)}
-        times = time_interleaved(cases, a.repeats, a.calls)
+        times = ab.time_interleaved(cases, a.repeats, a.calls)
         use(None)
         blas = {name: ops.linear(xs[name], weights[name][0]) for name in SHAPES}
         worst = max((torch.mm(xs[n], weights32[n][0].t()) - blas[n]).abs().max().item() for n in SHAPES)
@@ -93,15 +86,15 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         ops.HALF_LINEAR_MAX_ROWS = limit
         fused.use(current)
-    summary = timing_summary(times, "blas")
+    summary = ab.timing_summary(times, "blas")
     case_flops = {n: (2 * PEAK_ROWS ** 3 if n == "peak-gemm" else flops) for n in times}
     rates = {n: case_flops[n] / ms / 1e6 for n, ms in summary["median_ms"].items()}
-    result = {"args": {k: str(v) for k, v in vars(a).items()}, **summary, "flops_per_step": flops,
+    result = {"args": ab.args_json(a), **summary, "flops_per_step": flops,
               "GFLOPs": rates, "over_peak_bound": {n: rates["peak-gemm"] / r for n, r in rates.items()
                                                    if n != "peak-gemm"},
               "max_abs_difference": worst}
-    write_timings(a.out, result, "blas", f"a decode step's linear layers ({a.rows} rows, SmolLM2 shapes, "
-                                       f"{a.threads} threads, median of {a.repeats}; max |difference| {worst:.1e})")
+    ab.write_timings(a.out, result, "blas", f"a decode step's linear layers ({a.rows} rows, SmolLM2 shapes, "
+                                          f"{a.threads} threads, median of {a.repeats}; max |difference| {worst:.1e})")
     print("GFLOP/s: " + ", ".join(f"{n} {r:.1f}" for n, r in result["GFLOPs"].items()) + "; time over the FLOPs "
           "at the peak case's rate: " + ", ".join(f"{n} {r:.2f}x" for n, r in result["over_peak_bound"].items()))
     return 0

@@ -5,36 +5,30 @@ sleeping OpenMP threads; the one-thread column shows what the wake-ups cost. `co
 (no kernel: a step now computes it once, not once per layer). `--tokens T` times a prompt's rows instead (T
 tokens per sequence), where the kernel splits the work across `--threads` threads.
 
-    python -m benchmarks.layer_math_cost --rows 120 --out benchmarks/results/layer_math_cost
+    python -m benchmarks.studies.layer_math_cost --rows 120 --out benchmarks/results/layer_math_cost
     # a prompt pass's chunk: 2 sequences of 2,048 tokens
-    python -m benchmarks.layer_math_cost --rows 2 --tokens 2048 --calls 5 --out benchmarks/results/layer_math_prompt
+    python -m benchmarks.studies.layer_math_cost --rows 2 --tokens 2048 --calls 5 \
+        --out benchmarks/results/layer_math_prompt
 """
 from __future__ import annotations
 
-import os
+from benchmarks.studies import ab  # first: it sets OMP_WAIT_POLICY before torch loads
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")     # before torch loads OpenMP
-
-import argparse  # noqa: E402
+import os  # noqa: E402
 import sys  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-from benchmarks.common import kernels_missing, time_interleaved, timing_summary, write_ab  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.layer_math_cost", description=__doc__.split("\n\n")[0])
+    p = ab.parser("layer_math_cost", __doc__)
     p.add_argument("--rows", type=int, default=120, help="sequences of a decode step")
     p.add_argument("--tokens", type=int, default=1, help="tokens per sequence (1: a decode step; more: a prompt)")
     p.add_argument("--calls", type=int, default=200, help="calls per timed block")
-    p.add_argument("--repeats", type=int, default=6)
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--out", type=Path, default=Path("benchmarks/results/layer_math_cost"))
+    ab.add_common(p, "benchmarks/results/layer_math_cost", repeats=6)
     a = p.parse_args(argv)
     import torch
     import torch.nn.functional as F
     from flexgen_h2o.models import fused, ops
-    if kernels_missing():
+    if ab.kernels_missing():
         return 2
     gen = torch.Generator().manual_seed(0)
     b, t = a.rows, a.tokens
@@ -76,15 +70,16 @@ def main(argv: list[str] | None = None) -> int:
                    "torch, 1 thread": torch_ops(torch_fn, 1)}
             if kernel_fn is not None:
                 run["kernel"] = kernel(kernel_fn)
-            summary[name] = timing_summary(time_interleaved(run, a.repeats, a.calls), f"torch, {a.threads} threads")
+            times = ab.time_interleaved(run, a.repeats, a.calls)
+            summary[name] = ab.timing_summary(times, f"torch, {a.threads} threads")
     finally:
         torch.set_num_threads(before)
         os.environ.pop(fused.LAYER_MATH_SWITCH, None)
     us = {name: {case: 1e3 * ms for case, ms in s["median_ms"].items()} for name, s in summary.items()}
-    result = {"args": {k: str(v) for k, v in vars(a).items()}, "ops": summary, "median_us": us}
-    write_ab(a.out, result, "median_us",
-             lambda name, cases: f"{name} ({a.rows} rows x {t} tokens, median of {a.repeats}): "
-                                 + ", ".join(f"{case} {us:.1f} us" for case, us in cases.items()))
+    result = {"args": ab.args_json(a), "ops": summary, "median_us": us}
+    ab.write_ab(a.out, result, "median_us",
+                lambda name, cases: f"{name} ({a.rows} rows x {t} tokens, median of {a.repeats}): "
+                                    + ", ".join(f"{case} {us:.1f} us" for case, us in cases.items()))
     return 0
 
 

@@ -1,7 +1,7 @@
 """Issue 3 benchmark: offloaded generation with weights on disk, then on host, against HF Accelerate disk offload.
 
-    python -m benchmarks.offload                 # OPT-1.3B-shaped dummy weights, 64+8 tokens (~20-25 min, 2 cores)
-    python -m benchmarks.offload --quick         # OPT-125M shape, tiny workload, ~2 min smoke run
+    python -m benchmarks.studies.offload            # OPT-1.3B-shaped dummy weights, 64+8 tokens (~20-25 min, 2 cores)
+    python -m benchmarks.studies.offload --quick    # OPT-125M shape, tiny workload, ~2 min smoke run
 
 The engine runs `python -m flexgen_h2o.run` (through a thin wrapper that also reads /proc/self/io) at a fixed
 --gpu-batch-size for each --num-gpu-batches, weights placed `--percent 0 0 100 0 100 0` (all on disk: the store's
@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):                       # also runnable as `python benchmarks/offload.py`
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+if __package__ in (None, ""):                       # also runnable as `python benchmarks/studies/offload.py`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.accelerate_peer import offload_files, proc_read_bytes  # noqa: E402
 from benchmarks.common import REPO_ROOT, CaseFailed, bench_env, drop_page_cache, median, run_json  # noqa: E402
@@ -55,8 +55,8 @@ class Case:
 
 
 def engine_child(argv: list[str]) -> int:
-    """`python -m benchmarks.offload --engine-child <run.py args>`: run the CLI in this process and add the bytes
-    the process really read from storage to its metrics JSON. Heavy imports happen before the first reading, so
+    """`python -m benchmarks.studies.offload --engine-child <run.py args>`: run the CLI in this process and add the
+    bytes the process really read from storage to its metrics JSON. Heavy imports happen before the first reading, so
     the count covers loading (headers and mmaps only) and generation."""
     import torch  # noqa: F401
     import flexgen_h2o.engine  # noqa: F401
@@ -131,10 +131,10 @@ def case_args(c: Case, a: argparse.Namespace, json_path: Path, store: Path, acc_
         return ["-m", "benchmarks.accelerate_peer", "--model", a.model, "--store", str(store), "--offload-folder",
                 str(acc_folder), "--batch", str(c.gbs), *common]
     # --path without --dummy-weights: host runs load the same store instead of regenerating weights in RAM
-    return ["-m", "benchmarks.offload", "--engine-child", "--model", a.model, "--path", str(store), "--device",
-            "cpu", "--gpu-batch-size", str(c.gbs), "--num-gpu-batches", str(c.k), "--percent", *PLACEMENTS[c.weights],
-            "--overlap", a.engine_overlap, "--offload-dir", str(a.work_dir / "engine-offload"), "--full-cache",
-            "--no-warmup", "--no-progress", *common]      # no warm-up: each case starts from cold weight files
+    return ["-m", "benchmarks.studies.offload", "--engine-child", "--model", a.model, "--path", str(store),
+            "--device", "cpu", "--gpu-batch-size", str(c.gbs), "--num-gpu-batches", str(c.k), "--percent",
+            *PLACEMENTS[c.weights], "--overlap", a.engine_overlap, "--offload-dir", str(a.work_dir / "engine-offload"),
+            "--full-cache", "--no-warmup", "--no-progress", *common]   # no warm-up: each case starts from cold files
 
 
 def schedule(a: argparse.Namespace) -> list[Case]:
@@ -234,7 +234,7 @@ def roofline_lines(rows: list[dict]) -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.offload", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.studies.offload", description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="opt-125m, prompt 32 + gen 8, batch 1: a ~2 min smoke run")
     p.add_argument("--model", help="OPT preset (default opt-1.3b; --quick: opt-125m)")
     p.add_argument("--prompt-len", type=int, help="default 64 (--quick: 32)")
