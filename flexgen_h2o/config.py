@@ -25,7 +25,7 @@ def split_by_fraction(n: int, fractions: tuple[float, float, float]) -> list[tup
 PREFILL_TOKENS = 4096     # default prompt tokens per prefill forward: GEMMs this tall already run at full rate
 # on a GPU each chunk's few hundred small kernels, and the H2O commit's host sync, leave the device idle between
 # chunks: OPT-1.3B at 256 x 512 on an H100 was busy 794 of 1183 ms with 8-sequence chunks
-# (benchmarks/results/suite-log/NOTES.md)
+# (`bash scripts/gpu_profile.sh DIR`: profile_decode --device cuda --phase prefill --model opt-1.3b --batch 256)
 PREFILL_TOKENS_GPU = 16384
 
 

@@ -44,7 +44,8 @@ class StagingBuffers:
     """Reused flat buffers for staged KV windows on a CPU. A fresh multi-MB tensor per (layer, step) is a fresh
     allocation whose pages fault on first touch, and they are freed on another thread than the one that made
     them. With fresh windows an H2O decode at batch 54 slowed from ~440 to ~580 ms per step over 512 steps; with
-    this pool its first and last tenths stayed within 414-461 ms (benchmarks/results/suite-log/NOTES.md).
+    this pool its first and last tenths stayed within 414-461 ms (`python -m benchmarks.suite --workload s2048+512
+    --systems ours-h2o-20`, the report's first / last 10 % step table).
     Buffers are sized to a cache's
     capacity (one key per cache shape, however long the window) and come back when the step's KV is committed
     (KVView.release).
@@ -154,7 +155,7 @@ class KVCache:
         positions = token_pos[:, None, :].expand(b, g, p).long()
         if unpadded and trait(self.policy.name, "keeps_every_row"):
             # every row, in order: slices, with no keep mask, packing, gather or host sync (the gathers alone
-            # were 59 ms of the H100 profile's 1,183 ms full-cache prompt pass, benchmarks/results/suite-log/NOTES.md)
+            # were 59 ms of an H100's 1,183 ms full-cache prompt pass, `bash scripts/gpu_profile.sh DIR`)
             n_keep = self._room_for(p)
             k_rows, v_rows, pos_rows = k_new, v_new, positions
             score_rows = 0.0 if scores is None else scores
@@ -186,7 +187,7 @@ class KVCache:
         """(b, g) the lowest free slot of each (sequence, KV head); one always exists (capacity = budget + 1).
         A free slot holds position -1, below every kept one, and argmin returns the first of equal minima: one
         op where compare, cast and argmax were three (each a parallel region on a CPU: 0.2-0.4 ms a call at batch
-        120 in the decode profile, benchmarks/results/suite-log/NOTES.md)."""
+        120: `python -m benchmarks.studies.profile_decode --batch 120 --prompt-len 512 --steps 16 --cases h2o`)."""
         return self.pos.argmin(dim=-1)
 
     def stage(self, device: torch.device, dtype: torch.dtype, new_rank: Tensor | None = None) -> KVView:

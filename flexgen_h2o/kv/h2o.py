@@ -9,8 +9,7 @@ Per (sequence, KV head) column, once the valid slots exceed the budget:
   the others, as in FMInference/H2O h2o_flexgen, where one heavy slot behaves like an extra recent slot;
 - avg: the exact rule on each key's accumulated attention divided by the number of queries that have seen it
   (kvpress's ObservedAttention score). The sum favours old keys: a key early in a 2k prompt collects from ~2,000
-  queries, one near its end from ~200 (benchmarks/results/eval-earlier/NOTES.md, "Where the heavy hitters
-  sit"). Every key in the cache
+  queries, one near its end from ~200. Every key in the cache
   has been attended by every query since it arrived, so that count is newest position - position + 1 and needs
   no state of its own.
 Ties go to the smallest position (select.argmin_score). The random policy keeps the H2O shape but evicts a

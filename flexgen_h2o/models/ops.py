@@ -90,7 +90,8 @@ def causal_pad_mask(token_valid: Tensor) -> Tensor:
 # The scored path materialises fp32 logits and probabilities one block of queries at a time. Blocks above ~32 MB
 # are mmap'd by glibc on every allocation (fresh pages, faulted and zeroed per block) and stream through DRAM
 # in each of the ~5 passes over them. The engine's H2O prompt pass at 16 x 512 measured 1.12x with 16 MB blocks
-# (benchmarks/results/suite-log/NOTES.md, "Engine changes after the disk run").
+# (`python -m benchmarks.studies.attention_ab --old-rev b64ad47 --batch 16 --prompt-len 512 --hh-size 51
+# --recent-size 51 --repeats 3`).
 SCORE_BLOCK_BYTES = 16 << 20
 MIN_QUERY_CHUNK = 32             # fewer queries per block and the per-block op overhead starts to show
 
@@ -169,7 +170,7 @@ def grouped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: floa
         logits[..., lo:].masked_fill_(~mask[:, :, None, start:stop, lo:sk], float("-inf"))
         # fp32 probabilities straight from fp16 logits (a GPU's): softmax upcasts as it reads, so no fp32 copy of
         # the logits is written and then masked (copies and masks were the largest non-GEMM kernels of H2O's
-        # prompt pass in the H100 profile, benchmarks/results/suite-log/NOTES.md); on a CPU the logits are fp32 already
+        # prompt pass in an H100's profile, `bash scripts/gpu_profile.sh DIR`); on a CPU the logits are fp32 already
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         outs.append(torch.matmul(probs.to(v.dtype).view(b, g, r * tc, sk), v[:, :, :sk]).view(b, g, r, tc, d))
         if want_scores:
@@ -279,8 +280,10 @@ def onednn_gemm() -> bool:
     at import, so a process that never runs a prompt pass never loads oneDNN's kernels (the preflight's RSS
     reading at startup stays what it was). On this project's AMD EPYC VM torch's default, MKL's sgemm, ran
     SmolLM2's projections (4096 rows by 576..1536) 15-27 % slower, and SmolLM2's prompt pass at batch 32 x 512
-    took 1.05x (full cache) and 1.21x (H2O) as long (benchmarks/results/prefill-onednn-ab/NOTES.md has the
-    command). oneDNN is also what OpenVINO's prompt pass runs on. FLEXGEN_H2O_CPU_GEMM=blas keeps MKL."""
+    took 1.05x (full cache) and 1.21x (H2O) as long (`FLEXGEN_H2O_CPU_GEMM=blas|onednn python -m flexgen_h2o.run
+    --model smollm2-135m --prompt-len 512 --gen-len 2 --gpu-batch-size 32 [--hh-ratio 0.1]`, prefill_s from
+    --metrics-json, interleaved). oneDNN is also what OpenVINO's prompt pass runs on. FLEXGEN_H2O_CPU_GEMM=blas
+    keeps MKL."""
     global _onednn_linear, _onednn_chosen
     if _onednn_chosen is None:
         _onednn_chosen = False

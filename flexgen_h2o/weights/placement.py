@@ -45,7 +45,8 @@ def choose_home(sizes: list[int], fractions: tuple[float, float, float]) -> list
 def resident_dtype(shape: tuple[int, ...], device: torch.device, compute_dtype: torch.dtype) -> torch.dtype:
     """The dtype a compute-homed weight is kept in. On a CPU a matrix stays fp16: ops.linear upcasts it a few MB
     of rows at a time, which on 2 cores was no slower than an fp32 copy (SmolLM2 decode at batch 54, prompt 2048:
-    336 ms a step with fp16 matrices against 353 ms with fp32 ones, benchmarks/results/suite-log/NOTES.md) and
+    336 ms a step with fp16 matrices against 353 ms with fp32 ones: `python -m benchmarks.studies.profile_decode
+    --batch 54 --cases h2o --percent 0 100 100 0 100 0`, against `--percent 100 0 100 0 100 0`) and
     halves the weights' RAM,
     which the KV of more sequences can use. Vectors (norms, biases) and every weight on a GPU: the compute dtype."""
     return torch.float16 if device.type == "cpu" and len(shape) > 1 else compute_dtype
