@@ -196,6 +196,7 @@ def _generate(args, mode, offload, eviction, gen_len, prompt_len, log_path, requ
           f"--percent {' '.join(f'{x:g}' for x in offload.percent)}")
     # slot bytes as allocated: K, V, score, position
     print(describe_rows(budgets, lens, max_new, kv_slot_bytes(cfg, offload.kv_format) * cfg.n_layers * n_seqs))
+    print(est.plan.describe())
     if mode == "benchmark":
         prompts, source = corpus_prompts(tok, offload.block_size, prompt_len, cfg.vocab_size)
         print(f"prompts: {len(prompts)} x {prompt_len} tokens of {source}")

@@ -48,6 +48,7 @@ class Estimate:
     model_bytes: int = 0                  # fp16 parameters
     store_bytes: int = 0                  # fp16 weights read from an existing store on disk (not offload dir)
     beyond_tiers: dict[str, int] = field(default_factory=dict)  # RAM a CPU run holds that no tier charges
+    plan: Plan | None = None              # what was added up
 
     def tier_total(self, tier: str) -> int:
         return sum(self.bytes[tier].values())
@@ -79,7 +80,7 @@ def plan_bytes(plan: Plan, *, dummy_store_bytes: int = 0, real_weights: bool = F
     """A plan's peak bytes per tier and part, and (a CPU run) what malloc keeps beyond them."""
     model, offload, c = plan.model, plan.offload, plan.compute_itemsize
     est = Estimate(budget=plan.budgets.rows[0], n_seqs=plan.n_seqs, prompt_len=plan.prompt_len,
-                   gen_len=plan.gen_len)
+                   gen_len=plan.gen_len, plan=plan)
     layers = build_layers(model)
     _weights(est, layers, offload, c, plan.device_type)
     est.add("disk", "weights", dummy_store_bytes)

@@ -139,6 +139,15 @@ class Plan:
                 out[tier] = out.get(tier, 0) + (hi - lo) * rows * m * c
         return out
 
+    def describe(self) -> str:
+        """One line for the startup output: GPU batches, KV slots and their bytes, prefill chunking."""
+        sizes = sorted({b.size for b in self.batches}, reverse=True)
+        chunk = "every layer per chunk" if self.prefill_by_rows else "layer by layer"
+        kv = sum(self.kv_bytes().values())
+        return (f"plan: {len(self.batches)} GPU batch(es) of {'/'.join(map(str, sizes))} | KV {self.capacity} "
+                f"slots/seq x {self.model.n_layers} layers, {self.kv_format.name}, {kv / 2**20:.1f} MiB | rule "
+                f"{self.policy} | prefill {self.prefill_rows} seq/chunk, {chunk}")
+
     def disk_bytes(self) -> int:
         """Offload-file bytes the block allocates: its disk-homed KV slots and resting hidden states."""
         return self.kv_bytes().get("disk", 0) + self.activation_bytes().get("disk", 0)
