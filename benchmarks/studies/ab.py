@@ -111,6 +111,16 @@ def kernels_missing() -> bool:
     return True
 
 
+def kernels_ready(threads: int) -> bool:
+    """The start of a study that times the compiled kernels: False (after kernels_missing's error line) where
+    they cannot be loaded, else torch's threads set to `threads`."""
+    if kernels_missing():
+        return False
+    import torch
+    torch.set_num_threads(threads)
+    return True
+
+
 def alternating(names: Sequence[T], rep: int) -> list[T]:
     """The sides' order in repeat `rep`: as given on even repeats, reversed on odd ones, so the VM's drift lands
     on every side alike."""

@@ -30,9 +30,8 @@ def main(argv: list[str] | None = None) -> int:
     from flexgen_h2o.kv import Budget, get_policy
     from flexgen_h2o.kv.cache import KVCache
     from flexgen_h2o.models.layer import KVSpec, LayerOutput
-    if ab.kernels_missing():
+    if not ab.kernels_ready(a.threads):
         return 2
-    torch.set_num_threads(a.threads)
     newest = 2600
     pos, scores = cache_columns(a.batch, a.heads, a.heavy, a.recent, newest=newest)
     budget = Budget(0, a.heavy, a.recent, policy=a.policy)

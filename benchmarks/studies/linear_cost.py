@@ -38,9 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     import torch
     from flexgen_h2o.models import fused, ops
-    if ab.kernels_missing():
+    if not ab.kernels_ready(a.threads):
         return 2
-    torch.set_num_threads(a.threads)
     gen = torch.Generator().manual_seed(0)
     # one tensor per layer, as in the model: a step streams all 270 MB of them from memory, where one tensor per
     # shape multiplied `count` times stays in the caches (the L3 holds every layer's matrix of one shape)

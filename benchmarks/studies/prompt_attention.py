@@ -29,9 +29,8 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     import torch
     from flexgen_h2o.models import fused, ops
-    if ab.kernels_missing():
+    if not ab.kernels_ready(a.threads):
         return 2
-    torch.set_num_threads(a.threads)
     gen = torch.Generator().manual_seed(0)
     b, t, d = a.batch, a.prompt_len, a.head_dim
     q = torch.randn(b, t, a.heads, d, generator=gen).transpose(1, 2)          # a head view, as split_heads gives

@@ -271,6 +271,10 @@ def _scratch(numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
     return buf
 
 
+def _blas_asked() -> bool:
+    return os.environ.get("FLEXGEN_H2O_CPU_GEMM", "onednn") == "blas"
+
+
 _onednn_linear = None                              # torch.ops.mkldnn._linear_pointwise, once onednn_gemm() said yes
 _onednn_chosen: bool | None = None
 
@@ -287,7 +291,7 @@ def onednn_gemm() -> bool:
     global _onednn_linear, _onednn_chosen
     if _onednn_chosen is None:
         _onednn_chosen = False
-        if os.environ.get("FLEXGEN_H2O_CPU_GEMM", "onednn") != "blas":
+        if not _blas_asked():
             try:
                 op = torch.ops.mkldnn._linear_pointwise
                 x, w = torch.ones(2, 3), torch.ones(4, 3)
@@ -304,7 +308,7 @@ ONEDNN_MIN_ROWS = 512                             # below this the call's fixed 
 def onednn_may_run(gemm_rows: int) -> bool:
     """Whether a CPU prompt pass whose GEMMs have `gemm_rows` rows would take oneDNN (without loading it: the
     planner asks before anything runs)."""
-    return (gemm_rows >= ONEDNN_MIN_ROWS and os.environ.get("FLEXGEN_H2O_CPU_GEMM", "onednn") != "blas"
+    return (gemm_rows >= ONEDNN_MIN_ROWS and not _blas_asked()
             and torch.backends.mkldnn.is_available())
 
 
