@@ -25,7 +25,7 @@ $(STAMP):
 # where it does not match, an edited .cpp say, so no timed run pays for the build; without a compiler the
 # engine runs the torch-op paths, which are slower, not wrong
 install: $(STAMP)
-	@$(VPY) -c 'import sys; from flexgen_h2o.models import fused; sys.exit(fused.build_ahead())' \
+	@$(VPY) -c 'import sys; from flexgen_h2o.kernels import build; sys.exit(build.build_ahead())' \
 		|| echo "continuing with the torch ops"
 
 run: install
@@ -39,4 +39,4 @@ test-fast: install
 	$(VPY) -m pytest -q -p no:cacheprovider -m "not slow" tests
 
 clean:
-	rm -rf $(VENV) build *.egg-info flexgen_h2o/models/_kernels.*.so
+	rm -rf $(VENV) build *.egg-info flexgen_h2o/kernels/_kernels.*.so flexgen_h2o/models/_kernels.*.so

@@ -1,9 +1,9 @@
 """flexgen_h2o: offloaded batch generation with a fixed-size H2O KV cache.
 
-The compiled CPU kernels (flexgen_h2o/models/csrc) are built here as flexgen_h2o.models._kernels when torch and a
+The compiled CPU kernels (flexgen_h2o/kernels/csrc) are built here as flexgen_h2o.kernels._kernels when torch and a
 C++ compiler are present at build time: `pip install --no-build-isolation -e .` after torch (make install). An
 isolated build (no torch), no compiler or a failed compile builds no extension and says why; the install goes
-on, and models/fused.py compiles them on first use instead (or runs the torch ops). FLEXGEN_H2O_BUILD_KERNELS=0
+on, and kernels/build.py compiles them on first use instead (or runs the torch ops). FLEXGEN_H2O_BUILD_KERNELS=0
 skips this build.
 """
 import importlib.util
@@ -14,7 +14,7 @@ from pathlib import Path
 from setuptools import find_packages, setup
 
 HERE = Path(__file__).resolve().parent
-FUSED = HERE / "flexgen_h2o" / "models" / "fused.py"
+BUILD_PY = HERE / "flexgen_h2o" / "kernels" / "build.py"
 STAMP_CPP = Path("build") / "flexgen_h2o_stamp" / "kernels_stamp.cpp"   # generated; relative, as setuptools wants
 
 
@@ -29,10 +29,10 @@ def kernels() -> dict:
         return {}
     try:
         from torch.utils.cpp_extension import BuildExtension, CppExtension
-        # fused.py by path, not by import: the package's __init__ pulls in the rest of the package
-        spec = importlib.util.spec_from_file_location("_flexgen_h2o_fused_for_setup", FUSED)
-        fused = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(fused)
+        # build.py by path, not by import: the package's __init__ pulls in the rest of the package
+        spec = importlib.util.spec_from_file_location("_flexgen_h2o_kernel_build_for_setup", BUILD_PY)
+        kbuild = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(kbuild)
     except Exception as exc:               # an isolated build has no torch: the package still installs
         say(f"no compiled kernels built: torch is not importable at build time ({exc}); `pip install "
             "--no-build-isolation` after torch builds them, else they are compiled on first use")
@@ -50,18 +50,18 @@ def kernels() -> dict:
                     "compiled on first use instead, or the engine runs the torch ops")
                 self.extensions = []       # nothing for the install to copy
 
-    flags = fused.isa_flags()
-    stamp = fused.stamp_source(fused.source_hash(fused.CSRC, flags))
+    flags = kbuild.isa_flags()
+    stamp = kbuild.stamp_source(kbuild.source_hash(kbuild.CSRC, flags))
     stamp_file = HERE / STAMP_CPP
     if not stamp_file.is_file() or stamp_file.read_text() != stamp:
         stamp_file.parent.mkdir(parents=True, exist_ok=True)
         stamp_file.write_text(stamp)
-    sources = [str(p.relative_to(HERE)) for p in fused.SOURCES] + [str(STAMP_CPP)]
-    # after fused's flags, undo what Python's own CFLAGS add (-g: a 15 MB .so; -fwrapv, -DNDEBUG), so this build
+    sources = [str(p.relative_to(HERE)) for p in kbuild.SOURCES] + [str(STAMP_CPP)]
+    # after build.py's flags, undo what Python's own CFLAGS add (-g: a 15 MB .so; -fwrapv, -DNDEBUG), so this build
     # compiles as the JIT one does
-    ext = CppExtension("flexgen_h2o.models._kernels", sources, include_dirs=[str(fused.CSRC)],
-                       extra_compile_args=[*fused.cflags(flags), "-g0", "-fno-wrapv", "-UNDEBUG"],
-                       extra_link_args=fused.LDFLAGS)
+    ext = CppExtension("flexgen_h2o.kernels._kernels", sources, include_dirs=[str(kbuild.CSRC)],
+                       extra_compile_args=[*kbuild.cflags(flags), "-g0", "-fno-wrapv", "-UNDEBUG"],
+                       extra_link_args=kbuild.LDFLAGS)
     return {"ext_modules": [ext], "cmdclass": {"build_ext": BuildKernels}}
 
 
@@ -74,8 +74,8 @@ setup(
     # transformers 5.24 warns that generate's and forward's past_key_values goes in 5.40; the hf cache and its
     # tests pass caches that way, so a clean install must not pick up the release that removes it
     install_requires=["torch", "numpy", "transformers>=5.0,<5.40", "safetensors", "psutil", "tqdm",
-                      "ninja"],             # builds the compiled kernels on first use (models/fused.py)
-    package_data={"flexgen_h2o.models": ["csrc/*.cpp", "csrc/*.h"]},
+                      "ninja"],             # builds the compiled kernels on first use (kernels/build.py)
+    package_data={"flexgen_h2o.kernels": ["csrc/*.cpp", "csrc/*.h"]},
     extras_require={
         "test": ["pytest", "pytest-timeout"],
         "eval": ["rouge-score", "matplotlib", "wonderwords"],

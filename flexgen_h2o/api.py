@@ -20,8 +20,7 @@ from typing import Any, Iterator, Mapping, Sequence
 
 from flexgen_h2o.config import ConfigError, GenerationConfig, OffloadPolicy
 from flexgen_h2o.formats import WEIGHT_FORMAT
-from flexgen_h2o.schedule.blocks import (BlockResult, add_metrics, check_budgets, check_context, encode_prompts,
-                                        plan_blocks, run_blocks)
+from flexgen_h2o.schedule.blocks import BlockResult, Job, add_metrics, encode_prompts, plan_job, run_blocks
 from flexgen_h2o.kv import EvictionConfig
 from flexgen_h2o.planner import PARTS, preflight as run_preflight
 
@@ -122,8 +121,9 @@ class LLM:
         self.preflight, self.progress = preflight, progress
         self.offload_dir = os.path.expanduser(offload_dir or DEFAULT_OFFLOAD_DIR)
         decode = (lambda ids: loaded.tokenizer.decode(ids, skip_special_tokens=True)) if loaded.tokenizer else None
+        # generate_blocks checks each prompt against the context window once (plan_job): the engine does not
         self.engine = Engine(loaded.config, loaded.read, offload=offload, eviction=eviction, device=device,
-                             offload_dir=self.offload_dir, decode=decode, locate=loaded.locate)
+                             offload_dir=self.offload_dir, decode=decode, locate=loaded.locate, check_context=False)
         self.last_metrics: dict = {}
 
     # --- generation ---
@@ -181,14 +181,15 @@ class LLM:
 
     def generate_blocks(self, ids: Sequence[Sequence[int]], gen: GenerationConfig, max_new: Sequence[int], *,
                         progress: bool | None = None, label=lambda i: f"prompt {i}",
-                        bucket: bool = True, seeds: Sequence[int] | None = None) -> Iterator[BlockResult]:
+                        bucket: bool = True, seeds: Sequence[int] | None = None,
+                        job: Job | None = None) -> Iterator[BlockResult]:
         """The block loop behind generate(): checks, bucketing, preflight, then one result per finished block.
+        job: these prompts already checked and cut (plan_job, the CLI's); otherwise they are checked here.
         Metrics of the whole call land in `last_metrics` once the iterator is exhausted."""
         lens = [len(p) for p in ids]
-        check_context(self.config.max_seq_len, self.eviction.position_rolling, lens, max_new, label,
-                      self.config.name)
-        blocks = plan_blocks(lens, self.offload.block_size, max_new, bucket=bucket)
-        check_budgets(self.eviction, blocks, lens, max_new, label)
+        if job is None:
+            job = plan_job(self.config, self.eviction, self.offload.block_size, lens, max_new, label, bucket=bucket)
+        blocks = job.blocks
         if self.preflight and blocks:   # KV, activations, workspace of the largest block, weights already placed
             run_preflight(self.config, self.offload, self.eviction, prompt_len=max(lens), gen_len=max(max_new),
                           n_seqs=max(len(b) for b in blocks), backend=self.engine.backend,

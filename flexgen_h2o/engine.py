@@ -22,7 +22,8 @@ from flexgen_h2o.kv.cache import KVCache, StagingBuffers, gather_slots
 from flexgen_h2o.kv.draws import KeyedDraws
 from flexgen_h2o.kv.mixed import SplitKVCache
 from flexgen_h2o.memory import ComputeTier, DiskTier, HostTier, OffloadDir, check_space
-from flexgen_h2o.models import ModelConfig, build_layers, fused, schedule_groups
+from flexgen_h2o.kernels import resolve as resolve_kernels
+from flexgen_h2o.models import ModelConfig, build_layers, schedule_groups
 from flexgen_h2o.planner.plan import BatchPlan, Plan
 from flexgen_h2o.sampling import Sampler, StopTracker
 from flexgen_h2o.schedule.activations import ActivationHome
@@ -87,11 +88,10 @@ class Engine:
         self.kv_dtype = self.offload.kv_format.dtype
         # CPU: staged KV windows reuse buffers (CUDA's caching allocator already recycles device memory)
         self.kv_staging = None if self.backend.is_cuda else StagingBuffers()
-        if not self.backend.is_cuda or self.offload.tier_fractions("cache")[0] < 1:
-            # load (or build) the compiled kernels here, not in a timed pass: on CUDA a host- or disk-homed cache
-            # commits its decode steps with them, from a copy lane (a fresh GPU machine built them there, the lane
-            # held for the whole build)
-            fused.module()
+        # the compiled kernels, loaded (or built) here, not in a timed pass, and their switches read once. On CUDA
+        # only a host- or disk-homed cache uses them, to commit its decode steps from a copy lane (a fresh GPU
+        # machine built them there, the lane held for the whole build)
+        self.kernels = resolve_kernels(load=not self.backend.is_cuda or self.offload.tier_fractions("cache")[0] < 1)
         self.layers = build_layers(model)
         self.groups = schedule_groups([layer.kind for layer in self.layers], self.offload.sep_layer)
         self.decode = decode
@@ -176,7 +176,7 @@ class Engine:
             cache = KVCache(layer.kv_spec(), hi - lo, capacity, policy, budget.part(lo, hi), dtype=self.kv_dtype,
                             alloc=lambda shape, dtype, kind=kind: self._alloc(kind, shape, dtype), tier_kind=kind,
                             rolling=rolling, generator=None if draws is None else draws.part(lo, hi),
-                            staging=self.kv_staging, read_in_place=in_place)
+                            staging=self.kv_staging, read_in_place=in_place, kernels=self.kernels)
             parts.append((lo, hi, cache))
         return SplitKVCache(parts, attention_device=torch.device("cpu") if host_attention else None)
 
@@ -361,7 +361,7 @@ class Engine:
                          device=self.device, compute_dtype=self.compute_dtype, needs_scores=policy.needs_scores,
                          rolling=ev.position_rolling, score_reduce=ev.score_reduce,
                          prefill_rows=plan.prefill_rows, async_lanes=self._async_lanes(),
-                         prefill_by_rows=plan.prefill_by_rows,
+                         prefill_by_rows=plan.prefill_by_rows, kernels=self.kernels,
                          on_logits=on_logits,
                          should_stop=lambda token: stops.all_done or token + 1 >= n_new)
         t0 = time.perf_counter()

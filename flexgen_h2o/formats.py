@@ -2,9 +2,11 @@
 carries), apart from the dtype it is computed in.
 
 One small type knows its bytes and how to pack a compute tensor into its stored form and back. The weight store,
-the KV cache, the planner and the tiers ask it instead of writing `numel * 2`. Today there are two plain formats,
-fp16 (the default for weights and KV) and fp32 (bit-faithful KV for tests); the compression issue adds group-wise
-quantized ones, which pack into a byte tensor plus per-group scale and minimum.
+the KV cache, the planner and the tiers ask it instead of writing `numel * 2`, and `stage` is the one copy path
+by which KV windows, weights and hidden states reach the compute device (a quantized format dequantizes there).
+Today there are two plain formats, fp16 (the default for weights and KV) and fp32 (bit-faithful KV for tests);
+the compression issue adds group-wise quantized ones, which pack into a byte tensor plus per-group scale and
+minimum.
 """
 from __future__ import annotations
 
@@ -45,6 +47,14 @@ class StorageFormat:
         """The stored form back in a compute dtype."""
         return stored.to(dtype)
 
+    def stage(self, stored: Tensor, device: torch.device, dtype: torch.dtype, into: Tensor | None = None,
+              non_blocking: bool = False) -> Tensor:
+        """The stored form on `device` in `dtype`, written into `into` (a reused buffer of its shape, on `device`
+        in `dtype`) or into a fresh tensor; never the stored tensor itself."""
+        if into is not None:
+            return into.copy_(stored, non_blocking=non_blocking)
+        return stored.to(device=device, dtype=dtype, copy=True, non_blocking=non_blocking)
+
 
 FP16 = StorageFormat("fp16", torch.float16)
 FP32 = StorageFormat("fp32", torch.float32)
@@ -52,6 +62,11 @@ FORMATS: dict[str, StorageFormat] = {f.name: f for f in (FP16, FP32)}
 WEIGHT_FORMAT = FP16              # the converted store's format: weights are converted once, to fp16
 # OffloadPolicy.kv_dtype's spellings (torch dtype names), kept for the API's users
 _BY_DTYPE_NAME = {"float16": FP16, "float32": FP32}
+
+
+def format_of(dtype: torch.dtype) -> StorageFormat:
+    """The plain format that stores `dtype`."""
+    return next(f for f in FORMATS.values() if f.dtype == dtype)
 
 
 def storage_format(name: str) -> StorageFormat:

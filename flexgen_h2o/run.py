@@ -122,22 +122,14 @@ def _load(args: argparse.Namespace, *, dummy_on_disk: bool = False) -> Any:
 
 
 def _generate(args, mode, offload, eviction, gen_len, prompt_len, log_path, requests, pending, results) -> int:
+    """Flags are checked; now: the model, the prompts checked once (plan_job), the preflight, the LLM, the mode."""
     import torch
 
     from flexgen_h2o.api import LLM
     from flexgen_h2o.backend import get_backend
-    from flexgen_h2o.schedule.blocks import check_budgets, check_context, encode_prompts, plan_blocks
-    from flexgen_h2o.frontends.benchmark import corpus_prompts, memory_line, run_benchmark, sizes_line
-    from flexgen_h2o.frontends.jsonl import generate_file
-    from flexgen_h2o.kv import describe_rows
     from flexgen_h2o.loader import fallback_tokenizer
-    from flexgen_h2o.memory.offload_dir import sweep_stale
-    from flexgen_h2o.metrics import flexgen_log
     from flexgen_h2o.models import resolve_model
-    from flexgen_h2o.formats import WEIGHT_FORMAT
-    from flexgen_h2o.planner import estimate, preflight, summary_line
-    from flexgen_h2o.planner.memory import kv_slot_bytes
-    from flexgen_h2o.weights import default_store_path
+    from flexgen_h2o.schedule.blocks import plan_job
 
     torch.set_num_threads(max(1, min(torch.get_num_threads(), os.cpu_count() or 1)))
     cfg = resolve_model(args.model)
@@ -150,31 +142,59 @@ def _generate(args, mode, offload, eviction, gen_len, prompt_len, log_path, requ
     deferred = args.dummy_weights and offload.tier_fractions("weights")[2] > 0
     loaded = None if deferred else _load(args)
     tok = fallback_tokenizer() if deferred else loaded.tokenizer
+    texts, prompts, max_new, label = _prompts(args, mode, cfg, tok, offload, pending, prompt_len, gen_len)
+    job = plan_job(cfg, eviction, offload.block_size, [len(p) for p in prompts], max_new, label)
+    est, checked = _preflight(args, cfg, offload, eviction, backend, deferred, job)
+    if mode == "benchmark":
+        from flexgen_h2o.frontends.benchmark import corpus_prompts, sizes_line
+        prompts, source = corpus_prompts(tok, offload.block_size, prompt_len, cfg.vocab_size)
+        print(f"prompts: {len(prompts)} x {prompt_len} tokens of {source}")
+        print(sizes_line(cfg, est, len(prompts), prompt_len))
+    print(_summary_line(checked))
+
+    if loaded is None:
+        loaded = _load(args, dummy_on_disk=True)
+    llm = LLM.from_loaded(loaded, offload=offload, eviction=eviction, device=args.device,
+                          offload_dir=args.offload_dir, preflight=False, progress=not args.no_progress)
+    try:
+        metrics = _run_mode(args, mode, llm, est, texts, prompts, job, gen_len, requests, pending, results)
+    finally:
+        llm.close()
+    _write_logs(args, metrics, log_path)
+    return 0
+
+
+def _prompts(args, mode, cfg, tok, offload, pending, prompt_len, gen_len) -> tuple:
+    """(texts, token ids, max_new_tokens per prompt, a label naming prompt i in errors) of this mode. Benchmark
+    mode's ids are placeholders of the right length: the corpus is tokenized once the preflight passed."""
+    from flexgen_h2o.schedule.blocks import encode_prompts
     chat = not args.no_chat_template and bool(getattr(tok, "chat_template", None))
+    if mode == "benchmark":
+        prompts = [[0] * prompt_len] * offload.block_size
+        return None, prompts, [args.cut_gen_len or gen_len] * len(prompts), (lambda i: "--prompt-len")
+    if mode == "prompt":
+        prompts = encode_prompts(tok, args.prompt, chat=chat)
+        return args.prompt, prompts, [gen_len] * len(prompts), (lambda i: f"--prompt #{i + 1}")
+    # a "prompt" line is raw text, a "messages" line a chat (refused under --no-chat-template when read)
+    chats = [r for r in pending if r.messages is not None]
+    if chats and tok is not None and not getattr(tok, "chat_template", None):
+        raise ConfigError(f"{args.input}: line {chats[0].line}: a chat (messages) needs a chat template, and the "
+                          f"tokenizer of {cfg.name} has none; send the text as a prompt")
+    prompts = encode_prompts(tok, [r.prompt if r.messages is None else r.messages for r in pending], chat=False)
+    return (None, prompts, [r.max_new_tokens for r in pending],
+            (lambda i: f"{args.input}: line {pending[i].line}"))
 
-    # --- the prompts, checked against the context window before anything runs ---
-    run_len = args.cut_gen_len or gen_len
-    if mode == "benchmark":      # one full block; the corpus is tokenized once the preflight passed
-        texts, prompts = None, [[0] * prompt_len] * offload.block_size
-        max_new, label = [run_len] * len(prompts), (lambda i: "--prompt-len")
-    elif mode == "prompt":
-        texts = args.prompt
-        prompts = encode_prompts(tok, texts, chat=chat)
-        max_new, label = [gen_len] * len(prompts), (lambda i: f"--prompt #{i + 1}")
-    else:
-        # a "prompt" line is raw text, a "messages" line a chat (refused under --no-chat-template when read)
-        chats = [r for r in pending if r.messages is not None]
-        if chats and tok is not None and not getattr(tok, "chat_template", None):
-            raise ConfigError(f"{args.input}: line {chats[0].line}: a chat (messages) needs a chat template, and the "
-                              f"tokenizer of {cfg.name} has none; send the text as a prompt")
-        prompts = encode_prompts(tok, [r.prompt if r.messages is None else r.messages for r in pending], chat=False)
-        max_new, label = [r.max_new_tokens for r in pending], (lambda i: f"{args.input}: line {pending[i].line}")
-    lens = [len(p) for p in prompts]
-    check_context(cfg.max_seq_len, eviction.position_rolling, lens, max_new, label, cfg.name)
-    budgets = check_budgets(eviction, plan_blocks(lens, offload.block_size, max_new), lens, max_new, label)
 
-    # --- preflight: per-tier estimate against this machine ---
-    n_seqs = min(offload.block_size, len(prompts))
+def _preflight(args, cfg, offload, eviction, backend, deferred, job) -> tuple:
+    """The per-tier estimate of the largest block against this machine (est, checked; checked None with
+    --skip-preflight), after the run's header lines."""
+    from flexgen_h2o.formats import WEIGHT_FORMAT
+    from flexgen_h2o.kv import describe_rows
+    from flexgen_h2o.memory.offload_dir import sweep_stale
+    from flexgen_h2o.planner import estimate, preflight
+    from flexgen_h2o.planner.memory import kv_slot_bytes
+    from flexgen_h2o.weights import default_store_path
+    n_seqs = min(offload.block_size, len(job.lens))
     uses_disk = any(offload.tier_fractions(w)[2] > 0 for w in ("cache", "act"))
     if uses_disk:
         check_folder_writable(args.offload_dir, "--offload-dir")
@@ -182,7 +202,7 @@ def _generate(args, mode, offload, eviction, gen_len, prompt_len, log_path, requ
         sweep_stale(os.path.expanduser(args.offload_dir))
     store = args.path or str(default_store_path(cfg.name + "-dummy"))
     new_store = deferred and not os.path.isfile(os.path.join(store, "manifest.json"))
-    plan = dict(prompt_len=max(lens), gen_len=max(max_new), n_seqs=n_seqs,
+    plan = dict(prompt_len=max(job.lens), gen_len=max(job.max_new), n_seqs=n_seqs,
                 dummy_store_bytes=WEIGHT_FORMAT.nbytes(cfg.n_params()) if new_store else 0,
                 real_weights=not args.dummy_weights)
     if args.skip_preflight:
@@ -191,48 +211,53 @@ def _generate(args, mode, offload, eviction, gen_len, prompt_len, log_path, requ
     else:
         est, checked = preflight(cfg, offload, eviction, backend=backend, store_dir=store if new_store else None,
                                  offload_root=os.path.expanduser(args.offload_dir) if uses_disk else None, **plan)
-    print(f"model: {cfg.name} ({cfg.family}, {cfg.n_layers} layers, width {cfg.hidden_size}) | {len(prompts)} "
+    print(f"model: {cfg.name} ({cfg.family}, {cfg.n_layers} layers, width {cfg.hidden_size}) | {len(job.lens)} "
           f"prompt(s), block {offload.block_size} = {offload.gpu_batch_size} x {offload.num_gpu_batches} | "
           f"--percent {' '.join(f'{x:g}' for x in offload.percent)}")
     # slot bytes as allocated: K, V, score, position
-    print(describe_rows(budgets, lens, max_new, kv_slot_bytes(cfg, offload.kv_format) * cfg.n_layers * n_seqs))
+    print(describe_rows(job.budgets, job.lens, job.max_new,
+                        kv_slot_bytes(cfg, offload.kv_format) * cfg.n_layers * n_seqs))
     print(est.plan.describe())
-    if mode == "benchmark":
-        prompts, source = corpus_prompts(tok, offload.block_size, prompt_len, cfg.vocab_size)
-        print(f"prompts: {len(prompts)} x {prompt_len} tokens of {source}")
-        print(sizes_line(cfg, est, len(prompts), prompt_len))
-    print(summary_line(checked) if checked else "preflight: skipped (--skip-preflight)")
+    return est, checked
 
-    if loaded is None:
-        loaded = _load(args, dummy_on_disk=True)
-    llm = LLM.from_loaded(loaded, offload=offload, eviction=eviction, device=args.device,
-                          offload_dir=args.offload_dir, preflight=False, progress=not args.no_progress)
-    try:
-        # newer placements charge resident weights to the tiers; then the peaks must not add them again
-        weights_in_tiers = any(t.current_bytes for t in llm.engine.tiers.values())
-        if mode == "benchmark":
-            sampling = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
-            metrics = run_benchmark(llm, prompts, gen_len=gen_len, cut_gen_len=args.cut_gen_len,
-                                    sampling=sampling, warmup=not args.no_warmup, weights_in_tiers=weights_in_tiers,
-                                    show_sample=not args.dummy_weights)
-        else:
-            gen = _gen_config(args, gen_len)
-            if mode == "prompt":
-                outs = {}
-                for block in llm.generate_blocks(prompts, gen, max_new, label=label, progress=not args.no_progress):
-                    outs.update({i: t for i, t in zip(block.indices, block.texts)})
-                for i, t in enumerate(texts):
-                    print(f"\n>>> {t}\n{outs[i].strip()}")
-                totals = dict(llm.last_metrics)
-            else:
-                totals = generate_file(llm, requests, pending, prompts, results, gen, input_name=args.input,
-                                       progress=not args.no_progress)
-                print(f"\nwrote {len(requests)} results to {args.output} ({len(pending)} generated now)")
-            metrics = _run_metrics(llm, totals, est, mode, weights_in_tiers, len(prompts))
-            print(_summary(metrics))
-            print(memory_line(metrics))
-    finally:
-        llm.close()
+
+def _summary_line(checked: Any) -> str:
+    from flexgen_h2o.planner import summary_line
+    return summary_line(checked) if checked else "preflight: skipped (--skip-preflight)"
+
+
+def _run_mode(args, mode, llm, est, texts, prompts, job, gen_len, requests, pending, results) -> dict:
+    """Run the mode on the LLM; its metrics."""
+    from flexgen_h2o.frontends.benchmark import memory_line, run_benchmark
+    from flexgen_h2o.frontends.jsonl import generate_file
+    # newer placements charge resident weights to the tiers; then the peaks must not add them again
+    weights_in_tiers = any(t.current_bytes for t in llm.engine.tiers.values())
+    if mode == "benchmark":
+        sampling = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+        return run_benchmark(llm, prompts, gen_len=gen_len, cut_gen_len=args.cut_gen_len, sampling=sampling,
+                             warmup=not args.no_warmup, weights_in_tiers=weights_in_tiers,
+                             show_sample=not args.dummy_weights)
+    gen = _gen_config(args, gen_len)
+    if mode == "prompt":
+        outs = {}
+        for block in llm.generate_blocks(prompts, gen, job.max_new, progress=not args.no_progress, job=job):
+            outs.update({i: t for i, t in zip(block.indices, block.texts)})
+        for i, t in enumerate(texts):
+            print(f"\n>>> {t}\n{outs[i].strip()}")
+        totals = dict(llm.last_metrics)
+    else:
+        totals = generate_file(llm, requests, pending, prompts, results, gen, input_name=args.input,
+                               progress=not args.no_progress, job=job)
+        print(f"\nwrote {len(requests)} results to {args.output} ({len(pending)} generated now)")
+    metrics = _run_metrics(llm, totals, est, mode, weights_in_tiers, len(prompts))
+    print(_summary(metrics))
+    print(memory_line(metrics))
+    return metrics
+
+
+def _write_logs(args: argparse.Namespace, metrics: dict, log_path: str | None) -> None:
+    """FlexGen's log lines (printed, and appended to --log-file) and --metrics-json."""
+    from flexgen_h2o.metrics import flexgen_log
     log = flexgen_log(metrics)
     print(log, end="")
     if log_path:
@@ -241,7 +266,6 @@ def _generate(args, mode, offload, eviction, gen_len, prompt_len, log_path, requ
     if args.metrics_json:
         with open(args.metrics_json, "w") as f:
             json.dump(metrics, f, indent=2, default=str)
-    return 0
 
 
 def _gen_config(args: argparse.Namespace, gen_len: int) -> Any:

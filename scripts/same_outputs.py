@@ -97,6 +97,16 @@ def compare(here: dict, there: dict) -> list[str]:
     return diffs
 
 
+def csrc_folder(tree: Path) -> Path:
+    """The kernels' C++ folder of a checkout: flexgen_h2o/kernels/csrc, or models/csrc before the move."""
+    new = tree / "flexgen_h2o" / "kernels" / "csrc"
+    return new if new.is_dir() else tree / "flexgen_h2o" / "models" / "csrc"
+
+
+def csrc_bytes(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file() and not p.name.startswith(".")}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--base", help="commit to compare with (a temporary git worktree)")
@@ -110,18 +120,20 @@ def main() -> int:
         if a.dump:
             a.dump.write_text(json.dumps(result))
         return 0
-    kernels = ["git", "-C", str(REPO), "diff", "--quiet", a.base, "--", "flexgen_h2o/models/csrc"]
-    if subprocess.run(kernels).returncode != 0:
-        print(f"error: the compiled kernels' sources differ from {a.base}: this script runs both trees on this "
-              "tree's build, so it cannot compare them", file=sys.stderr)
-        return 2
     with tempfile.TemporaryDirectory() as tmp:
         base_tree, base_json = Path(tmp) / "base", Path(tmp) / "base.json"
         subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", "-q", str(base_tree), a.base],
                        check=True)
         try:
-            for so in (REPO / "flexgen_h2o" / "models").glob("_kernels*.so"):    # the compiled kernels, as built
-                shutil.copy(so, base_tree / "flexgen_h2o" / "models")
+            # both trees run this tree's build of the kernels, so their sources must be the same bytes (the
+            # folder moved from models/ to kernels/ once; the build goes where the base tree looks for it)
+            here, there = csrc_folder(REPO), csrc_folder(base_tree)
+            if csrc_bytes(here) != csrc_bytes(there):
+                print(f"error: the compiled kernels' sources differ from {a.base}: this script runs both trees on "
+                      "this tree's build, so it cannot compare them", file=sys.stderr)
+                return 2
+            for so in here.parent.glob("_kernels*.so"):                      # the compiled kernels, as built
+                shutil.copy(so, there.parent)
             print(f"base {a.base}:", flush=True)
             subprocess.run([sys.executable, __file__, "--dump", str(base_json), "--repo", str(base_tree),
                             *(["--cases", *a.cases] if a.cases else [])], check=True, cwd=tmp)

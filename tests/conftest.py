@@ -29,10 +29,14 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture
 def kernel():
-    """models.fused with its compiled kernels built: skipped where they cannot be, failed in CI, which must."""
-    from flexgen_h2o.models import fused
-    if fused.module() is None:
+    """A kernels.Kernels holding the compiled build, every kernel on (the environment's switches aside): skipped
+    where they cannot be built or are switched off, failed in CI, which must build them."""
+    from flexgen_h2o.kernels import build, dispatch
+    ext = build.load()
+    if ext is None:
         if os.environ.get("CI"):
-            pytest.fail(f"CI must build the compiled attention kernels: {fused.unavailable_reason()}")
-        pytest.skip(f"compiled attention kernels unavailable: {fused.unavailable_reason() or 'switched off'}")
-    return fused
+            pytest.fail(f"CI must build the compiled kernels: {build.unavailable_reason()}")
+        pytest.skip(f"compiled kernels unavailable: {build.unavailable_reason()}")
+    if os.environ.get(build.OFF_SWITCH, "1") == "0":
+        pytest.skip(f"compiled kernels switched off ({build.OFF_SWITCH}=0)")
+    return dispatch.Kernels(ext)

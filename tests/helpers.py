@@ -9,7 +9,8 @@ from transformers import LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalL
 from flexgen_h2o.config import GenerationConfig, OffloadPolicy
 from flexgen_h2o.engine import Engine
 from flexgen_h2o.kv import EvictionConfig
-from flexgen_h2o.models import build_layers, from_hf_config, fused, ops
+from flexgen_h2o.kernels import build
+from flexgen_h2o.models import build_layers, from_hf_config, ops
 from flexgen_h2o.models.transformer import all_specs
 
 VOCAB = 128
@@ -116,9 +117,14 @@ def engine_kept(engine) -> list[list[list[list[int]]]]:
 
 def count_in_place_attention(monkeypatch) -> list:
     """A list that grows by one per decode attention over a cache's own fp16 window (KVView.compute_dtype), by
-    either path: the compiled kernel (fused.decode_attention) or the torch ops (ops.narrow_decode_attention)."""
+    either path: the compiled kernel (the loaded extension's decode_attention, which Kernels calls) or the torch
+    ops (ops.narrow_decode_attention, which TorchKernels calls)."""
     calls: list = []
-    for owner, name in ((ops, "narrow_decode_attention"), (fused, "decode_attention")):
+    owners = [(ops, "narrow_decode_attention")]
+    ext = build.load()
+    if ext is not None:
+        owners.append((ext, "decode_attention"))
+    for owner, name in owners:
         real = getattr(owner, name)
         monkeypatch.setattr(owner, name, lambda *a, real=real, **kw: calls.append(1) or real(*a, **kw))
     return calls

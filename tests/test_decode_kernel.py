@@ -1,5 +1,5 @@
-"""The compiled decode attention (models/fused.decode_attention, csrc/decode_attention.cpp) against the torch-op
-path it replaces on a CPU (ops.narrow_decode_attention over the same fp16 window), and the engine with it
+"""The compiled decode attention (kernels.Kernels.narrow_decode_attention, csrc/decode_attention.cpp) against the
+torch-op path it replaces on a CPU (ops.narrow_decode_attention over the same fp16 window), and the engine with it
 against the engine without."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 
 from flexgen_h2o.config import OffloadPolicy
 from flexgen_h2o.kv import EvictionConfig
-from flexgen_h2o.models import fused, ops
+from flexgen_h2o.models import ops
 from tests.helpers import (count_in_place_attention, engine_kept, greedy, make_engine, max_logit_diff,
                            random_prompts, tiny_hf)
 
@@ -45,14 +45,14 @@ def test_kernel_gives_the_torch_paths_output_and_key_mass(kernel, b, h, g, s, d,
     q, k, v, valid, slot, k_new, v_new = args
     before = k.clone(), v.clone()
     ref_out, ref_mass = ops.narrow_decode_attention(*args, 0.3, want_scores=True, score_reduce=score_reduce)
-    out, mass = kernel.decode_attention(*args, 0.3, want_scores=True, score_reduce=score_reduce)
+    out, mass = kernel.narrow_decode_attention(*args, 0.3, want_scores=True, score_reduce=score_reduce)
     torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(mass, ref_mass, rtol=1e-5, atol=1e-7)
     assert torch.all(mass[~valid] == 0)                       # free slots get exactly no mass
     per_column = 1.0 if score_reduce == "mean" else h // g    # each query head spends a mass of 1
     torch.testing.assert_close(mass.sum(-1), torch.full((b, g), float(per_column)), rtol=1e-5, atol=1e-5)
     assert torch.equal(k, before[0]) and torch.equal(v, before[1])   # the cache's window is read only
-    out_only, none = kernel.decode_attention(*args, 0.3, want_scores=False)
+    out_only, none = kernel.narrow_decode_attention(*args, 0.3, want_scores=False)
     assert none is None and torch.equal(out_only, out)
 
 
@@ -61,11 +61,11 @@ def test_peaked_attention_and_a_new_token_that_differs_from_its_fp16_row(kernel)
     unrounded, as the torch path does: both show in the output."""
     args = _step(2, 9, 3, 50, 64, 64, q_scale=12.0)
     ref = ops.narrow_decode_attention(*args, 0.125, want_scores=True)
-    got = kernel.decode_attention(*args, 0.125, want_scores=True)
+    got = kernel.narrow_decode_attention(*args, 0.125, want_scores=True)
     for a, b in zip(got, ref):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     q, k, v, valid, slot, k_new, v_new = args
-    rounded = kernel.decode_attention(q, k, v, valid, slot, k_new.half().float(), v_new.half().float(), 0.125)
+    rounded = kernel.narrow_decode_attention(q, k, v, valid, slot, k_new.half().float(), v_new.half().float(), 0.125)
     assert not torch.equal(rounded[0], got[0])
 
 
@@ -73,11 +73,11 @@ def test_freed_slots_are_never_read(kernel):
     """A freed slot still holds an evicted token's row; whatever it holds (here inf and NaN) must not reach the
     output or the mass, as if the slot held zeros."""
     q, k, v, valid, slot, k_new, v_new = _step(3, 6, 2, 40, 64, 40, free=0.4)
-    clean = kernel.decode_attention(q, k, v, valid, slot, k_new, v_new, 0.3, want_scores=True)
+    clean = kernel.narrow_decode_attention(q, k, v, valid, slot, k_new, v_new, 0.3, want_scores=True)
     dirty_k, dirty_v = k.clone(), v.clone()
     dirty_k[~valid] = float("nan")
     dirty_v[~valid] = float("inf")
-    dirty = kernel.decode_attention(q, dirty_k, dirty_v, valid, slot, k_new, v_new, 0.3, want_scores=True)
+    dirty = kernel.narrow_decode_attention(q, dirty_k, dirty_v, valid, slot, k_new, v_new, 0.3, want_scores=True)
     assert torch.equal(dirty[0], clean[0]) and torch.equal(dirty[1], clean[1])
 
 
@@ -87,9 +87,9 @@ def test_kernel_is_the_same_on_one_thread_and_two(kernel):
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = kernel.decode_attention(*args, 0.3, want_scores=True)
+        one = kernel.narrow_decode_attention(*args, 0.3, want_scores=True)
         torch.set_num_threads(2)
-        two = kernel.decode_attention(*args, 0.3, want_scores=True)
+        two = kernel.narrow_decode_attention(*args, 0.3, want_scores=True)
     finally:
         torch.set_num_threads(before)
     assert torch.equal(one[0], two[0]) and torch.equal(one[1], two[1])
@@ -98,10 +98,23 @@ def test_kernel_is_the_same_on_one_thread_and_two(kernel):
 def test_bad_inputs_are_refused_by_name(kernel):
     q, k, v, valid, slot, k_new, v_new = _step(2, 4, 2, 10, 16, 10)
     with pytest.raises(RuntimeError, match="float16"):
-        kernel.module().decode_attention(q, k.float(), v, valid, slot, k_new, v_new, 0.3, True, False)
+        kernel.ext.decode_attention(q, k.float(), v, valid, slot, k_new, v_new, 0.3, True, False)
     with pytest.raises(RuntimeError, match="write slot"):
-        kernel.module().decode_attention(q, k, v, valid, slot + 10, k_new, v_new, 0.3, True, False)
-    assert not fused.decode_usable(q, k.float()) and not fused.decode_usable(q.half(), k)
+        kernel.ext.decode_attention(q, k, v, valid, slot + 10, k_new, v_new, 0.3, True, False)
+
+
+def test_only_an_fp32_query_over_an_fp16_window_goes_to_the_kernel(kernel, monkeypatch):
+    """What the compiled path takes (the windows _step makes, as the engine hands them over) and what it leaves
+    to the torch ops (an fp32 window, an fp16 query)."""
+    calls = []
+    real = kernel.ext.decode_attention
+    monkeypatch.setattr(kernel.ext, "decode_attention", lambda *a: calls.append(1) or real(*a))
+    q, k, v, valid, slot, k_new, v_new = _step(2, 4, 2, 10, 16, 12)
+    kernel.narrow_decode_attention(q, k.float(), v.float(), valid, slot, k_new, v_new, 0.3, want_scores=True)
+    kernel.narrow_decode_attention(q.half(), k, v, valid, slot, k_new, v_new, 0.3, want_scores=True)
+    assert not calls
+    kernel.narrow_decode_attention(q, k, v, valid, slot, k_new, v_new, 0.3, want_scores=True)
+    assert calls == [1]
 
 
 @pytest.mark.parametrize("kind", ["llama-gqa", "opt"])
@@ -111,8 +124,8 @@ def test_engine_with_the_decode_kernel_keeps_and_generates_what_it_does_without(
     """fp16 KV read in place: every decode step of every layer goes to the kernel, and the run gives the same
     tokens and kept positions as the torch-op path, every step's logits to fp32 rounding."""
     calls = []
-    real = fused.decode_attention
-    monkeypatch.setattr(fused, "decode_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    real = kernel.ext.decode_attention
+    monkeypatch.setattr(kernel.ext, "decode_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     model = tiny_hf(kind)
     prompts = random_prompts([21, 14, 9])
     eviction = EvictionConfig(policy=policy, hh_size=4, recent_size=3) if policy != "full" else None
@@ -120,11 +133,13 @@ def test_engine_with_the_decode_kernel_keeps_and_generates_what_it_does_without(
     compiled = make_engine(model, eviction=eviction, offload=offload)
     out = compiled.generate(prompts, greedy(12))
     assert len(calls) == 11 * model.config.num_hidden_layers
-    monkeypatch.setattr(fused, "decode_usable", lambda q, k: False)      # the same engine on the torch ops
     torch_calls = count_in_place_attention(monkeypatch)
     plain = make_engine(model, eviction=eviction, offload=offload)
+    # the same engine with its decode attention alone on the torch ops (ops.narrow_decode_attention)
+    monkeypatch.setattr(plain.kernels, "narrow_decode_attention", ops.TORCH.narrow_decode_attention)
     ref = plain.generate(prompts, greedy(12))
     assert len(torch_calls) == 11 * model.config.num_hidden_layers
+    assert len(calls) == 11 * model.config.num_hidden_layers        # the kernel took none of them
     assert out.token_ids == ref.token_ids
     assert engine_kept(compiled) == engine_kept(plain)
     assert all(max_logit_diff(compiled.step_logits[i], plain.step_logits[i]) < 1e-4 for i in range(len(prompts)))

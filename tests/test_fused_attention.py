@@ -1,12 +1,14 @@
-"""The compiled prompt attention (models/fused.py, csrc/scored_attention.cpp) against the torch-op path it
-replaces on a CPU (ops.grouped_attention with want_scores), and the engine with it against the engine without."""
+"""The compiled prompt attention (kernels.Kernels.scored_prompt_attention, csrc/scored_attention.cpp) against the
+torch-op path it replaces on a CPU (ops.grouped_attention with want_scores), and the engine with it against the
+engine without."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from flexgen_h2o.kv import EvictionConfig
-from flexgen_h2o.models import fused, ops
+from flexgen_h2o.kernels import build, dispatch, resolve
+from flexgen_h2o.models import ops
 from tests.helpers import engine_kept, greedy, make_engine, max_logit_diff, random_prompts, tiny_hf
 
 
@@ -16,6 +18,12 @@ def _reference(q, k, v, token_valid, scale, score_reduce="sum"):
     return ops.grouped_attention(q, k, v, ops.causal_pad_mask(valid), scale, want_scores=True,
                                  query_valid=token_valid, score_reduce=score_reduce,
                                  causal_only=token_valid is None)
+
+
+def _scored(kernel, q, k, v, token_valid, scale, score_reduce="sum"):
+    """The kernel's prompt pass as a layer calls it: no pads (token_valid None) is every token valid, unpadded."""
+    valid = torch.ones(q.shape[0], q.shape[2], dtype=torch.bool) if token_valid is None else token_valid
+    return kernel.scored_prompt_attention(q, k, v, valid, token_valid is None, scale, score_reduce, 256)
 
 
 def _inputs(b, h, g, t, d, pads=()):
@@ -40,10 +48,10 @@ def _inputs(b, h, g, t, d, pads=()):
 @pytest.mark.parametrize("score_reduce", ["sum", "mean"])
 def test_kernel_gives_the_torch_paths_output_and_key_mass(kernel, monkeypatch, b, h, g, t, pads, q_block,
                                                          score_reduce):
-    monkeypatch.setattr(fused, "Q_BLOCK", q_block)        # 1 and 4: many blocks, odd counts, mirror pairs
+    monkeypatch.setattr(dispatch, "Q_BLOCK", q_block)        # 1 and 4: many blocks, odd counts, mirror pairs
     q, k, v, valid = _inputs(b, h, g, t, 8, pads)
     ref_out, ref_mass = _reference(q, k, v, valid, 0.4, score_reduce)
-    out, mass = kernel.scored_prompt_attention(q, k, v, valid, 0.4, score_reduce)
+    out, mass = _scored(kernel, q, k, v, valid, 0.4, score_reduce)
     assert out.shape == ref_out.shape and mass.shape == ref_mass.shape == (b, g, t)
     torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(mass, ref_mass, rtol=1e-5, atol=1e-5)
@@ -56,14 +64,14 @@ def test_kernel_gives_the_torch_paths_output_and_key_mass(kernel, monkeypatch, b
 
 def test_kernel_is_the_same_on_one_thread_and_two(kernel, monkeypatch):
     """Each thread sums its blocks' key mass into its own row, added up at the end."""
-    monkeypatch.setattr(fused, "Q_BLOCK", 4)
+    monkeypatch.setattr(dispatch, "Q_BLOCK", 4)
     q, k, v, valid = _inputs(2, 6, 3, 40, 8, pads=(3, 0))
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = kernel.scored_prompt_attention(q, k, v, valid, 0.3)
+        one = _scored(kernel, q, k, v, valid, 0.3)
         torch.set_num_threads(2)
-        two = kernel.scored_prompt_attention(q, k, v, valid, 0.3)
+        two = _scored(kernel, q, k, v, valid, 0.3)
         threads_after = torch.get_num_threads()
     finally:
         torch.set_num_threads(before)
@@ -79,7 +87,7 @@ def test_a_single_task_on_the_calling_thread_leaves_its_thread_count(kernel):
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
-        kernel.scored_prompt_attention(q, k, v, None, 0.3)
+        _scored(kernel, q, k, v, None, 0.3)
         threads_after = torch.get_num_threads()
     finally:
         torch.set_num_threads(before)
@@ -91,17 +99,18 @@ def test_engine_with_the_kernel_keeps_and_generates_what_it_does_without(kernel,
     """Every layer's prompt pass goes to the kernel, and the H2O run gives the same tokens and kept positions
     as the torch path, logits to fp32 rounding; a padded block (prompts of three lengths) included."""
     calls = []
-    real = fused.scored_prompt_attention
-    monkeypatch.setattr(fused, "scored_prompt_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    real = kernel.ext.scored_prompt_attention
+    monkeypatch.setattr(kernel.ext, "scored_prompt_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     model = tiny_hf(kind)
     prompts = random_prompts([21, 14, 9])
     eviction = EvictionConfig(policy="h2o", hh_size=4, recent_size=3)
     compiled = make_engine(model, eviction=eviction)
     out = compiled.generate(prompts, greedy(8))
     assert len(calls) == model.config.num_hidden_layers
-    monkeypatch.setenv(fused.ENV_SWITCH, "0")
+    monkeypatch.setenv(build.OFF_SWITCH, "0")                 # read when the engine resolves its kernels
     calls.clear()
     plain = make_engine(model, eviction=eviction)
+    assert compiled.kernels.ext is kernel.ext and plain.kernels.ext is None
     ref = plain.generate(prompts, greedy(8))
     assert not calls
     assert out.token_ids == ref.token_ids
@@ -113,7 +122,7 @@ def test_full_cache_prompt_does_not_use_the_kernel(kernel, monkeypatch):
     """No scores wanted: the prompt stays on torch's fused SDPA (the kernel is only ~6 % faster on the attention
     alone, benchmarks/studies/prompt_attention.py)."""
     calls = []
-    monkeypatch.setattr(fused, "scored_prompt_attention", lambda *a, **kw: calls.append(1))
+    monkeypatch.setattr(kernel.ext, "scored_prompt_attention", lambda *a, **kw: calls.append(1))
     make_engine(tiny_hf("llama-gqa")).generate(random_prompts([12, 7]), greedy(2))
     assert not calls
 
@@ -121,21 +130,23 @@ def test_full_cache_prompt_does_not_use_the_kernel(kernel, monkeypatch):
 def test_a_failed_build_falls_back_to_torch_ops_and_says_why_once(monkeypatch, capsys):
     def no_compiler():
         raise RuntimeError("Ninja is required to load C++ extensions")
-    monkeypatch.setattr(fused, "_state", {})
-    monkeypatch.setattr(fused, "build", no_compiler)
-    q = torch.zeros(1, 2, 3, 4)
-    assert not fused.usable(q) and not fused.usable(q)
+    monkeypatch.setattr(build, "_state", {})
+    monkeypatch.setattr(build, "build", no_compiler)
+    assert build.load() is None and resolve().ext is None
     err = capsys.readouterr().err
-    assert err.count("compiled attention kernels unavailable") == 1 and "Ninja is required" in err
-    assert fused.unavailable_reason() == "Ninja is required to load C++ extensions"
+    assert err.count("compiled kernels unavailable") == 1 and "Ninja is required" in err
+    assert build.unavailable_reason() == "Ninja is required to load C++ extensions"
     eviction = EvictionConfig(policy="h2o", hh_size=4, recent_size=3)
-    out = make_engine(tiny_hf("llama-gqa"), eviction=eviction).generate(random_prompts([12, 7]), greedy(3))
+    engine = make_engine(tiny_hf("llama-gqa"), eviction=eviction)
+    assert engine.kernels.ext is None
+    out = engine.generate(random_prompts([12, 7]), greedy(3))
     assert all(len(ids) == 3 for ids in out.token_ids)
 
 
 def test_the_switch_turns_it_off_without_building(monkeypatch):
-    monkeypatch.setattr(fused, "_state", {})
-    monkeypatch.setattr(fused, "build", lambda: pytest.fail("must not build when switched off"))
-    monkeypatch.setenv(fused.ENV_SWITCH, "0")
-    assert fused.module() is None and fused.unavailable_reason() is None
-    assert not fused.usable(torch.zeros(1, 1, 2, 2))
+    monkeypatch.setattr(build, "_state", {})
+    monkeypatch.setattr(build, "build", lambda: pytest.fail("must not build when switched off"))
+    monkeypatch.setenv(build.OFF_SWITCH, "0")
+    kernels = resolve()
+    assert kernels.ext is None and kernels.name == "torch" and build.unavailable_reason() is None
+    assert build.build_ahead() == 1                                  # nothing built, and it says so

@@ -1,11 +1,13 @@
-"""The compiled fp16-weight linear (models/fused.half_linear, csrc/half_linear.cpp) against the product of the
-upcast weight, and ops.linear's dispatch to it (decode-sized row counts on a CPU)."""
+"""The compiled fp16-weight linear (csrc/half_linear.cpp, the extension's half_linear) against the product of the
+upcast weight, and kernels.Kernels.linear's dispatch to it (decode-sized row counts on a CPU) and to oneDNN's GEMM
+(a prompt's rows)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from flexgen_h2o.models import fused, ops
+from flexgen_h2o.kernels import Kernels, build, dispatch, resolve
+from flexgen_h2o.models import ops
 
 
 def _pair(m: int, k: int, n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -29,7 +31,7 @@ def _pair(m: int, k: int, n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Te
 ])
 def test_kernel_gives_the_product_of_the_upcast_weight(kernel, m, k, n):
     x, w = _pair(m, k, n)
-    out = kernel.half_linear(x, w)
+    out = kernel.ext.half_linear(x, w)
     ref = x.double() @ w.double().T
     assert out.shape == (m, n) and out.dtype == torch.float32
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5 * max(k, 1) ** 0.5)
@@ -41,9 +43,9 @@ def test_kernel_is_the_same_on_one_thread_and_two(kernel):
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = kernel.half_linear(x, w)
+        one = kernel.ext.half_linear(x, w)
         torch.set_num_threads(2)
-        two = kernel.half_linear(x, w)
+        two = kernel.ext.half_linear(x, w)
     finally:
         torch.set_num_threads(before)
     assert torch.equal(one, two)
@@ -54,57 +56,69 @@ def test_a_rows_outputs_do_not_depend_on_the_rows_beside_it(kernel, k):
     """Every path (few rows, converted in registers; more rows, converted into L1) sums each dot product in one
     order, so a sequence's outputs are the same bits at any batch size: batch-1 decoding and a batch agree."""
     x, w = _pair(40, k, 37)
-    whole = kernel.half_linear(x, w)
+    whole = kernel.ext.half_linear(x, w)
     for m in list(range(1, 10)) + [16, 39]:
-        assert torch.equal(kernel.half_linear(x[:m].contiguous(), w), whole[:m]), m
+        assert torch.equal(kernel.ext.half_linear(x[:m].contiguous(), w), whole[:m]), m
 
 
-def test_bad_inputs_are_refused_by_name(kernel):
+def test_bad_inputs_are_refused_by_name(kernel, monkeypatch):
     x, w = _pair(3, 8, 4)
     with pytest.raises(RuntimeError, match="float16"):
-        kernel.module().half_linear(x, w.float())
+        kernel.ext.half_linear(x, w.float())
     with pytest.raises(RuntimeError, match="float32"):
-        kernel.module().half_linear(x.double(), w)
-    assert not fused.half_linear_usable(x, w.float()) and not fused.half_linear_usable(x.half(), w)
-    assert not fused.half_linear_usable(x, w.T)                      # a transposed view is not (n, k) rows
+        kernel.ext.half_linear(x.double(), w)
+    calls = []
+    real = kernel.ext.half_linear
+    monkeypatch.setattr(kernel.ext, "half_linear", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    want = torch.nn.functional.linear(x, w.float())
+    torch.testing.assert_close(kernel.linear(x, w.float()), want, rtol=1e-5, atol=1e-5)   # an fp32 weight
+    torch.testing.assert_close(kernel.linear(x.half(), w).float(), want, rtol=1e-2, atol=1e-2)   # fp16 x
+    x4 = torch.randn(3, 4)
+    torch.testing.assert_close(kernel.linear(x4, w.T), x4 @ w.float(), rtol=1e-5, atol=1e-5)   # a transposed view
+    assert not calls                                                # none of them is fp32 x by (n, k) fp16 rows
 
 
 def test_linear_sends_decode_rows_to_the_kernel_and_prompt_rows_to_the_blas(kernel, monkeypatch):
     calls = []
-    real = fused.half_linear
-    monkeypatch.setattr(fused, "half_linear", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    real = kernel.ext.half_linear
+    monkeypatch.setattr(kernel.ext, "half_linear", lambda *a: calls.append(a[0].shape[0]) or real(*a))
     gen = torch.Generator().manual_seed(1)
     w = (torch.randn(40, 24, generator=gen) * 0.1).half()
     bias = torch.randn(40, generator=gen).half()
-    for rows in (1, ops.HALF_LINEAR_MAX_ROWS, ops.HALF_LINEAR_MAX_ROWS + 1):
+    for rows in (1, dispatch.HALF_LINEAR_MAX_ROWS, dispatch.HALF_LINEAR_MAX_ROWS + 1):
         x = torch.randn(rows, 1, 24, generator=gen)
-        out = ops.linear(x, w, bias)
+        out = kernel.linear(x, w, bias)
         torch.testing.assert_close(out, torch.nn.functional.linear(x, w.float(), bias.float()), rtol=1e-5,
                                    atol=1e-5)
-    assert calls == [1, ops.HALF_LINEAR_MAX_ROWS]                  # the larger block went to the BLAS
-    monkeypatch.setenv(fused.ENV_SWITCH, "0")
+    assert calls == [1, dispatch.HALF_LINEAR_MAX_ROWS]             # the larger block went to the BLAS
+    monkeypatch.setenv(build.OFF_SWITCH, "0")
+    off = resolve()                                                  # the switch is read when the kernels resolve
+    assert off.ext is None
     calls.clear()
-    ops.linear(torch.randn(2, 24), w)
+    off.linear(torch.randn(2, 24), w)
+    Kernels(None).linear(torch.randn(2, 24), w)
     assert not calls
 
 
 def test_prompt_rows_take_onednn_and_match_torch(monkeypatch):
-    """A prompt's many fp32 rows go through oneDNN's GEMM (ops._gemm, chosen once at import); the product equals
-    torch's own (MKL) to fp32 rounding, for an fp32 weight, an fp16 weight upcast whole, and one upcast in
-    chunks; a decode step's few rows never take it."""
-    if not ops.onednn_gemm():
+    """A prompt's many fp32 rows go through oneDNN's GEMM (Kernels._gemm, the op checked once by
+    dispatch.onednn_gemm()); the product equals torch's own (MKL) to fp32 rounding, for an fp32 weight, an fp16
+    weight upcast whole, and one upcast in chunks; a decode step's few rows never take it, nor does gemm="blas"."""
+    if dispatch.onednn_gemm() is None:
         pytest.skip("this torch has no oneDNN linear")
     calls = []
-    real = ops._onednn_linear
-    monkeypatch.setattr(ops, "_onednn_linear", lambda *a: calls.append(a[0].shape) or real(*a))
+    real = dispatch.onednn_gemm()
+    monkeypatch.setitem(dispatch._onednn, "op", lambda *a: calls.append(a[0].shape) or real(*a))
+    kernels = Kernels(None, gemm="onednn")                          # the GEMM's choice needs no compiled build
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(2, 512, 64, generator=gen)                      # 1024 rows: a prompt's
     w = torch.randn(96, 64, generator=gen) * 0.05
     b = torch.randn(96, generator=gen)
-    torch.testing.assert_close(ops.linear(x, w, b), torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(ops.linear(x, w.half()), x @ w.half().float().T, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(kernels.linear(x, w, b), torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(kernels.linear(x, w.half()), x @ w.half().float().T, rtol=1e-5, atol=1e-5)
     monkeypatch.setattr(ops, "UPCAST_CHUNK_BYTES", 64 * 4 * 32)        # three chunks of 32 weight rows
-    torch.testing.assert_close(ops.linear(x, w.half()), x @ w.half().float().T, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(kernels.linear(x, w.half()), x @ w.half().float().T, rtol=1e-5, atol=1e-5)
     assert len(calls) == 5
-    ops.linear(x[:1, :4], w)                                          # a decode step: torch's path
+    kernels.linear(x[:1, :4], w)                                      # a decode step: torch's path
+    Kernels(None, gemm="blas").linear(x, w, b)                        # FLEXGEN_H2O_CPU_GEMM=blas: MKL's
     assert len(calls) == 5

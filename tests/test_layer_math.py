@@ -1,12 +1,13 @@
 """The compiled layer math (csrc/layer_math.cpp: RMSNorm, SwiGLU's gate, RoPE) against the torch ops it replaces,
-for a decode step's rows and a prompt's, and ops' dispatch to it."""
+for a decode step's rows and a prompt's, and kernels.Kernels' dispatch to it."""
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from flexgen_h2o.models import fused, ops
+from flexgen_h2o.kernels import Kernels, dispatch, resolve
+from flexgen_h2o.models import ops
 
 
 def _torch_rms_norm(x, w, eps):
@@ -37,7 +38,7 @@ def test_silu_mul_matches_the_torch_ops_over_the_whole_range(kernel):
                       torch.tensor([-100.0, -88.0, -30.0, -0.0, 0.0, 1e-30, 30.0, 88.0, 100.0])]).view(120, 1, 1536)
     up = torch.randn(120, 1, 1536, generator=gen)
     want = F.silu(gate) * up
-    got = kernel.silu_mul_(gate.clone(), up)
+    got = kernel.ext.silu_mul_(gate.clone(), up.contiguous())
     torch.testing.assert_close(got, want, rtol=2e-6, atol=1e-7)
 
 
@@ -48,7 +49,7 @@ def test_rope_matches_the_torch_ops_on_a_head_view(kernel, b, h, d):
     x = torch.randn(b, 1, h * d, generator=gen).view(b, 1, h, d).transpose(1, 2)
     angles = torch.rand(b, 1, 1, d, generator=gen) * 100
     cos, sin = angles.cos(), angles.sin()
-    got = kernel.rope(x, cos, sin)
+    got = kernel.ext.rope_rows(x, cos, sin)
     assert got.shape == (b, h, 1, d) and got.is_contiguous()
     assert torch.equal(got, _torch_rope(x, cos, sin))        # products rounded, then added: the same bits
 
@@ -66,26 +67,27 @@ def test_rope_of_a_prompt_matches_the_torch_ops_bit_for_bit_on_any_thread_count(
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
-        two = kernel.rope(x, cos, sin)
+        two = kernel.ext.rope_rows(x, cos, sin)
         torch.set_num_threads(1)
-        one = kernel.rope(x, cos, sin)
+        one = kernel.ext.rope_rows(x, cos, sin)
     finally:
         torch.set_num_threads(before)
     assert two.shape == (b, h, t, d) and two.is_contiguous()
     assert torch.equal(two, want) and torch.equal(one, want)
 
 
-def test_a_build_whose_rope_takes_one_token_keeps_prompts_on_the_torch_ops(kernel, monkeypatch):
-    """benchmarks' --base loads an older revision's kernels, whose rope_rows rejects t > 1: ops must not send it
-    a prompt (that build has no rope_rows_takes_prompts), and still send it a decode token."""
+def test_rope_sends_prompts_and_decode_tokens_to_any_build_without_asking_it(kernel):
+    """The library takes only its own build (older revisions' builds, whose rope_rows took one token, are no longer
+    told apart): Kernels.apply_rope sends a prompt and a decode token alike to the extension's rope_rows, asking
+    it nothing else, and the prompt's values are the torch ops' bit for bit."""
     from types import SimpleNamespace
-    calls, built = [], fused.module()
-    old = SimpleNamespace(rope_rows=lambda x, c, s: calls.append(x.shape[2]) or built.rope_rows(x, c, s))
-    monkeypatch.setattr(fused, "module", lambda: old)
+    calls = []
+    only_rope = SimpleNamespace(rope_rows=lambda x, c, s: calls.append(x.shape[2]) or kernel.ext.rope_rows(x, c, s))
+    kernels = Kernels(only_rope)
     x, cos = torch.randn(2, 3, 4, 8), torch.randn(2, 1, 4, 8)
-    assert torch.equal(ops.apply_rope(x, cos, cos), _torch_rope(x, cos, cos)) and calls == []
-    ops.apply_rope(x[:, :, :1], cos[:, :, :1], cos[:, :, :1])
-    assert calls == [1]
+    assert torch.equal(kernels.apply_rope(x, cos, cos), _torch_rope(x, cos, cos)) and calls == [4]
+    kernels.apply_rope(x[:, :, :1], cos[:, :, :1], cos[:, :, :1])
+    assert calls == [4, 1]
 
 
 def test_a_prompt_sized_tensor_split_across_threads_gives_the_same_values(kernel):
@@ -97,9 +99,9 @@ def test_a_prompt_sized_tensor_split_across_threads_gives_the_same_values(kernel
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
-        two = kernel.rms_norm(x, w, 1e-5), kernel.silu_mul_(gate.clone(), up)
+        two = kernel.rms_norm(x, w, 1e-5), kernel.ext.silu_mul_(gate.clone(), up)
         torch.set_num_threads(1)
-        one = kernel.rms_norm(x, w, 1e-5), kernel.silu_mul_(gate.clone(), up)
+        one = kernel.rms_norm(x, w, 1e-5), kernel.ext.silu_mul_(gate.clone(), up)
     finally:
         torch.set_num_threads(before)
     assert torch.equal(two[0], one[0]) and torch.equal(two[1], one[1])
@@ -107,26 +109,29 @@ def test_a_prompt_sized_tensor_split_across_threads_gives_the_same_values(kernel
     torch.testing.assert_close(two[1], F.silu(gate) * up, rtol=2e-6, atol=1e-7)
 
 
-def test_ops_send_fp32_cpu_math_to_the_kernel(kernel, monkeypatch):
+def test_kernels_send_fp32_cpu_math_to_the_kernel(kernel, monkeypatch):
     calls = []
-    for name in ("rms_norm", "silu_mul_", "rope"):
-        real = getattr(fused, name)
-        monkeypatch.setattr(fused, name, lambda *a, _real=real, _n=name: calls.append(_n) or _real(*a))
+    for name in ("rms_norm_rows", "silu_mul_", "rope_rows"):
+        real = getattr(kernel.ext, name)
+        monkeypatch.setattr(kernel.ext, name, lambda *a, _real=real, _n=name: calls.append(_n) or _real(*a))
     w = torch.randn(64).half()
-    ops.rms_norm(torch.randn(8, 1, 64), w, 1e-5)                                 # a decode step: kernel
-    ops.rms_norm(torch.randn(8, 1, 64).half(), w, 1e-5)                          # fp16 (a GPU's): torch ops
-    ops.swiglu_mlp(torch.randn(4, 1, 16), *(torch.randn(32, 16), torch.randn(32, 16), torch.randn(16, 32)))
+    kernel.rms_norm(torch.randn(8, 1, 64), w, 1e-5)                              # a decode step: kernel
+    kernel.rms_norm(torch.randn(8, 1, 64).half(), w, 1e-5)                       # fp16 (a GPU's): torch ops
+    kernel.swiglu_mlp(torch.randn(4, 1, 16), *(torch.randn(32, 16), torch.randn(32, 16), torch.randn(16, 32)))
     cos = torch.randn(120, 1, 1, 64)
-    ops.apply_rope(torch.randn(120, 9, 1, 64), cos, cos)            # one token, SmolLM2's q at batch 120: kernel
-    ops.apply_rope(torch.randn(4, 2, 5, 8), torch.randn(4, 1, 5, 8), torch.randn(4, 1, 5, 8))   # prompt: kernel
-    ops.apply_rope(torch.randn(4, 2, 5, 8), torch.randn(4, 2, 5, 8), torch.randn(4, 2, 5, 8))   # per-head angles
+    kernel.apply_rope(torch.randn(120, 9, 1, 64), cos, cos)         # one token, SmolLM2's q at batch 120: kernel
+    kernel.apply_rope(torch.randn(4, 2, 5, 8), torch.randn(4, 1, 5, 8), torch.randn(4, 1, 5, 8))   # prompt: kernel
+    kernel.apply_rope(torch.randn(4, 2, 5, 8), torch.randn(4, 2, 5, 8), torch.randn(4, 2, 5, 8))   # per-head angles
     half_angles = torch.randn(4, 1, 5, 8).half()                                   # angles of another dtype
-    ops.apply_rope(torch.randn(4, 2, 5, 8), half_angles, half_angles)
-    assert calls == ["rms_norm", "silu_mul_", "rope", "rope"]
-    monkeypatch.setenv(fused.LAYER_MATH_SWITCH, "0")                                   # switched off on its own
-    ops.rms_norm(torch.randn(8, 1, 64), w, 1e-5)
-    ops.apply_rope(torch.randn(4, 2, 5, 8), torch.randn(4, 1, 5, 8), torch.randn(4, 1, 5, 8))
-    assert calls == ["rms_norm", "silu_mul_", "rope", "rope"]
+    kernel.apply_rope(torch.randn(4, 2, 5, 8), half_angles, half_angles)
+    assert calls == ["rms_norm_rows", "silu_mul_", "rope_rows", "rope_rows"]
+    monkeypatch.setenv(dispatch.LAYER_MATH_SWITCH, "0")                                # switched off on its own
+    off = resolve()                                                  # the switch is read when the kernels resolve
+    assert off.ext is kernel.ext and not off.layer_math
+    off.rms_norm(torch.randn(8, 1, 64), w, 1e-5)
+    off.apply_rope(torch.randn(4, 2, 5, 8), torch.randn(4, 1, 5, 8), torch.randn(4, 1, 5, 8))
+    off.swiglu_mlp(torch.randn(4, 1, 16), *(torch.randn(32, 16), torch.randn(32, 16), torch.randn(16, 32)))
+    assert calls == ["rms_norm_rows", "silu_mul_", "rope_rows", "rope_rows"]
 
 
 def test_step_context_computes_rope_angles_once_per_positions():

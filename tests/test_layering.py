@@ -8,7 +8,9 @@ PKG = Path(__file__).resolve().parents[1] / "flexgen_h2o"
 
 # package -> packages of flexgen_h2o it must never import
 FORBIDDEN = {
-    "models": {"memory", "backend", "kv", "weights", "schedule", "engine", "run", "loader"},
+    "models": {"memory", "backend", "kv", "weights", "schedule", "engine", "run", "loader", "kernels"},
+    # the compiled kernels sit beside the math: they call models/ops.py's reference, and nothing that places
+    "kernels": {"memory", "backend", "kv", "weights", "schedule", "planner", "engine", "run", "loader", "frontends"},
     "memory": {"models", "kv", "weights", "schedule", "engine", "run", "loader"},
     "kv": {"memory", "weights", "schedule", "engine", "run", "loader"},
     "weights": {"kv", "schedule", "engine", "run"},
@@ -53,3 +55,11 @@ def test_the_api_and_the_library_do_not_import_a_front_end():
     """Front ends (frontends/, run.py) sit on the library; the library's block loop is schedule/blocks.py."""
     assert "frontends" not in _imports(PKG / "api.py")
     assert "frontends" not in _imports(PKG / "engine.py")
+
+
+def test_the_environment_switches_of_the_kernels_are_read_in_one_place():
+    """kernels.resolve() reads FLEXGEN_H2O_FUSED_* and FLEXGEN_H2O_CPU_GEMM once per engine: no module of the
+    math or the caches reads the environment (a switch flipped mid-run once mixed paths within a step)."""
+    files = [p for folder in ("models", "kv", "schedule") for p in (PKG / folder).rglob("*.py")]
+    readers = [str(p.relative_to(PKG)) for p in files if "os.environ" in p.read_text() or "getenv" in p.read_text()]
+    assert readers == []

@@ -10,28 +10,31 @@ from pathlib import Path
 
 import pytest
 
-from flexgen_h2o.models import fused
+from flexgen_h2o.kernels import build
 
 CHECK = """
 import json, torch
-from flexgen_h2o.models import fused, ops
+from flexgen_h2o.kernels import Kernels, build
+from flexgen_h2o.models import ops
 from tests.test_decode_kernel import SHAPES, _step
-assert fused.isa_flags() == [] and fused.module() is not None, fused.unavailable_reason()
+ext = build.load()
+assert build.isa_flags() == [] and ext is not None, build.unavailable_reason()
+kernels = Kernels(ext)
 worst = {}
 for shape in SHAPES:
     args = _step(*shape)
-    got = fused.decode_attention(*args, 0.3, want_scores=True)
+    got = kernels.narrow_decode_attention(*args, 0.3, want_scores=True)
     ref = ops.narrow_decode_attention(*args, 0.3, want_scores=True)
     worst["decode_attention"] = max([worst.get("decode_attention", 0.0)] + [(a - b).abs().max().item()
                                                                             for a, b in zip(got, ref)])
 for m, k, n in [(120, 576, 40), (7, 13, 9), (1, 64, 5)]:
     x, w = torch.randn(m, k), (torch.randn(n, k) * 0.05).half()
-    err = (fused.half_linear(x, w).double() - x.double() @ w.double().T).abs().max().item()
+    err = (ext.half_linear(x, w).double() - x.double() @ w.double().T).abs().max().item()
     worst["half_linear"] = max(worst.get("half_linear", 0.0), err)
 q, k, v = torch.randn(2, 6, 20, 16), torch.randn(2, 3, 20, 16), torch.randn(2, 3, 20, 16)
 valid = torch.ones(2, 20, dtype=torch.bool)
 valid[1, :4] = False
-out, mass = fused.scored_prompt_attention(q, k, v, valid, 0.25)
+out, mass = kernels.scored_prompt_attention(q, k, v, valid, False, 0.25, "sum", 256)
 ref_out, ref_mass = ops.grouped_attention(q, k, v, ops.causal_pad_mask(valid), 0.25, want_scores=True,
                                           query_valid=valid)
 worst["scored_prompt_attention"] = max((out - ref_out).abs().max().item(), (mass - ref_mass).abs().max().item())
@@ -39,7 +42,8 @@ from flexgen_h2o.kv import Budget
 from tests.kv.test_compiled_commit import _cache, _column_state, _step
 pos, scores = _column_state(seed=5)
 for policy in ("h2o", "h2o-avg", "h2o-port"):
-    compiled, plain = (_cache(policy, Budget(1, 5, 4, policy=policy), pos, scores, torch.float16) for _ in "ab")
+    compiled, plain = (_cache(policy, Budget(1, 5, 4, policy=policy), pos, scores, torch.float16, kernels)
+                      for _ in "ab")
     plain._compiled_commit = lambda: False
     for step in range(4):
         _step(compiled, step, True)
@@ -51,18 +55,19 @@ import torch.nn.functional as F
 x, w, g, u = torch.randn(7, 1, 13), torch.randn(13).half(), torch.randn(5, 1, 30) * 4, torch.randn(5, 1, 30)
 xr, angles = torch.randn(3, 1, 2 * 10).view(3, 1, 2, 10).transpose(1, 2), torch.rand(3, 1, 1, 10) * 50
 xp, ap = torch.randn(2, 4, 3 * 10).view(2, 4, 3, 10).transpose(1, 2), torch.rand(2, 1, 4, 10) * 50   # a prompt
-worst["layer_math"] = max((fused.rms_norm(x, w, 1e-5) - _torch_rms_norm(x, w, 1e-5)).abs().max().item(),
-                          (fused.silu_mul_(g.clone(), u) - F.silu(g) * u).abs().max().item(),
-                          (fused.rope(xr, angles.cos(), angles.sin())
+worst["layer_math"] = max((kernels.rms_norm(x, w, 1e-5) - _torch_rms_norm(x, w, 1e-5)).abs().max().item(),
+                          (ext.silu_mul_(g.clone(), u) - F.silu(g) * u).abs().max().item(),
+                          (ext.rope_rows(xr, angles.cos(), angles.sin())
                            - _torch_rope(xr, angles.cos(), angles.sin())).abs().max().item(),
-                          (fused.rope(xp, ap.cos(), ap.sin()) - _torch_rope(xp, ap.cos(), ap.sin())).abs().max().item())
+                          (ext.rope_rows(xp, ap.cos(), ap.sin())
+                           - _torch_rope(xp, ap.cos(), ap.sin())).abs().max().item())
 print(json.dumps(worst))
 """
 
 
 @pytest.mark.slow
 def test_the_portable_build_gives_the_same_values(kernel):
-    env = {**os.environ, fused.ISA_SWITCH: "portable"}
+    env = {**os.environ, build.ISA_SWITCH: "portable"}
     done = subprocess.run([sys.executable, "-c", CHECK], env=env, capture_output=True, text=True, timeout=900,
                           cwd=Path(__file__).resolve().parent.parent)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -79,6 +84,6 @@ def test_every_kernel_file_ships_with_the_package():
     import re
     setup = (Path(__file__).resolve().parents[1] / "setup.py").read_text()
     globs = re.findall(r'"(csrc/[^"]+)"', setup)
-    files = sorted(p.name for p in fused.CSRC.iterdir() if p.is_file())
+    files = sorted(p.name for p in build.CSRC.iterdir() if p.is_file())
     assert {"kernels.h", "simd.h"} <= set(files)
     assert [f for f in files if not any(fnmatch.fnmatch("csrc/" + f, g) for g in globs)] == []

@@ -4,7 +4,9 @@ needs, so that each study declares only its own shape flags and its sides.
 - flags: `add_common` gives --repeats, --threads, --out and, where asked, --base REV; `add_old_rev` gives
   --old-rev REV (the studies that swap in one old Python function);
 - the other revision: `module_at` loads one file of it beside the working tree's module, `kernels_at` builds
-  its compiled kernels beside the working tree's (neither touches the checkout: `git show` / `git archive`);
+  its compiled kernels beside the working tree's (neither touches the checkout: `git show` / `git archive`) and
+  gives them as a `flexgen_h2o.kernels.Kernels`, the object an engine's layers call (a side is a Kernels set on
+  the engine, `engine.kernels = ...`, before its run);
 - the interleaved order: `time_interleaved` times in-process calls A B C, then C B A, ...; `run_interleaved`
   does the same for engine runs, per case, with a side's setup before each run;
 - the output: `args_json` and `timing_summary` build the JSON, `write_ab` / `write_timings` write
@@ -74,20 +76,27 @@ def module_at(rev: str, path: str, name: str) -> ModuleType:
     return module
 
 
+CSRC_FOLDERS = ("flexgen_h2o/kernels/csrc", "flexgen_h2o/models/csrc")   # where a revision keeps them (newest first)
+
+
 def kernels_at(rev: str) -> Any:
-    """The compiled kernels (flexgen_h2o/models/csrc) as they were at git revision `rev`, built under another
-    extension name beside the working tree's (an A/B of a kernel change in one process)."""
-    from flexgen_h2o.models import fused
-    csrc = fused.CSRC.relative_to(REPO_ROOT)
+    """The compiled kernels as they were at git revision `rev` (a `Kernels` whose calls go to that build), built
+    under another extension name beside the working tree's (an A/B of a kernel change in one process)."""
+    from flexgen_h2o.kernels import build
     # keyed by the commit, not the name: HEAD or a branch names other sources once it moves
     commit = subprocess.run(["git", "rev-parse", "--short=12", f"{rev}^{{commit}}"], cwd=REPO_ROOT,
                             capture_output=True, text=True, check=True).stdout.strip()
+    csrc = next((c for c in CSRC_FOLDERS if subprocess.run(["git", "cat-file", "-e", f"{commit}:{c}"],
+                                                           cwd=REPO_ROOT, capture_output=True).returncode == 0),
+                None)
+    if csrc is None:
+        raise SystemExit(f"error: revision {rev} has no compiled kernels (none of {', '.join(CSRC_FOLDERS)})")
     build_dir = Path(tempfile.gettempdir()) / f"flexgen_h2o_csrc_{commit}"
     folder = build_dir / csrc
     if not folder.is_dir():                           # extracted beside it, then renamed: whole or absent
         staging = tempfile.mkdtemp(dir=build_dir.parent, prefix=build_dir.name + ".")
         try:
-            archive = subprocess.run(["git", "archive", commit, str(csrc)], cwd=REPO_ROOT, capture_output=True,
+            archive = subprocess.run(["git", "archive", commit, csrc], cwd=REPO_ROOT, capture_output=True,
                                      check=True).stdout
             subprocess.run(["tar", "-x", "-C", staging], input=archive, check=True)
             os.rename(staging, build_dir)
@@ -96,16 +105,39 @@ def kernels_at(rev: str) -> Any:
                 raise
         finally:
             shutil.rmtree(staging, ignore_errors=True)
-    return fused.build(sorted(folder.glob("*.cpp")), tag="_" + commit)
+    return older_kernels(build.jit_build(sorted(folder.glob("*.cpp")), "_" + commit))
+
+
+def older_kernels(ext: Any) -> Any:
+    """A `Kernels` over an older revision's build, adapted where that build took less: a RoPE kernel of one
+    token only (its prompts keep the torch ops) and a commit of one budget per block (ints)."""
+    from flexgen_h2o.kernels import Kernels
+    from flexgen_h2o.models import ops
+
+    class OlderKernels(Kernels):
+        def apply_rope(self, x, cos, sin):
+            if x.dim() == 4 and x.shape[2] > 1 and not getattr(self.ext, "rope_rows_takes_prompts", False):
+                return ops.apply_rope(x, cos, sin)
+            return super().apply_rope(x, cos, sin)
+
+        def commit_step(self, *args):
+            if getattr(self.ext, "commit_takes_row_budgets", False):
+                return self.ext.commit_step(*args)
+            *head, recent, budget = args
+            if len(set(recent.tolist())) > 1 or len(set(budget.tolist())) > 1:
+                raise SystemExit("error: the older build's commit takes one budget per block; these rows differ")
+            return self.ext.commit_step(*head, int(recent[0]), int(budget[0]))
+
+    return OlderKernels(ext)
 
 
 def kernels_missing() -> bool:
     """True, after one error line saying why, where the compiled CPU kernels cannot be loaded: a study that
     times them then exits 2."""
-    from flexgen_h2o.models import fused
-    if fused.module() is not None:
+    from flexgen_h2o.kernels import build
+    if os.environ.get(build.OFF_SWITCH, "1") != "0" and build.load() is not None:
         return False
-    why = fused.unavailable_reason() or f"switched off by {fused.ENV_SWITCH}=0"
+    why = build.unavailable_reason() or f"switched off by {build.OFF_SWITCH}=0"
     print(f"error: the compiled kernels are unavailable ({why}); `make install` builds them with a C++ compiler "
           "and ninja", file=sys.stderr)
     return True

@@ -7,7 +7,8 @@ With --old-rev both sides run the torch-op path (the compiled prompt attention i
 the two sides are the working tree's torch-op path and its compiled kernel.
 
     python -m benchmarks.studies.attention_ab --old-rev ff410d4 --out benchmarks/results/attention_ab
-    # the torch-op path (old) against the compiled prompt attention (new, models/fused.py) of the working tree
+    # the torch-op path (old) against the compiled prompt attention (new, kernels/csrc/scored_attention.cpp)
+    # of the working tree
     python -m benchmarks.studies.attention_ab --compiled --out benchmarks/results/attention_ab_compiled
     # the disk512 shape: OPT-1.3B dummy weights from files, one prefill chunk of 8 x 512
     python -m benchmarks.studies.attention_ab --old-rev e51059a --model opt-1.3b --dummy-weights \
@@ -19,7 +20,6 @@ from __future__ import annotations
 from benchmarks.studies import ab  # first: it sets OMP_WAIT_POLICY before torch loads
 
 import inspect  # noqa: E402
-import os  # noqa: E402
 import sys  # noqa: E402
 from statistics import mean  # noqa: E402
 
@@ -28,7 +28,10 @@ OPS_PATH = "flexgen_h2o/models/ops.py"
 
 def old_attention(rev: str):
     """grouped_attention from `rev`'s ops.py, called with the keyword arguments it knows."""
-    fn = ab.module_at(rev, OPS_PATH, "ops_old").grouped_attention
+    try:
+        fn = ab.module_at(rev, OPS_PATH, "ops_old").grouped_attention
+    except ImportError as exc:           # before the kernels package, ops.py imported flexgen_h2o.models.fused
+        raise SystemExit(f"error: {rev}'s ops.py does not import in this tree ({exc}); pick a later revision")
     known = set(inspect.signature(fn).parameters)
     return lambda *args, **kw: fn(*args, **{k: v for k, v in kw.items() if k in known})
 
@@ -57,16 +60,17 @@ def main(argv: list[str] | None = None) -> int:
     a.device = "cpu"                                          # what profile_decode.setup reads besides these
     from benchmarks.studies.profile_decode import setup
     from flexgen_h2o.config import GenerationConfig
-    from flexgen_h2o.models import fused, ops
+    from flexgen_h2o.kernels import Kernels, build
+    from flexgen_h2o.models import ops
     plain = ops.grouped_attention
     if a.compiled:
         if ab.kernels_missing():
             return 2
         versions = {"old": plain, "new": plain}
-        switch = {"old": "0", "new": "1"}
+        kernels = {"old": Kernels(None), "new": Kernels(build.load())}
     else:
         versions = {"old": old_attention(a.old_rev), "new": plain}
-        switch = {"old": "0", "new": "0"}
+        kernels = {"old": Kernels(None), "new": Kernels(None)}
     _, engine, prompts, rules = setup(a)
     gen = GenerationConfig(max_new_tokens=1, stop_at_eos=False)
     try:
@@ -74,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
 
         def use(ver: str) -> None:
             ops.grouped_attention = versions[ver]
-            os.environ[fused.ENV_SWITCH] = switch[ver]
+            engine.kernels = kernels[ver]
 
         times = ab.run_interleaved(
             ("full", "h2o"), {"old": lambda: use("old"), "new": lambda: use("new")}, a.repeats,
@@ -82,7 +86,6 @@ def main(argv: list[str] | None = None) -> int:
             lambda case, ver, s: f"{case:5s} {ver}: prompt pass {s:.2f} s")
     finally:
         ops.grouped_attention = plain
-        os.environ.pop(fused.ENV_SWITCH, None)
         engine.close()
     result = {"args": ab.args_json(a), "prefill_s": times, "old_over_new": ratios(times)}
     ab.write_ab(a.out, result, "old_over_new",

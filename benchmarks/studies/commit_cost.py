@@ -1,5 +1,5 @@
 """One decode step's KV bookkeeping per layer (stage the window, write the new row, add the step's attention mass,
-choose and free a victim), the compiled commit (models/csrc/commit_step.cpp) against kv/'s torch ops, interleaved
+choose and free a victim), the compiled commit (kernels/csrc/commit_step.cpp) against kv/'s torch ops, interleaved
 in one process (torch, compiled, then compiled, torch, ...).
 
 The cache shape is the s2048+512 run's (benchmarks.studies.eviction_ab's columns: heavy hitters scattered over the past,
@@ -27,6 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--policy", default="h2o", choices=("h2o", "h2o-avg", "h2o-port"))
     a = p.parse_args(argv)
     import torch
+    from flexgen_h2o.kernels import Kernels, build
     from flexgen_h2o.kv import Budget, get_policy
     from flexgen_h2o.kv.cache import KVCache
     from flexgen_h2o.models.layer import KVSpec, LayerOutput
@@ -41,14 +42,13 @@ def main(argv: list[str] | None = None) -> int:
              torch.rand(b, g, slots, generator=gen)) for _ in range(RING)]
 
     def cache(compiled: bool) -> KVCache:
-        c = KVCache(KVSpec(g, d), b, slots, get_policy(a.policy), budget, read_in_place=True)
+        kernels = Kernels(build.load() if compiled else None)      # the torch side commits with kv/'s torch ops
+        c = KVCache(KVSpec(g, d), b, slots, get_policy(a.policy), budget, read_in_place=True, kernels=kernels)
         c.k.copy_(torch.randn(b, g, slots, d, generator=torch.Generator().manual_seed(2)))
         c.v.copy_(c.k)
         c.pos.copy_(pos)
         c.score.copy_(scores.masked_fill(pos < 0, 0.0))
         c.n_used = slots
-        if not compiled:
-            c._compiled_commit = lambda: False          # this instance commits with kv/'s torch ops
         return c
 
     sides = {"torch": cache(False), "compiled": cache(True)}

@@ -1,11 +1,11 @@
 """Decode steps over the fp16 cache read in place: the torch-op path (ops.narrow_decode_attention) against the
-compiled decode attention (models/fused.decode_attention), interleaved in one process (torch, compiled, then
+compiled decode attention (kernels/csrc/decode_attention.cpp), interleaved in one process (torch, compiled, then
 compiled, torch, ...), so the VM's drift lands on both alike.
 
 Everything else is the same engine, prompts (Wikipedia windows) and cache rules as
 benchmarks/studies/profile_decode.py; every call decodes from one shared prefill (Engine.prefill), so only the
-decode attention differs. The figure is the median decode step of each call (its first step, which commits the
-kept prompt rows, left out).
+decode attention differs (each side is a flexgen_h2o.kernels.Kernels set on the engine). The figure is the
+median decode step of each call (its first step, which commits the kept prompt rows, left out).
 `--switch layer-math` turns only csrc/layer_math.cpp off on the torch side; `--base REV` compares the working
 tree's kernels with those of git revision REV instead (both compiled); `--phase prefill` times whole prompt passes
 (a one-token generate each, no shared prefill) instead of decode steps.
@@ -17,7 +17,7 @@ tree's kernels with those of git revision REV instead (both compiled); `--phase 
     # the same switch over whole prompt passes (SmolLM2, 4 x 2048)
     python -m benchmarks.studies.decode_ab --switch layer-math --phase prefill --cases h2o --batch 4 \
         --prompt-len 2048
-    # a kernel change: models/csrc as it was at 09ad2d5 (built beside the working tree's) against the working tree
+    # a kernel change: the kernels' csrc/ as it was at 09ad2d5 (built beside the working tree's) against this tree
     python -m benchmarks.studies.decode_ab --base 09ad2d5 --cases h2o --out benchmarks/results/decode_ab_kernels
 """
 from __future__ import annotations
@@ -25,9 +25,7 @@ from __future__ import annotations
 from benchmarks.studies import ab  # first: it sets OMP_WAIT_POLICY before torch loads
 
 import argparse  # noqa: E402
-import os  # noqa: E402
 import sys  # noqa: E402
-from typing import Callable  # noqa: E402
 
 from benchmarks.common import median  # noqa: E402
 
@@ -51,16 +49,15 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def sides(a: argparse.Namespace) -> dict[str, Callable[[], object]]:
-    """The two sides, baseline first, each as what it sets before its calls: the torch ops (the switch at 0)
-    against the compiled kernels, or REV's kernels against the working tree's."""
-    from flexgen_h2o.models import fused
+def sides(a: argparse.Namespace) -> dict[str, object]:
+    """The two sides' kernels, baseline first: the torch ops (every compiled kernel, or only the layer math,
+    off) against the compiled kernels, or REV's kernels against the working tree's."""
+    from flexgen_h2o.kernels import Kernels, build
+    current = Kernels(build.load())
     if a.base:
-        base, current = ab.kernels_at(a.base), fused.module()
-        return {f"kernels@{a.base}": lambda: fused.use(base), "compiled": lambda: fused.use(current)}
-    switch = fused.ENV_SWITCH if a.switch == "all" else fused.LAYER_MATH_SWITCH
-    return {"torch": lambda: os.environ.__setitem__(switch, "0"),
-            "compiled": lambda: os.environ.__setitem__(switch, "1")}
+        return {f"kernels@{a.base}": ab.kernels_at(a.base), "compiled": current}
+    torch_side = Kernels(None) if a.switch == "all" else Kernels(current.ext, layer_math=False)
+    return {"torch": torch_side, "compiled": current}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -68,12 +65,11 @@ def main(argv: list[str] | None = None) -> int:
     a.dummy_weights, a.percent, a.device = False, None, "cpu"     # what profile_decode.setup reads
     from benchmarks.studies.profile_decode import setup
     from flexgen_h2o.config import GenerationConfig
-    from flexgen_h2o.models import fused
     if ab.kernels_missing():
         return 2
     _, engine, prompts, rules = setup(a)
-    current, switches = fused.module(), (fused.ENV_SWITCH, fused.LAYER_MATH_SWITCH)
-    side_setup = sides(a)
+    current = engine.kernels
+    side_setup = {name: (lambda k=k: setattr(engine, "kernels", k)) for name, k in sides(a).items()}
     baseline = next(iter(side_setup))
     gen = GenerationConfig(max_new_tokens=a.steps + 1 if a.phase == "decode" else 1, stop_at_eos=False)
     try:
@@ -92,9 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         steps = ab.run_interleaved(a.cases, side_setup, a.repeats, measure,
                                    lambda case, side, step: f"{case:8s} {side:8s}: {a.phase} {1e3 * step:.1f} ms")
     finally:
-        for switch in switches:
-            os.environ.pop(switch, None)
-        fused.use(current)
+        engine.kernels = current
         engine.close()
     result = {"args": ab.args_json(a), "step_s": steps,
               f"{baseline}_over_compiled": {c: median(steps[f"{c}-{baseline}"]) / median(steps[f"{c}-compiled"])

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from benchmarks.studies import ab  # first: it sets OMP_WAIT_POLICY before torch loads
 
-import os  # noqa: E402
 import sys  # noqa: E402
 
 
@@ -27,7 +26,8 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     import torch
     import torch.nn.functional as F
-    from flexgen_h2o.models import fused, ops
+    from flexgen_h2o.kernels import Kernels, build
+    from flexgen_h2o.models import ops
     if ab.kernels_missing():
         return 2
     gen = torch.Generator().manual_seed(0)
@@ -43,7 +43,6 @@ def main(argv: list[str] | None = None) -> int:
     def torch_ops(fn, threads: int):
         def run() -> None:
             torch.set_num_threads(threads)
-            os.environ[fused.LAYER_MATH_SWITCH] = "0"
             fn()
         return run
 
@@ -51,15 +50,15 @@ def main(argv: list[str] | None = None) -> int:
         def run() -> None:
             # a decode step's tensors run serially in the kernel (so does the scratch copy); a prompt's split
             torch.set_num_threads(1 if t == 1 else a.threads)
-            os.environ.pop(fused.LAYER_MATH_SWITCH, None)
             fn()
         return run
 
+    compiled = Kernels(build.load())
     ops_to_time = {
-        "RMSNorm": (lambda: ops.rms_norm(x, w, 1e-5), lambda: ops.rms_norm(x, w, 1e-5)),
+        "RMSNorm": (lambda: ops.rms_norm(x, w, 1e-5), lambda: compiled.rms_norm(x, w, 1e-5)),
         # the kernel writes into its gate: a copy into scratch first, so its figure is an upper bound
-        "silu(gate) * up": (lambda: F.silu(gate) * up, lambda: fused.silu_mul_(scratch.copy_(gate), up)),
-        "RoPE of q": (lambda: ops.apply_rope(q, cos, sin), lambda: ops.apply_rope(q, cos, sin)),
+        "silu(gate) * up": (lambda: F.silu(gate) * up, lambda: compiled.ext.silu_mul_(scratch.copy_(gate), up)),
+        "RoPE of q": (lambda: ops.apply_rope(q, cos, sin), lambda: compiled.apply_rope(q, cos, sin)),
         "cos/sin": (lambda: ops.rope_cos_sin(positions, inv_freq, torch.float32), None),
     }
     before = torch.get_num_threads()
@@ -74,7 +73,6 @@ def main(argv: list[str] | None = None) -> int:
             summary[name] = ab.timing_summary(times, f"torch, {a.threads} threads")
     finally:
         torch.set_num_threads(before)
-        os.environ.pop(fused.LAYER_MATH_SWITCH, None)
     us = {name: {case: 1e3 * ms for case, ms in s["median_ms"].items()} for name, s in summary.items()}
     result = {"args": ab.args_json(a), "ops": summary, "median_us": us}
     ab.write_ab(a.out, result, "median_us",

@@ -1,6 +1,6 @@
 """A decode step's linear layers against fp16 weights on a CPU: ops.linear's two paths, interleaved in one process
 (blas, kernel, then kernel, blas, ...). `blas` upcasts the weight a chunk of rows at a time and multiplies with
-torch's GEMM; `kernel` converts it a few rows at a time in L1 (models/csrc/half_linear.cpp). The shapes are
+torch's GEMM; `kernel` converts it a few rows at a time in L1 (kernels/csrc/half_linear.cpp). The shapes are
 SmolLM2's projections and its LM head, one weight tensor per layer as in the model (a step reads 270 MB of them
 from memory), at `--rows` rows (the batch of a decode step).
 
@@ -37,7 +37,8 @@ def main(argv: list[str] | None = None) -> int:
                   base="also time the kernels of this git revision (case kernel@REV)")
     a = p.parse_args(argv)
     import torch
-    from flexgen_h2o.models import fused, ops
+    from flexgen_h2o.kernels import build
+    from flexgen_h2o.models import ops
     if not ab.kernels_ready(a.threads):
         return 2
     gen = torch.Generator().manual_seed(0)
@@ -50,41 +51,33 @@ def main(argv: list[str] | None = None) -> int:
     weights32 = {name: [w.float() for w in ws] for name, ws in weights.items()}
     flops = sum(2 * a.rows * n * k * count for n, k, count in SHAPES.values())
     square = [torch.randn(PEAK_ROWS, PEAK_ROWS, generator=gen) for _ in range(2)]
-    limit = ops.HALF_LINEAR_MAX_ROWS
-    current = fused.module()
-    builds = {"kernel": current, **({f"kernel@{a.base}": ab.kernels_at(a.base)} if a.base else {})}
+    builds = {"kernel": build.load(), **({f"kernel@{a.base}": ab.kernels_at(a.base).ext} if a.base else {})}
 
-    def use(build) -> None:
-        """ops.linear through `build`'s kernel (None: through the BLAS path)."""
-        ops.HALF_LINEAR_MAX_ROWS = a.rows if build is not None else 0
-        fused.use(build or current)
+    def product(ext):
+        """x @ w.T by `ext`'s fp16-weight kernel (None: ops.linear, the upcast chunks and the BLAS)."""
+        return ops.linear if ext is None else (lambda x, w: ext.half_linear(x, w))
 
-    def step(build=None) -> None:
+    def step(ext=None) -> None:
         """One decode step's worth of products: every matrix as often as the model multiplies it."""
-        use(build)
+        mul = product(ext)
         for name in SHAPES:
             for w in weights[name]:
-                ops.linear(xs[name], w)
+                mul(xs[name], w)
 
     def step_fp32() -> None:
         for name in SHAPES:
             for w in weights32[name]:
                 torch.mm(xs[name], w.t())
 
-    try:
-        cases = {"blas": step, "blas-fp32": step_fp32,
-                 **{name: (lambda b=build: step(b)) for name, build in builds.items()},
-                 "peak-gemm": lambda: torch.mm(*square)}
-        times = ab.time_interleaved(cases, a.repeats, a.calls)
-        use(None)
-        blas = {name: ops.linear(xs[name], weights[name][0]) for name in SHAPES}
-        worst = max((torch.mm(xs[n], weights32[n][0].t()) - blas[n]).abs().max().item() for n in SHAPES)
-        for build in builds.values():
-            use(build)
-            worst = max(worst, *((ops.linear(xs[n], weights[n][0]) - blas[n]).abs().max().item() for n in SHAPES))
-    finally:
-        ops.HALF_LINEAR_MAX_ROWS = limit
-        fused.use(current)
+    cases = {"blas": step, "blas-fp32": step_fp32,
+             **{name: (lambda e=ext: step(e)) for name, ext in builds.items()},
+             "peak-gemm": lambda: torch.mm(*square)}
+    times = ab.time_interleaved(cases, a.repeats, a.calls)
+    blas = {name: ops.linear(xs[name], weights[name][0]) for name in SHAPES}
+    worst = max((torch.mm(xs[n], weights32[n][0].t()) - blas[n]).abs().max().item() for n in SHAPES)
+    for ext in builds.values():
+        mul = product(ext)
+        worst = max(worst, *((mul(xs[n], weights[n][0]) - blas[n]).abs().max().item() for n in SHAPES))
     summary = ab.timing_summary(times, "blas")
     case_flops = {n: (2 * PEAK_ROWS ** 3 if n == "peak-gemm" else flops) for n in times}
     rates = {n: case_flops[n] / ms / 1e6 for n, ms in summary["median_ms"].items()}

@@ -5,7 +5,7 @@ Decode (default): one prefill (Engine.prefill, not profiled), one warm-up decode
 steps timed without the profiler and one under it. Each case decodes from the same prefill at the same batch, so
 only the cache rule differs. `--phase prefill`: the prompt pass instead (generate one token, timed once without
 and once under the profiler, after a warm-up), per case, since H2O's prefill also accumulates scores. The ops
-fall into groups (each compiled kernel of models/csrc, profiled as a range `csrc::<name>`; GEMM, attention, KV
+fall into groups (each compiled kernel of kernels/csrc, profiled as a range `csrc::<name>`; GEMM, attention, KV
 eviction bookkeeping, copies and casts, element-wise, other) by name; the table gives each group's self CPU time
 per unit and its share, and on a CPU the wall time no op accounts for (Python, thread wake-ups) (`--device
 cuda`: its own kernels' GPU time, and a Chrome trace). A decode profile also holds generate's one-time setup
@@ -31,16 +31,15 @@ import json  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
-from contextlib import contextmanager  # noqa: E402
 from pathlib import Path  # noqa: E402
 from types import SimpleNamespace  # noqa: E402
-from typing import Callable, Iterator  # noqa: E402
+from typing import Callable  # noqa: E402
 
 import numpy as np  # noqa: E402
 
 # first matching group wins; names are aten op names as the profiler reports them
 GROUPS: list[tuple[str, tuple[str, ...]]] = [
-    # the compiled kernels (models/csrc), which profile as ranges of their own under named_kernels()
+    # the compiled kernels (kernels/csrc), which profile as ranges of their own under named_kernels()
     ("kernel: linear (half_linear)", ("csrc::half_linear",)),
     ("kernel: attention", ("csrc::decode_attention", "csrc::scored_prompt_attention")),
     ("kernel: KV commit and eviction", ("csrc::commit_step",)),
@@ -69,16 +68,15 @@ KERNEL_PREFIX = "csrc::"
 OUTSIDE = "outside any op (Python, thread wake-ups)"
 
 
-@contextmanager
-def named_kernels() -> Iterator[None]:
-    """Each compiled kernel call as a profiler range named csrc::<kernel>, so the profile times the kernels too
-    (they are pybind functions, not torch ops, and would otherwise show only as the time between ops)."""
+def named_kernels(kernels):
+    """`kernels` (a flexgen_h2o.kernels.Kernels) with each compiled function wrapped in a profiler range named
+    csrc::<kernel>, so the profile times the kernels too (they are pybind functions, not torch ops, and would
+    otherwise show only as the time between ops). Without a build: `kernels` itself."""
     import torch
-    from flexgen_h2o.models import fused
-    ext = fused.module()
-    if ext is None:
-        yield
-        return
+
+    from flexgen_h2o.kernels import Kernels
+    if kernels.ext is None:
+        return kernels
 
     def named(name: str, fn: Callable) -> Callable:
         def call(*args, **kwargs):
@@ -86,12 +84,9 @@ def named_kernels() -> Iterator[None]:
                 return fn(*args, **kwargs)
         return call
 
-    fused.use(SimpleNamespace(**{name: named(name, getattr(ext, name)) for name in dir(ext)
-                                 if not name.startswith("_") and callable(getattr(ext, name))}))
-    try:
-        yield
-    finally:
-        fused.use(ext)
+    ext = SimpleNamespace(**{name: named(name, getattr(kernels.ext, name)) for name in dir(kernels.ext)
+                             if not name.startswith("_") and callable(getattr(kernels.ext, name))})
+    return Kernels(ext, layer_math=kernels.layer_math, gemm=kernels.gemm)
 
 
 def group_of(op: str) -> str:
@@ -253,10 +248,14 @@ def main(argv: list[str] | None = None) -> int:
             run()                                                                       # warm-up
             plain = units(run())
             plain = plain[1:] if a.phase == "decode" else plain                       # step 0: prefill's logits
-            with profile(activities=activities, record_shapes=a.shapes) as prof, named_kernels():
-                began = time.perf_counter()
-                profiled = units(run())
-                call_s = time.perf_counter() - began
+            plain_kernels, engine.kernels = engine.kernels, named_kernels(engine.kernels)
+            try:
+                with profile(activities=activities, record_shapes=a.shapes) as prof:
+                    began = time.perf_counter()
+                    profiled = units(run())
+                    call_s = time.perf_counter() - began
+            finally:
+                engine.kernels = plain_kernels
             if on_gpu:
                 prof.export_chrome_trace(str(a.out / f"trace_{case}.json"))
             # on a GPU the kernels also appear as rows of their own: count each once, under the op launching it

@@ -219,7 +219,7 @@ class OutputLock:
 
 
 def generate_file(llm: Any, requests: list[Request], pending: list[Request], ids: list[list[int]],
-                  results: ResultsFile, gen: Any, *, input_name: str, progress: bool) -> dict:
+                  results: ResultsFile, gen: Any, *, input_name: str, progress: bool, job: Any = None) -> dict:
     """Generate the pending requests block by block (bucketed), appending each block as it finishes; then
     put the whole file in input order. Returns the run's metrics (times and token counts)."""
     # sampling seeded by the request's place in the input (as LLM.generate seeds by list index), not by its
@@ -227,7 +227,7 @@ def generate_file(llm: Any, requests: list[Request], pending: list[Request], ids
     position = {r.key: n for n, r in enumerate(requests)}
     blocks = llm.generate_blocks(ids, gen, [r.max_new_tokens for r in pending], progress=progress,
                                  label=lambda i: f"{input_name}: line {pending[i].line}",
-                                 seeds=[position[r.key] for r in pending])
+                                 seeds=[position[r.key] for r in pending], job=job)
     for block in blocks:
         results.append(record(pending[i], text, toks, reason, len(ids[i]), model=llm.config.name)
                        for i, toks, text, reason in zip(block.indices, block.token_ids, block.texts,

@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from flexgen_h2o.kernels import resolve as resolve_kernels
 from flexgen_h2o.kv import Budget, EvictionConfig, get_policy, policy_for
 from flexgen_h2o.kv.cache import KVCache
 from flexgen_h2o.models.layer import KVSpec, KVView, LayerOutput
@@ -147,7 +148,7 @@ class H2OLayer(CacheLayerMixin):
         device = k.device
         self.store = KVCache(KVSpec(g, d), b, owner.budget.capacity, owner.policy, owner.budget, dtype=k.dtype,
                              alloc=lambda shape, dtype: torch.empty(shape, dtype=dtype, device=device),
-                             generator=owner.generator(device))
+                             generator=owner.generator(device), kernels=owner.kernels)
         self.store.commit_prefill(k, v, scores, token_pos)
         self.next_pos = token_valid.long().sum(-1)
         self.keys, self.values = self.store.k, self.store.v
@@ -205,6 +206,7 @@ class H2OCache(Cache):
         super().__init__(layers=[])
         self.eviction, self.max_new_tokens, self.query_chunk = eviction, max_new_tokens, query_chunk
         self.policy = get_policy(eviction.policy)
+        self.kernels = resolve_kernels()   # the decode commit's compiled kernel, read once per cache
         self.budget: Budget | None = None
         self._generator: torch.Generator | None = None
         self._unattended: H2OLayer | None = None

@@ -22,18 +22,16 @@ from typing import Callable
 import torch
 from torch import Tensor
 
+from flexgen_h2o.formats import format_of
 from flexgen_h2o.kv.budget import Budget, RowBudgets
 from flexgen_h2o.kv.draws import KeyedDraws
 from flexgen_h2o.kv.registry import trait
 from flexgen_h2o.kv.select import pack_kept
-from flexgen_h2o.models import fused
 from flexgen_h2o.models.layer import KVSpec, KVView, LayerOutput
-from flexgen_h2o.models.ops import write_slot
+from flexgen_h2o.models.ops import TORCH, TorchKernels, write_slot
 
 Allocator = Callable[[tuple[int, ...], torch.dtype], Tensor]
 BIG_POSITION = 1 << 40
-# the rules the compiled commit implements, by the number it knows them by (commit_step.cpp's Rule): the same
-# decisions as kv/h2o.py, which the tests hold it to
 
 
 def _plain_alloc(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
@@ -84,8 +82,10 @@ class KVCache:
     def __init__(self, spec: KVSpec, batch: int, capacity: int, policy, budget: Budget | RowBudgets, *,
                  dtype: torch.dtype = torch.float16, alloc: Allocator = _plain_alloc, tier_kind: str = "compute",
                  rolling: bool = False, generator: KeyedDraws | torch.Generator | None = None,
-                 staging: StagingBuffers | None = None, read_in_place: bool = False):
+                 staging: StagingBuffers | None = None, read_in_place: bool = False,
+                 kernels: TorchKernels = TORCH):
         """staging: reuse buffers for the compute-dtype windows staged on a CPU (None: a fresh copy each time).
+        kernels: the engine's (flexgen_h2o.kernels.resolve); a compiled build commits a CPU-homed cache's steps.
         read_in_place: stage hands out the cache's own window (OffloadPolicy.kv_read_in_place decides).
         budget: one Budget for every sequence, or RowBudgets with one per sequence (each evicts down to its own)."""
         if isinstance(budget, RowBudgets) and len(budget) != batch:
@@ -94,11 +94,10 @@ class KVCache:
         # the compiled commit's per-sequence counts, made once
         self._row_counts = tuple(torch.tensor([getattr(r, n) for r in rows], dtype=torch.long)
                                  for n in ("recent", "budget"))
-        self._uniform_counts = len({(r.recent, r.budget) for r in rows}) == 1
         self.spec, self.batch, self.capacity = spec, batch, capacity
         self.staging, self.read_in_place = staging, read_in_place
         self.policy, self.budget, self.rolling, self.generator = policy, budget, rolling, generator
-        self.tier_kind = tier_kind
+        self.tier_kind, self.kernels = tier_kind, kernels
         g, d = spec.n_kv_heads, spec.head_dim
         self.k = alloc((batch, g, capacity, d), dtype)                 # (b, g, s, d)
         self.v = alloc((batch, g, capacity, d), dtype)                 # (b, g, s, d)
@@ -202,13 +201,15 @@ class KVCache:
         if self.read_in_place:
             return KVView(k=windows[0], v=windows[1], valid=pos >= 0, write_slot=write_slot, compute_dtype=dtype)
         release = None
+        fmt = format_of(self.k.dtype)
         if self.staging is not None and device.type == "cpu":
             # capacity-sized buffers: one pool key per cache, however wide the window
             flats = [self.staging.take(self.k.numel(), dtype) for _ in windows]
-            k, v = (flat[:w.numel()].view(w.shape).copy_(w) for flat, w in zip(flats, windows))
+            k, v = (fmt.stage(w, device, dtype, into=flat[:w.numel()].view(w.shape))
+                    for flat, w in zip(flats, windows))
             release = functools.partial(self.staging.give, *flats)
         else:
-            k, v = (w.to(device=device, dtype=dtype, copy=True) for w in windows)
+            k, v = (fmt.stage(w, device, dtype) for w in windows)
         view = KVView(k=k, v=v, valid=pos >= 0, write_slot=write_slot.to(device), release=release)
         if self.rolling:
             view.key_positions = self._ranks(pos.long(), view.write_slot, new_rank.to(device))
@@ -229,11 +230,8 @@ class KVCache:
         if self._compiled_commit():
             rule = self.policy.compiled_rule
             mass = out.scores.to(self.score.device) if out.scores is not None else torch.empty(0)
-            ext = fused.module()
             recent, budget = self._row_counts
-            if not getattr(ext, "commit_takes_row_budgets", False):      # an older revision's build (--base)
-                recent, budget = int(recent[0]), int(budget[0])
-            ext.commit_step(self.k, self.v, self.score, self.pos, slot, out.k_new.to(self.k.device),
+            self.kernels.commit_step(self.k, self.v, self.score, self.pos, slot, out.k_new.to(self.k.device),
                             out.v_new.to(self.k.device), new_pos.to(self.k.device), mass, s, rule,
                             self.budget.sink, recent, budget)
         else:
@@ -243,13 +241,9 @@ class KVCache:
         self.bytes_written[self.tier_kind] += self._slot_bytes(1) + self._slot_bytes(s, with_kv=False)
 
     def _compiled_commit(self) -> bool:
-        """The compiled commit (models/csrc/commit_step.cpp) takes a CPU-homed cache's step under the rules it
-        implements; GPU caches and the random and window rules run kv/'s torch ops (and so does a block of unequal
-        budgets under an older revision's build, whose commit takes one budget)."""
-        ext = fused.module()
-        return (self.policy.compiled_rule is not None and self.k.device.type == "cpu" and self.k.is_contiguous()
-                and self.k.dtype in (torch.float16, torch.float32) and ext is not None
-                and (self._uniform_counts or getattr(ext, "commit_takes_row_budgets", False)))
+        """The compiled commit (kernels/csrc/commit_step.cpp) takes a CPU-homed cache's step under the rules it
+        implements (the policy names its rule); GPU caches and the random and window rules run kv/'s torch ops."""
+        return self.policy.compiled_rule is not None and self.kernels.commit_usable(self.k)
 
     def _commit_with_torch_ops(self, slot: Tensor, s: int, out: LayerOutput, new_pos: Tensor) -> None:
         write_slot(self.k, slot, out.k_new.to(self.k.device))

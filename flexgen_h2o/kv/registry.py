@@ -20,7 +20,7 @@ class PolicySpec:
     default_sinks: int = 0                 # first tokens kept when the user gives no --sink-size
     per_block: bool = False                # one budget per block, from its padded length (the FlexGen port)
     min_heavy: int = 0                     # heavy hitters the rule needs at least
-    compiled_rule: int | None = None       # the compiled commit's rule number (models/csrc/commit_step.cpp)
+    compiled_rule: int | None = None       # the compiled commit's rule number (kernels/csrc/commit_step.cpp)
     keeps_every_row: bool = False          # keeps every prompt row: an unpadded prompt is written as slices
     variant_of: str | None = None          # chosen on the CLI as `--policy <variant_of> --h2o-variant <variant>`
     variant: str | None = None

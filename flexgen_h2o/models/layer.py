@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from flexgen_h2o.formats import FP16, StorageFormat
-from flexgen_h2o.models.ops import rope_cos_sin
+from flexgen_h2o.models.ops import TORCH, TorchKernels, rope_cos_sin
 
 
 @dataclass(frozen=True)
@@ -55,6 +55,7 @@ class StepContext:
     score_reduce: str = "sum"    # pooling of grouped query heads into one KV head's score: "sum" or "mean"
     query_chunk: int = 256       # prefill queries per chunk when scores are wanted (never a full s x s matrix)
     unpadded: bool = False       # no pads in any sequence: a prompt's mask is purely causal (decided on the host)
+    kernels: TorchKernels = TORCH  # the math's kernels, resolved once per engine (flexgen_h2o.kernels.resolve)
     # (id of the frequencies' tensor, dtype) -> (cos, sin) of these positions; rows() starts a fresh dict
     _rope: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
 

@@ -2,18 +2,18 @@
 
 No state, no placement: every function takes tensors and returns tensors. Conventions follow transformers'
 modeling_opt.py / modeling_llama.py (rotate_half RoPE, fp32 RMSNorm) so that logits match to fp32 rounding.
+Plain torch only: this is the reference the compiled kernels (flexgen_h2o/kernels) are tested against, and
+TorchKernels below is the layers' math where no compiled kernel is chosen.
 """
 from __future__ import annotations
 
 import math
-import os
 import threading
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-
-from flexgen_h2o.models import fused
 
 
 # --- norms ---
@@ -29,8 +29,6 @@ def layer_norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float) -> Tensor:
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    if fused.layer_math_usable(x):              # fp32 on a CPU: one pass (one thread for a decode step)
-        return fused.rms_norm(x, weight, eps)
     # fp32 statistics, as HF's LlamaRMSNorm, so that fp16 compute on CUDA does not lose the mean square
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
@@ -66,10 +64,6 @@ def rope_cos_sin(positions: Tensor, inv_freq: Tensor, dtype: torch.dtype) -> tup
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """x (..., d) rotated by the angles in cos/sin, which broadcast against x."""
-    # angles per (sequence, token), shared by the heads, on a CPU: one pass (a decode token's on one thread)
-    if (x.dim() == 4 and x.stride(3) == 1 and cos.shape == sin.shape == (x.shape[0], 1, *x.shape[2:])
-            and cos.dtype == sin.dtype == x.dtype and fused.rope_usable(x)):
-        return fused.rope(x, cos, sin)
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
@@ -259,8 +253,8 @@ def write_slot(cache: Tensor, slot: Tensor, row: Tensor) -> None:
 # --- linear layers ---
 
 UPCAST_CHUNK_BYTES = 8 << 20     # weight rows upcast at a time: small enough to stay in cache while multiplied
-HALF_LINEAR_MAX_ROWS = 256       # rows of x up to which the fp16-weight kernel beats upcast chunks + the BLAS
 _local = threading.local()       # one upcast scratch per thread: a fresh 8 MB tensor page-faults on every use
+Gemm = Callable[..., Tensor]     # (x, w, b=None) -> x @ w.T + b, x and w of one dtype
 
 
 def _scratch(numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
@@ -271,79 +265,26 @@ def _scratch(numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
     return buf
 
 
-def _blas_asked() -> bool:
-    return os.environ.get("FLEXGEN_H2O_CPU_GEMM", "onednn") == "blas"
+def linear(x: Tensor, w: Tensor, b: Tensor | None = None, gemm: Gemm = F.linear) -> Tensor:
+    """x @ w.T + b, for a weight stored narrower than x (fp16 staged on a CPU, where x is fp32) too; `gemm`
+    multiplies operands of one dtype (kernels.Kernels hands in oneDNN's for a prompt's rows).
 
-
-_onednn_linear = None                              # torch.ops.mkldnn._linear_pointwise, once onednn_gemm() said yes
-_onednn_chosen: bool | None = None
-
-
-def onednn_gemm() -> bool:
-    """Whether a prompt's many fp32 rows on a CPU go through oneDNN's GEMM; decided on the first such call, not
-    at import, so a process that never runs a prompt pass never loads oneDNN's kernels (the preflight's RSS
-    reading at startup stays what it was). On this project's AMD EPYC VM torch's default, MKL's sgemm, ran
-    SmolLM2's projections (4096 rows by 576..1536) 15-27 % slower, and SmolLM2's prompt pass at batch 32 x 512
-    took 1.05x (full cache) and 1.21x (H2O) as long (`FLEXGEN_H2O_CPU_GEMM=blas|onednn python -m flexgen_h2o.run
-    --model smollm2-135m --prompt-len 512 --gen-len 2 --gpu-batch-size 32 [--hh-ratio 0.1]`, prefill_s from
-    --metrics-json, interleaved). oneDNN is also what OpenVINO's prompt pass runs on. FLEXGEN_H2O_CPU_GEMM=blas
-    keeps MKL."""
-    global _onednn_linear, _onednn_chosen
-    if _onednn_chosen is None:
-        _onednn_chosen = False
-        if not _blas_asked():
-            try:
-                op = torch.ops.mkldnn._linear_pointwise
-                x, w = torch.ones(2, 3), torch.ones(4, 3)
-                _onednn_chosen = bool(torch.equal(op(x, w, None, "none", [], ""), x @ w.T))
-                _onednn_linear = op
-            except (AttributeError, RuntimeError):   # a torch built without oneDNN, or unusable on this CPU
-                pass
-    return _onednn_chosen
-
-
-ONEDNN_MIN_ROWS = 512                             # below this the call's fixed cost outweighs its faster kernel
-
-
-def onednn_may_run(gemm_rows: int) -> bool:
-    """Whether a CPU prompt pass whose GEMMs have `gemm_rows` rows would take oneDNN (without loading it: the
-    planner asks before anything runs)."""
-    return (gemm_rows >= ONEDNN_MIN_ROWS and not _blas_asked()
-            and torch.backends.mkldnn.is_available())
-
-
-def _gemm(x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
-    """x @ w.T (+ b) with x and w of one dtype: oneDNN for a prompt's many fp32 rows on a CPU, else torch."""
-    if (x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() >= 2 and x.is_contiguous()
-            and x.numel() >= ONEDNN_MIN_ROWS * x.shape[-1] and onednn_gemm()):
-        return _onednn_linear(x, w, b, "none", [], "")
-    return F.linear(x, w, b)
-
-
-def linear(x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
-    """x @ w.T + b, for a weight stored narrower than x (fp16 staged on a CPU, where x is fp32) too.
-
-    A decode step's few rows (at most HALF_LINEAR_MAX_ROWS) go to the compiled kernel, which converts the fp16
-    weight a few rows at a time in L1 (models/fused.half_linear). Otherwise the weight is upcast a few MB of
-    rows at a time into one scratch buffer and multiplied while the rows are still in cache, so a step reads the
-    fp16 bytes once: on 2 cores a 2048 x 8192 fp16 weight at batch 6 took 6.6 ms this way, against 10.4 ms for
-    the same weight kept in fp32 and 34 ms + the GEMM for converting it whole first. The product is the same
-    GEMM on the same fp32 values, one block of outputs at a time."""
+    A narrower weight is upcast a few MB of rows at a time into one scratch buffer and multiplied while the rows
+    are still in cache, so a step reads the fp16 bytes once: on 2 cores a 2048 x 8192 fp16 weight at batch 6 took
+    6.6 ms this way, against 10.4 ms for the same weight kept in fp32 and 34 ms + the GEMM for converting it whole
+    first. The product is the same GEMM on the same fp32 values, one block of outputs at a time."""
     if w.dtype == x.dtype:
-        return _gemm(x, w, b)
-    if x.numel() <= HALF_LINEAR_MAX_ROWS * x.shape[-1] and fused.half_linear_usable(x, w):
-        out = fused.half_linear(x.reshape(-1, x.shape[-1]), w).view(*x.shape[:-1], w.shape[0])
-        return out if b is None else out.add_(b.to(x.dtype))
+        return gemm(x, w, b)
     rows = max(1, UPCAST_CHUNK_BYTES // (w.shape[1] * x.element_size()))
     if rows >= w.shape[0]:
-        return _gemm(x, w.to(x.dtype), None if b is None else b.to(x.dtype))
+        return gemm(x, w.to(x.dtype), None if b is None else b.to(x.dtype))
     out = x.new_empty(*x.shape[:-1], w.shape[0])
     scratch = _scratch(rows * w.shape[1], x.dtype, x.device)
     for start in range(0, w.shape[0], rows):
         stop = min(w.shape[0], start + rows)
         block = scratch[:(stop - start) * w.shape[1]].view(stop - start, w.shape[1])
         block.copy_(w[start:stop])
-        out[..., start:stop] = _gemm(x, block)
+        out[..., start:stop] = gemm(x, block)
     if b is not None:
         out += b.to(x.dtype)
     return out
@@ -356,7 +297,48 @@ def relu_mlp(x: Tensor, w1: Tensor, b1: Tensor | None, w2: Tensor, b2: Tensor | 
 
 
 def swiglu_mlp(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor) -> Tensor:
-    gate, up = linear(x, w_gate), linear(x, w_up)
-    if gate.is_contiguous() and fused.layer_math_usable(gate):
-        return linear(fused.silu_mul_(gate, up), w_down)
-    return linear(F.silu(gate) * up, w_down)
+    return linear(F.silu(linear(x, w_gate)) * linear(x, w_up), w_down)
+
+
+class TorchKernels:
+    """The math a layer calls through its StepContext, as the plain torch functions above. kernels.Kernels
+    subclasses it and sends the calls its compiled kernels serve there (a CPU's fp32 with the kernels built),
+    so a layer never asks which path runs."""
+    name = "torch"
+
+    def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
+        return rms_norm(x, weight, eps)
+
+    def apply_rope(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        return apply_rope(x, cos, sin)
+
+    def linear(self, x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
+        return linear(x, w, b)
+
+    def relu_mlp(self, x: Tensor, w1: Tensor, b1: Tensor | None, w2: Tensor, b2: Tensor | None) -> Tensor:
+        return self.linear(torch.relu(self.linear(x, w1, b1)), w2, b2)
+
+    def swiglu_mlp(self, x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor) -> Tensor:
+        return self.linear(F.silu(self.linear(x, w_gate)) * self.linear(x, w_up), w_down)
+
+    def scored_prompt_attention(self, q: Tensor, k: Tensor, v: Tensor, token_valid: Tensor, unpadded: bool,
+                                scale: float, score_reduce: str, query_chunk: int) -> tuple[Tensor, Tensor]:
+        """A prompt attending to itself (causal, pads hidden) and each key's mass (b, g, t) from the valid
+        queries: grouped_attention's scored path."""
+        out, scores = grouped_attention(q, k, v, causal_pad_mask(token_valid), scale, want_scores=True,
+                                        query_valid=token_valid, score_reduce=score_reduce,
+                                        query_chunk=query_chunk, causal_only=unpadded)
+        return out, scores                                                       # type: ignore[return-value]
+
+    def narrow_decode_attention(self, q: Tensor, k: Tensor, v: Tensor, valid: Tensor, slot: Tensor,
+                                k_new: Tensor, v_new: Tensor, scale: float, *, want_scores: bool = False,
+                                score_reduce: str = "sum") -> tuple[Tensor, Tensor | None]:
+        return narrow_decode_attention(q, k, v, valid, slot, k_new, v_new, scale, want_scores=want_scores,
+                                       score_reduce=score_reduce)
+
+    def commit_usable(self, k: Tensor) -> bool:
+        """Whether a decode step's commit into a cache of keys `k` goes to a compiled kernel (kv/cache.py)."""
+        return False
+
+
+TORCH = TorchKernels()

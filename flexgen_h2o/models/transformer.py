@@ -11,7 +11,7 @@ from typing import Mapping
 
 from torch import Tensor
 
-from flexgen_h2o.models import fused, ops
+from flexgen_h2o.models import ops
 from flexgen_h2o.models.config import ModelConfig
 from flexgen_h2o.models.layer import KVSpec, KVView, LayerOutput, StepContext, WeightSpec
 
@@ -32,9 +32,9 @@ class _Base:
     def kv_spec(self) -> KVSpec | None:
         return None
 
-    def _norm(self, x: Tensor, w: Mapping[str, Tensor], prefix: str) -> Tensor:
+    def _norm(self, x: Tensor, w: Mapping[str, Tensor], prefix: str, ctx: StepContext) -> Tensor:
         if self.cfg.norm == "rmsnorm":
-            return ops.rms_norm(x, w[prefix + ".weight"], self.cfg.norm_eps)
+            return ctx.kernels.rms_norm(x, w[prefix + ".weight"], self.cfg.norm_eps)
         return ops.layer_norm(x, w[prefix + ".weight"], w[prefix + ".bias"], self.cfg.norm_eps)
 
     def __repr__(self) -> str:
@@ -48,7 +48,7 @@ class EmbedLayer(_Base):
     def forward(self, x: Tensor, w: Mapping[str, Tensor], kv: KVView | None, ctx: StepContext) -> LayerOutput:
         h = ops.embedding(x, w["embed_tokens.weight"]).to(ctx.compute_dtype)
         if "project_in.weight" in w:
-            h = ops.linear(h, w["project_in.weight"])
+            h = ctx.kernels.linear(h, w["project_in.weight"])
         if self.cfg.positions == "learned":
             # pads sit at position -1 -> table row 1, as HF's cumsum(mask) * mask - 1 + 2
             pos = ops.embedding(ctx.positions.clamp(min=-1) + 2, w["embed_positions.weight"]).to(ctx.compute_dtype)
@@ -75,28 +75,28 @@ class AttentionLayer(_Base):
     def kv_spec(self) -> KVSpec:
         return KVSpec(self.cfg.n_kv_heads, self.cfg.head_dim)
 
-    def _proj(self, h: Tensor, w: Mapping[str, Tensor], which: str) -> Tensor:
-        return ops.linear(h, w[f"self_attn.{which}.weight"], w.get(f"self_attn.{which}.bias"))
+    def _proj(self, h: Tensor, w: Mapping[str, Tensor], which: str, ctx: StepContext) -> Tensor:
+        return ctx.kernels.linear(h, w[f"self_attn.{which}.weight"], w.get(f"self_attn.{which}.bias"))
 
     def forward(self, x: Tensor, w: Mapping[str, Tensor], kv: KVView | None, ctx: StepContext) -> LayerOutput:
-        cfg = self.cfg
-        h = self._norm(x, w, self.norm) if cfg.pre_norm else x
-        q = ops.split_heads(self._proj(h, w, "q_proj"), cfg.n_heads)          # (b, h, t, d)
-        k = ops.split_heads(self._proj(h, w, "k_proj"), cfg.n_kv_heads)       # (b, g, t, d)
-        v = ops.split_heads(self._proj(h, w, "v_proj"), cfg.n_kv_heads)       # (b, g, t, d)
+        cfg, kernels = self.cfg, ctx.kernels
+        h = self._norm(x, w, self.norm, ctx) if cfg.pre_norm else x
+        q = ops.split_heads(self._proj(h, w, "q_proj", ctx), cfg.n_heads)     # (b, h, t, d)
+        k = ops.split_heads(self._proj(h, w, "k_proj", ctx), cfg.n_kv_heads)  # (b, g, t, d)
+        v = ops.split_heads(self._proj(h, w, "v_proj", ctx), cfg.n_kv_heads)  # (b, g, t, d)
         k_store = k
         if self.inv_freq is not None:
             cos, sin = ctx.rope(self.inv_freq, q.dtype)                         # (b, t, d), once a step
-            q = ops.apply_rope(q, cos[:, None], sin[:, None])
-            k = ops.apply_rope(k, cos[:, None], sin[:, None])
+            q = kernels.apply_rope(q, cos[:, None], sin[:, None])
+            k = kernels.apply_rope(k, cos[:, None], sin[:, None])
             if not ctx.keys_pre_rope:
                 k_store = k                      # cache holds keys rotated at their true positions
         scale = cfg.head_dim ** -0.5
-        if kv is None and ctx.want_scores and fused.usable(q):
-            # H2O's prompt pass on a CPU: output and key mass in one compiled pass (models/fused.py)
-            out, scores = fused.scored_prompt_attention(q, k, v, None if ctx.unpadded else ctx.token_valid, scale,
-                                                        ctx.score_reduce)
-            return self._finish(x, out, w, k_store, v, scores)
+        if kv is None and ctx.want_scores:
+            # H2O's prompt pass: the output and each key's attention mass (on a CPU in one compiled pass)
+            out, scores = kernels.scored_prompt_attention(q, k, v, ctx.token_valid, ctx.unpadded, scale,
+                                                          ctx.score_reduce, ctx.query_chunk)
+            return self._finish(x, out, w, k_store, v, scores, ctx)
         if kv is None:
             # prompt: attend among the new tokens only (real positions in both position modes)
             keys, values = k, v
@@ -109,32 +109,32 @@ class AttentionLayer(_Base):
             kv.valid.scatter_(2, kv.write_slot.unsqueeze(-1), True)
             if kv.compute_dtype is not None:     # the cache's own fp16 window, read in place and never written
                 # on a CPU the compiled kernel converts each row once in cache; else the torch ops upcast by blocks
-                attend = fused.decode_attention if fused.decode_usable(q, kv.k) else ops.narrow_decode_attention
-                out, scores = attend(q, kv.k, kv.v, kv.valid, kv.write_slot, k_store, v, scale,
-                                     want_scores=ctx.want_scores, score_reduce=ctx.score_reduce)
-                return self._finish(x, out, w, k_store, v, scores)
+                out, scores = kernels.narrow_decode_attention(q, kv.k, kv.v, kv.valid, kv.write_slot, k_store, v,
+                                                              scale, want_scores=ctx.want_scores,
+                                                              score_reduce=ctx.score_reduce)
+                return self._finish(x, out, w, k_store, v, scores, ctx)
             ops.write_slot(kv.k, kv.write_slot, k_store)
             ops.write_slot(kv.v, kv.write_slot, v)
             keys, values = kv.k, kv.v
             if kv.key_positions is not None:     # rolling: re-rotate every kept key by its rank
                 kcos, ksin = ops.rope_cos_sin(kv.key_positions, self.inv_freq.to(q.device), q.dtype)  # (b, g, s, d)
-                keys = ops.apply_rope(keys, kcos, ksin)
+                keys = kernels.apply_rope(keys, kcos, ksin)
             mask = kv.valid[:, :, None, :]                                     # (b, g, 1, s)
         out, scores = ops.grouped_attention(q, keys, values, mask, scale, want_scores=ctx.want_scores,
                                             query_valid=ctx.token_valid if kv is None else None,
                                             score_reduce=ctx.score_reduce, query_chunk=ctx.query_chunk,
                                             causal_only=kv is None and ctx.unpadded)
-        return self._finish(x, out, w, k_store, v, scores)
+        return self._finish(x, out, w, k_store, v, scores, ctx)
 
     def _finish(self, x: Tensor, out: Tensor, w: Mapping[str, Tensor], k_store: Tensor, v: Tensor,
-                scores: Tensor | None) -> LayerOutput:
+                scores: Tensor | None, ctx: StepContext) -> LayerOutput:
         """Output projection and residual; only the attention output crosses back to x's device."""
         out = out.to(x.device, x.dtype)
-        out = ops.linear(ops.merge_heads(out), w[f"self_attn.{self.out_proj}.weight"],
-                         w.get(f"self_attn.{self.out_proj}.bias"))
+        out = ctx.kernels.linear(ops.merge_heads(out), w[f"self_attn.{self.out_proj}.weight"],
+                                 w.get(f"self_attn.{self.out_proj}.bias"))
         x = x + out
         if not self.cfg.pre_norm:
-            x = self._norm(x, w, self.norm)
+            x = self._norm(x, w, self.norm, ctx)
         return LayerOutput(hidden=x, k_new=k_store, v_new=v, scores=scores)
 
 
@@ -143,14 +143,15 @@ class MLPLayer(_Base):
     kind = "mlp"
 
     def forward(self, x: Tensor, w: Mapping[str, Tensor], kv: KVView | None, ctx: StepContext) -> LayerOutput:
-        h = self._norm(x, w, self.norm) if self.cfg.pre_norm else x
+        kernels = ctx.kernels
+        h = self._norm(x, w, self.norm, ctx) if self.cfg.pre_norm else x
         if self.cfg.activation == "silu":
-            out = ops.swiglu_mlp(h, w["mlp.gate_proj.weight"], w["mlp.up_proj.weight"], w["mlp.down_proj.weight"])
+            out = kernels.swiglu_mlp(h, w["mlp.gate_proj.weight"], w["mlp.up_proj.weight"], w["mlp.down_proj.weight"])
         else:
-            out = ops.relu_mlp(h, w["fc1.weight"], w.get("fc1.bias"), w["fc2.weight"], w.get("fc2.bias"))
+            out = kernels.relu_mlp(h, w["fc1.weight"], w.get("fc1.bias"), w["fc2.weight"], w.get("fc2.bias"))
         x = x + out
         if not self.cfg.pre_norm:
-            x = self._norm(x, w, self.norm)
+            x = self._norm(x, w, self.norm, ctx)
         return LayerOutput(hidden=x)
 
 
@@ -161,10 +162,11 @@ class HeadLayer(_Base):
     def forward(self, x: Tensor, w: Mapping[str, Tensor], kv: KVView | None, ctx: StepContext) -> LayerOutput:
         x = x[:, -1:]                            # left padding puts every sequence's last token at the end
         if self.cfg.final_norm:
-            x = self._norm(x, w, self.norm)
+            x = self._norm(x, w, self.norm, ctx)
         if "project_out.weight" in w:
-            x = ops.linear(x, w["project_out.weight"])
-        logits = ops.linear(x, w["lm_head.weight"]).float()    # a resident tied table stays fp16: upcast by rows
+            x = ctx.kernels.linear(x, w["project_out.weight"])
+        # a resident tied table stays fp16: upcast by rows
+        logits = ctx.kernels.linear(x, w["lm_head.weight"]).float()
         return LayerOutput(hidden=logits[:, 0])
 
 

@@ -1,7 +1,7 @@
 """Per-tier memory estimate of a run, before anything is loaded: weights, KV, activations, workspace.
 
 The numbers follow what the engine really allocates, so a preflight refusal is about real bytes:
-- weights: FlexGen's midpoint rule per model layer (`weights.placement.choose_home`, the function the engine
+- weights: FlexGen's midpoint rule per model layer (`weights.placement.weight_homes`, the function the engine
   uses). Compute-homed weights are kept in `placement.resident_dtype` (on a CPU, matrices fp16 and vectors fp32;
   on a GPU the compute dtype); host-homed weights stay fp16 in RAM; disk-homed weights stay in the store's files.
 - KV: every (attention layer, GPU batch) cache holds `Budget.capacity` slots per sequence and KV head, each slot
@@ -26,10 +26,11 @@ import torch
 
 from flexgen_h2o.config import OffloadPolicy
 from flexgen_h2o.formats import WEIGHT_FORMAT, StorageFormat
+from flexgen_h2o.kernels import onednn_may_run
 from flexgen_h2o.kv import Budget, EvictionConfig
-from flexgen_h2o.models import KVSpec, ModelConfig, build_layers, ops, schedule_groups
+from flexgen_h2o.models import KVSpec, ModelConfig, build_layers, schedule_groups
 from flexgen_h2o.planner.plan import Plan
-from flexgen_h2o.weights.placement import choose_home, is_lookup_table, resident_dtype
+from flexgen_h2o.weights.placement import is_lookup_table, resident_dtype, weight_homes
 
 TIERS = ("compute", "host", "disk")
 PARTS = ("weights", "kv", "activations", "workspace")
@@ -113,7 +114,7 @@ def plan_bytes(plan: Plan, *, dummy_store_bytes: int = 0, real_weights: bool = F
         rows, tokens = plan.prefill_rows, plan.prompt_len
         est.beyond_tiers = allocator_bytes(model, rows, tokens, c, plan.score_block, heap_live,
                                            loader_scratch=0 if real_weights else LOADER_SCRATCH)
-        if ops.onednn_may_run(rows * tokens):
+        if onednn_may_run(rows * tokens):
             est.beyond_tiers["oneDNN"] = ONEDNN_BYTES
     return est
 
@@ -122,17 +123,15 @@ def _weights(est: Estimate, layers: list, offload: OffloadPolicy, c: int, device
     """Homes by FlexGen's midpoint rule; staged copies of the two largest-staging schedule layers."""
     device, dtype = torch.device(device_type), torch.float32 if c == 4 else torch.float16
     on_cpu = device.type == "cpu"
-    home_of: dict[str, str] = {}
+    home_of = weight_homes(layers, offload.tier_fractions("weights"))
+    counted: set[str] = set()
     staged_per_layer: list[int] = []
     for layer in layers:
-        specs = layer.weight_specs()
-        homes = choose_home([WEIGHT_FORMAT.nbytes(s.numel) for s in specs], offload.tier_fractions("weights"))
         staged = 0
-        for spec, home in zip(specs, homes):
-            if spec.name in home_of:               # a tied tensor keeps its first home, but is staged again
-                home = home_of[spec.name]
-            else:
-                home_of[spec.name] = home
+        for spec in layer.weight_specs():
+            home = home_of[spec.name]
+            if spec.name not in counted:           # a tied tensor is resident once, but staged in each layer
+                counted.add(spec.name)
                 if home == "compute":
                     est.add("compute", "weights", spec.numel * resident_dtype(spec.shape, device, dtype).itemsize)
                 elif home == "host":
@@ -157,9 +156,9 @@ def _weights(est: Estimate, layers: list, offload: OffloadPolicy, c: int, device
 # The threshold is dynamic: each freed mapped block raises it to that block's size, up to this ceiling
 # (DEFAULT_MMAP_THRESHOLD_MAX on 64-bit), so after the first layer every transient up to 32 MiB is heap-served.
 MMAP_CEILING = 32 << 20
-# What oneDNN's prompt-pass GEMMs (ops.onednn_gemm) add to the peak RSS beyond torch's tensors: its JIT kernels,
-# primitive cache and scratchpad, and the heap they leave. Peak RSS with FLEXGEN_H2O_CPU_GEMM=onednn minus =blas,
-# pytest tests/memory/test_preflight_rss.py -s: OPT-125M 8 x 256 +0..33 MiB (AVX-512), +27 MiB with
+# What oneDNN's prompt-pass GEMMs (kernels.dispatch.onednn_gemm) add to the peak RSS beyond torch's tensors: its
+# JIT kernels, primitive cache and scratchpad, and the heap they leave. Peak RSS with FLEXGEN_H2O_CPU_GEMM=onednn
+# minus =blas, pytest tests/memory/test_preflight_rss.py -s: OPT-125M 8 x 256 +0..33 MiB (AVX-512), +27 MiB with
 # ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 (CI's kind of CPU); 16 x 512 +9 MiB.
 ONEDNN_BYTES = 32 << 20
 # The heap's free top goes back to the OS only beyond the trim threshold, which glibc keeps at twice the mmap

@@ -5,7 +5,8 @@ holds every decision that follows from them: each sequence's KV budget and the r
 one, or `full` when the budget holds the whole run), the GPU batches with each one's split of KV and resting
 activations across tiers, the prefill chunking, the scored-attention block, the layer workspace, and the bytes
 per tier. The engine allocates from it (Engine._generate_block); `estimate` and `preflight` add it up; the CLI
-prints it. Weights are placed once per engine, not per block: `memory._weights` counts them.
+prints it. Weights are placed once per engine, not per block: both the engine's placement and the planner's
+count take their homes from `weights.placement.weight_homes`.
 """
 from __future__ import annotations
 

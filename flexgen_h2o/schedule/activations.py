@@ -11,6 +11,8 @@ from typing import Callable
 import torch
 from torch import Tensor
 
+from flexgen_h2o.formats import format_of
+
 Allocator = Callable[[str, tuple[int, ...], torch.dtype], Tensor]
 
 
@@ -34,7 +36,7 @@ class ActivationHome:
             buf = self._buffers.get(n)
             if buf is None or buf.shape != part.shape:
                 buf = self._buffers[n] = self.alloc(kind, tuple(part.shape), part.dtype)
-            buf.copy_(part)
+            format_of(part.dtype).stage(part, buf.device, part.dtype, into=buf)
             self.bytes_moved += part.numel() * part.element_size()
             value.append(buf)
         self._value = value
@@ -43,5 +45,6 @@ class ActivationHome:
         if self._value is None:
             raise RuntimeError("schedule bug: hidden state loaded before it was stored")
         parts, self._value = self._value, None
-        moved = [p.to(self.device, copy=(kind != "compute")) for p, (_, _, kind) in zip(parts, self.parts)]
+        moved = [p.to(self.device) if kind == "compute" else format_of(p.dtype).stage(p, self.device, p.dtype)
+                 for p, (_, _, kind) in zip(parts, self.parts)]
         return moved[0] if len(moved) == 1 else torch.cat(moved)

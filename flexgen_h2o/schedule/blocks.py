@@ -72,6 +72,25 @@ def plan_blocks(lens: Sequence[int], block_size: int, max_new: Sequence[int] | N
     return [order[i:i + block_size] for i in range(0, len(order), block_size)]
 
 
+@dataclass
+class Job:
+    """A batch of prompts checked once, before anything runs: the blocks they run in (bucketed indices) and each
+    prompt's KV budget. The CLI makes it before its preflight and hands it to LLM.generate_blocks, which then
+    checks nothing again."""
+    lens: list[int]
+    max_new: list[int]
+    blocks: list[list[int]]
+    budgets: list[Any]
+
+
+def plan_job(model: Any, eviction: Any, block_size: int, lens: Sequence[int], max_new: Sequence[int],
+             label: Callable[[int], str], *, bucket: bool = True) -> Job:
+    """Check every prompt against `model`'s context window and `eviction`'s budgets, and cut the blocks."""
+    check_context(model.max_seq_len, eviction.position_rolling, lens, max_new, label, model.name)
+    blocks = plan_blocks(lens, block_size, max_new, bucket=bucket)
+    return Job(list(lens), list(max_new), blocks, check_budgets(eviction, blocks, lens, max_new, label))
+
+
 def padding_tokens(blocks: Sequence[Sequence[int]], lens: Sequence[int]) -> int:
     """Pad positions the engine computes: every prompt of a block is left-padded to the block's longest."""
     return sum(max(lens[i] for i in b) * len(b) - sum(lens[i] for i in b) for b in blocks if b)

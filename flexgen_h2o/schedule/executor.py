@@ -19,6 +19,7 @@ from torch import Tensor
 
 from flexgen_h2o.memory import Transfer, ValueHolder
 from flexgen_h2o.models.layer import StepContext
+from flexgen_h2o.models.ops import TORCH, TorchKernels
 from flexgen_h2o.schedule.zigzag import Op, Step, block_schedule
 
 
@@ -52,6 +53,7 @@ class RunParts:
     should_stop: Callable[[int], bool]   # after token i: every sequence finished?
     async_lanes: frozenset = frozenset({"weights", "kv"})   # lanes that get a worker thread when overlapping
     prefill_by_rows: bool = False        # token 0 chunk by chunk through every layer (OffloadPolicy.prefill_by_rows)
+    kernels: TorchKernels = TORCH        # the engine's flexgen_h2o.kernels.Kernels, resolved once (default: torch)
 
 
 class BlockExecutor:
@@ -184,12 +186,13 @@ class BlockExecutor:
             positions = (b.token_valid.long().cumsum(1) - 1).masked_fill(~b.token_valid, -1)
             return StepContext(positions.to(p.device), b.token_valid.to(p.device), p.compute_dtype,
                                want_scores=p.needs_scores, keys_pre_rope=p.rolling, score_reduce=p.score_reduce,
-                               unpadded=bool(b.token_valid.all()))
+                               unpadded=bool(b.token_valid.all()), kernels=p.kernels)
         true_pos = b.real_len + token - 1
         pos = self._new_rank(b, token) if p.rolling else true_pos
         valid = torch.ones(len(true_pos), 1, dtype=torch.bool)
         return StepContext(pos.view(-1, 1).to(p.device), valid.to(p.device), p.compute_dtype,
-                           want_scores=p.needs_scores, keys_pre_rope=p.rolling, score_reduce=p.score_reduce)
+                           want_scores=p.needs_scores, keys_pre_rope=p.rolling, score_reduce=p.score_reduce,
+                           kernels=p.kernels)
 
     def _compute(self, token: int, group: int, batch: int) -> None:
         b = self.batches[batch]

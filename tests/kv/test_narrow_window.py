@@ -9,7 +9,8 @@ import torch
 
 from flexgen_h2o.config import OffloadPolicy
 from flexgen_h2o.kv import EvictionConfig
-from flexgen_h2o.models import fused, ops
+from flexgen_h2o.kernels import build
+from flexgen_h2o.models import ops
 from tests.helpers import (count_in_place_attention, engine_kept, greedy, make_engine, max_logit_diff,
                            random_prompts, tiny_hf)
 
@@ -60,7 +61,7 @@ def test_engine_decodes_the_same_over_its_own_fp16_window(monkeypatch, kind, pol
     """fp16 KV homed in RAM, one cache part: every decode step attends over the cache's own window, and the
     tokens, every step's logits and the kept positions equal those of the run that stages an upcast copy (the
     torch ops: the compiled kernels are switched off, as its sums run in another order)."""
-    monkeypatch.setenv(fused.ENV_SWITCH, "0")
+    monkeypatch.setenv(build.OFF_SWITCH, "0")                 # read by each engine as it is made
     eviction = EvictionConfig(policy=policy, hh_size=4, recent_size=3) if policy == "h2o" else None
     model = tiny_hf(kind)
     prompts = random_prompts([21, 14, 9])

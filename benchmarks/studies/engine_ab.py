@@ -1,0 +1,124 @@
+"""The whole engine of another git revision against the working tree's, in one process: the H2O prompt pass and
+decode step at one shape, alternating calls (base, new, then new, base, ...), so the VM's drift, which spread
+one-process-per-run pairs from 0.82x to 1.55x (benchmarks/results/ab-33-s2048/NOTES.md), lands on both alike.
+
+The base revision's package is extracted (`git archive`) into a scratch folder under another name
+(`flexgen_h2o_base`, every `flexgen_h2o` import in it renamed) and imported beside the working tree's; both load
+the same weights (SmolLM2's GGUF store) and run the same prompts (Wikipedia windows). The compiled kernels must be
+the same sources in both (the working tree's build is copied in); a refactor's A/B is about the Python around
+them. Figures: the prompt pass (`prefill_s` of a one-token generate) and the median decode step (from one shared
+prefill per side, its first two steps left out), each as new / base.
+
+    python -m benchmarks.studies.engine_ab --base 98bf248 --batch 16 --prompt-len 2048 --hh-size 102 \
+        --recent-size 102 --steps 24 --repeats 8 --out benchmarks/results/engine_ab
+"""
+from __future__ import annotations
+
+from benchmarks.studies import ab  # first: it sets OMP_WAIT_POLICY before torch loads
+
+import importlib  # noqa: E402
+import re  # noqa: E402
+import shutil  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from benchmarks.common import REPO_ROOT, median  # noqa: E402
+
+BASE_NAME = "flexgen_h2o_base"
+
+
+def base_package(rev: str, folder: Path) -> str:
+    """Extract `rev`'s flexgen_h2o into folder/BASE_NAME with its imports renamed, beside this tree's kernel
+    build; returns the package name. Refuses where the kernels' sources differ (one build serves both)."""
+    archive = subprocess.run(["git", "archive", rev, "flexgen_h2o"], cwd=REPO_ROOT, capture_output=True,
+                             check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(folder)], input=archive, check=True)
+    tree = folder / BASE_NAME
+    (folder / "flexgen_h2o").rename(tree)
+    here = REPO_ROOT / "flexgen_h2o" / "kernels" / "csrc"
+    there = next(p for p in (tree / "kernels" / "csrc", tree / "models" / "csrc") if p.is_dir())
+    if sorted((p.name, p.read_bytes()) for p in here.iterdir()) != sorted((p.name, p.read_bytes())
+                                                                           for p in there.iterdir()):
+        raise SystemExit(f"error: {rev}'s compiled kernels differ from this tree's; compare them with "
+                         "benchmarks.studies.decode_ab --base instead")
+    for so in here.parent.glob("_kernels*.so"):
+        shutil.copy(so, there.parent)
+    for py in tree.rglob("*.py"):
+        py.write_text(re.sub(r"\bflexgen_h2o\.", f"{BASE_NAME}.", py.read_text()))
+    return BASE_NAME
+
+
+def side(package: str, a, prompts):
+    """(engine, h2o rule, prefilled state) of one tree."""
+    engine_mod = importlib.import_module(f"{package}.engine")
+    kv = importlib.import_module(f"{package}.kv")
+    config = importlib.import_module(f"{package}.config")
+    loader = importlib.import_module(f"{package}.loader")
+    model = loader.load_model(a.model, progress=False)
+    offload = config.OffloadPolicy(gpu_batch_size=a.batch, num_gpu_batches=1)
+    engine = engine_mod.Engine(model.config, model.read, offload=offload, locate=model.locate)
+    rule = kv.EvictionConfig(policy="h2o", hh_size=a.hh_size, recent_size=a.recent_size)
+    return engine, rule, config.GenerationConfig, engine.prefill(prompts)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = ab.parser("engine_ab", __doc__)
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--prompt-len", type=int, default=2048)
+    p.add_argument("--hh-size", type=int, default=102)
+    p.add_argument("--recent-size", type=int, default=102)
+    p.add_argument("--steps", type=int, default=24, help="decode steps per timed call")
+    ab.add_common(p, "benchmarks/results/engine_ab", repeats=8, base="the revision whose engine is the baseline")
+    a = p.parse_args(argv)
+    if not a.base:
+        p.error("--base REV is required")
+    if not ab.kernels_ready(a.threads):
+        return 2
+    from benchmarks.studies.step_scaling import prompts_for
+    from flexgen_h2o.eval import data
+    from flexgen_h2o.loader import load_model
+    tokenizer = load_model(a.model, progress=False).tokenizer
+    prompts = prompts_for(data.corpus_stream(tokenizer, "wiki", a.prompt_len * 2), a.batch, a.prompt_len)
+    scratch = Path(tempfile.mkdtemp(prefix="engine_ab_"))
+    sys.path.insert(0, str(scratch))
+    sides: dict[str, tuple] = {}
+    current: dict[str, tuple] = {}
+    try:
+        sides["base"] = side(base_package(a.base, scratch), a, prompts)
+        sides["new"] = side("flexgen_h2o", a, prompts)
+
+        def measure(case: str) -> float:
+            engine, rule, gen_config, kept = current["side"]
+            if case == "prompt":
+                gen = gen_config(max_new_tokens=1, stop_at_eos=False)
+                return engine.generate(prompts, gen, eviction=rule).metrics["prefill_s"]
+            gen = gen_config(max_new_tokens=a.steps + 1, stop_at_eos=False)
+            return median(engine.generate(prompts, gen, eviction=rule, prefilled=kept).metrics["step_times_s"][2:])
+
+        for s in sides.values():                                   # warm-up: buffers, lazy imports, both paths
+            current["side"] = s
+            measure("prompt")
+            measure("decode")
+        figures = ab.run_interleaved(("prompt", "decode"), {n: (lambda s=s: current.update(side=s))
+                                                            for n, s in sides.items()},
+                                     a.repeats, measure, lambda case, name, x: f"{case:6s} {name:4s}: {x:.4f} s")
+    finally:
+        for engine, *_ in sides.values():
+            engine.close()
+        shutil.rmtree(scratch, ignore_errors=True)
+    ratios = {case: median([n / b for n, b in zip(figures[f"{case}-new"], figures[f"{case}-base"])])
+              for case in ("prompt", "decode")}
+    result = {"args": ab.args_json(a), "seconds": figures, "new_over_base": ratios,
+              "medians_s": {k: median(v) for k, v in figures.items()}}
+    ab.write_ab(a.out, result, "new_over_base",
+                lambda case, r: f"{case}: new / base {r:.3f} (median of {a.repeats} paired ratios; medians "
+                                f"{median(figures[case + '-new']):.4f} s new, {median(figures[case + '-base']):.4f} s"
+                                " base)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
