@@ -12,6 +12,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm_rows", &rms_norm_rows, release);
   m.def("silu_mul_", &silu_mul_, release);
   m.def("rope_rows", &rope_rows, release);
-  m.attr("rope_rows_takes_prompts") = true;   // t > 1 (older builds: one token; models/fused.rope_usable)
-  m.attr("commit_takes_row_budgets") = true;  // (b,) recent and budget (older builds: ints; kv/cache.py)
+  m.attr("rope_rows_takes_prompts") = true;   // t > 1 (older builds: one token; benchmarks/studies/ab.py)
+  m.attr("commit_takes_row_budgets") = true;  // (b,) recent and budget (older builds: ints; benchmarks/studies/ab.py)
 }

@@ -9,7 +9,7 @@
 // (Converting rows into an fp32 scratch first, the previous version, spent a third of the kernel's time storing
 // the converted rows and loading them back.)
 //
-// Built with -mavx2 -mfma -mf16c where the CPU has them (models/fused.py decides); elsewhere the same loops run
+// Built with -mavx2 -mfma -mf16c where the CPU has them (kernels/build.py decides); elsewhere the same loops run
 // as plain C++, which the compiler vectorises as it can.
 #include "kernels.h"
 

@@ -1,4 +1,5 @@
-// The compiled CPU kernels of models/fused.py; bindings.cpp exposes them to Python.
+// The compiled CPU kernels of flexgen_h2o/kernels (build.py builds them, dispatch.py calls them); bindings.cpp
+// exposes them to Python.
 #pragma once
 
 #include <ATen/ATen.h>
