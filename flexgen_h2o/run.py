@@ -129,6 +129,7 @@ def _generate(args, mode, offload, eviction, gen_len, prompt_len, log_path, requ
     from flexgen_h2o.backend import get_backend
     from flexgen_h2o.loader import fallback_tokenizer
     from flexgen_h2o.models import resolve_model
+    from flexgen_h2o.planner import summary_line
     from flexgen_h2o.schedule.blocks import plan_job
 
     torch.set_num_threads(max(1, min(torch.get_num_threads(), os.cpu_count() or 1)))
@@ -150,7 +151,7 @@ def _generate(args, mode, offload, eviction, gen_len, prompt_len, log_path, requ
         prompts, source = corpus_prompts(tok, offload.block_size, prompt_len, cfg.vocab_size)
         print(f"prompts: {len(prompts)} x {prompt_len} tokens of {source}")
         print(sizes_line(cfg, est, len(prompts), prompt_len))
-    print(_summary_line(checked))
+    print(summary_line(checked) if checked else "preflight: skipped (--skip-preflight)")
 
     if loaded is None:
         loaded = _load(args, dummy_on_disk=True)
@@ -219,11 +220,6 @@ def _preflight(args, cfg, offload, eviction, backend, deferred, job) -> tuple:
                         kv_slot_bytes(cfg, offload.kv_format) * cfg.n_layers * n_seqs))
     print(est.plan.describe())
     return est, checked
-
-
-def _summary_line(checked: Any) -> str:
-    from flexgen_h2o.planner import summary_line
-    return summary_line(checked) if checked else "preflight: skipped (--skip-preflight)"
 
 
 def _run_mode(args, mode, llm, est, texts, prompts, job, gen_len, requests, pending, results) -> dict:

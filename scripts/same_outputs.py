@@ -97,16 +97,6 @@ def compare(here: dict, there: dict) -> list[str]:
     return diffs
 
 
-def csrc_folder(tree: Path) -> Path:
-    """The kernels' C++ folder of a checkout: flexgen_h2o/kernels/csrc, or models/csrc before the move."""
-    new = tree / "flexgen_h2o" / "kernels" / "csrc"
-    return new if new.is_dir() else tree / "flexgen_h2o" / "models" / "csrc"
-
-
-def csrc_bytes(folder: Path) -> dict[str, bytes]:
-    return {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file() and not p.name.startswith(".")}
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--base", help="commit to compare with (a temporary git worktree)")
@@ -127,8 +117,10 @@ def main() -> int:
         try:
             # both trees run this tree's build of the kernels, so their sources must be the same bytes (the
             # folder moved from models/ to kernels/ once; the build goes where the base tree looks for it)
-            here, there = csrc_folder(REPO), csrc_folder(base_tree)
-            if csrc_bytes(here) != csrc_bytes(there):
+            from benchmarks.studies.ab import CSRC_FOLDERS     # this tree's, as is the hash
+            from flexgen_h2o.kernels.build import source_hash
+            here, there = (next(t / c for c in CSRC_FOLDERS if (t / c).is_dir()) for t in (REPO, base_tree))
+            if source_hash(here) != source_hash(there):
                 print(f"error: the compiled kernels' sources differ from {a.base}: this script runs both trees on "
                       "this tree's build, so it cannot compare them", file=sys.stderr)
                 return 2

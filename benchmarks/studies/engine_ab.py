@@ -25,6 +25,7 @@ import tempfile  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 from benchmarks.common import REPO_ROOT, median  # noqa: E402
+from flexgen_h2o.kernels import build  # noqa: E402
 
 BASE_NAME = "flexgen_h2o_base"
 
@@ -35,16 +36,15 @@ def base_package(rev: str, folder: Path) -> str:
     archive = subprocess.run(["git", "archive", rev, "flexgen_h2o"], cwd=REPO_ROOT, capture_output=True,
                              check=True).stdout
     subprocess.run(["tar", "-x", "-C", str(folder)], input=archive, check=True)
-    tree = folder / BASE_NAME
-    (folder / "flexgen_h2o").rename(tree)
-    here = REPO_ROOT / "flexgen_h2o" / "kernels" / "csrc"
-    there = next(p for p in (tree / "kernels" / "csrc", tree / "models" / "csrc") if p.is_dir())
-    if sorted((p.name, p.read_bytes()) for p in here.iterdir()) != sorted((p.name, p.read_bytes())
-                                                                           for p in there.iterdir()):
+    here = REPO_ROOT / ab.CSRC_FOLDERS[0]
+    there = next(folder / c for c in ab.CSRC_FOLDERS if (folder / c).is_dir())
+    if build.source_hash(here) != build.source_hash(there):
         raise SystemExit(f"error: {rev}'s compiled kernels differ from this tree's; compare them with "
                          "benchmarks.studies.decode_ab --base instead")
     for so in here.parent.glob("_kernels*.so"):
         shutil.copy(so, there.parent)
+    tree = folder / BASE_NAME
+    (folder / "flexgen_h2o").rename(tree)
     for py in tree.rglob("*.py"):
         py.write_text(re.sub(r"\bflexgen_h2o\.", f"{BASE_NAME}.", py.read_text()))
     return BASE_NAME

@@ -1,5 +1,5 @@
-"""The suite's pure parts: workloads, system selection, the batch search (driven by a fake probe), probe
-projection, the roofline arithmetic, the result schema, and the report. No model runs here."""
+"""The suite's pure parts: workloads, system selection, probe projection, the roofline arithmetic, the result
+schema, and the report (the batch search: test_suite_search.py). No model runs here."""
 from __future__ import annotations
 
 import json
@@ -12,9 +12,7 @@ from types import SimpleNamespace
 import pytest
 
 from benchmarks import machine as mach
-from benchmarks.common import CaseFailed
-from benchmarks.suite import (PLANNER_EDGE, overridden, parse_batches, project_probe, run_workload, search_batch,
-                              summarize, validate_row)
+from benchmarks.suite import overridden, parse_batches, project_probe, run_workload, summarize, validate_row
 from benchmarks.suite_report import CAPPED_BEST, drift_table, write_report
 from benchmarks.systems import RESULT_KEYS, Candidate, all_systems, rates, select_systems
 from benchmarks.workloads import GIB, WORKLOADS, select_workloads, smoke
@@ -62,81 +60,6 @@ def test_select_systems_prefix_glob_default():
     assert select_systems(None, ("flexgen", "ours-full"), known) == ["ours-full", "flexgen"]
     with pytest.raises(SystemExit, match="no system matches"):
         select_systems(["nope"], (), known)
-
-
-def _fake_probe(table):
-    calls = []
-
-    def probe(c):
-        calls.append(c.batch)
-        r = table[c.batch]
-        if r == "fail":
-            raise CaseFailed("exit 1: ...\nRuntimeError: boom")
-        return r
-    return probe, calls
-
-
-def test_search_up_stops_at_budget_and_takes_the_fastest():
-    cands = [Candidate(b, b) for b in (1, 2, 4, 8, 16)]
-    probe, calls = _fake_probe({1: (5.0, 1 * GIB), 2: (9.0, 1 * GIB), 4: (12.0, 2 * GIB), 8: (20.0, 5 * GIB)})
-    res = search_batch(cands, probe, 3 * GIB, order="up", max_probes=10)
-    assert res.best.batch == 4 and calls == [1, 2, 4, 8]
-    assert [s.status for s in res.steps] == ["ok", "ok", "best", "over budget (measured)"]
-
-
-def test_search_up_stops_when_slower_and_on_failure():
-    cands = [Candidate(b, b) for b in (1, 2, 4, 8)]
-    probe, calls = _fake_probe({1: (5.0, 1), 2: (9.0, 1), 4: (6.0, 1), 8: (99.0, 1)})
-    res = search_batch(cands, probe, GIB, order="up")
-    assert res.best.batch == 2 and calls == [1, 2, 4] and res.steps[-1].status == "slower"
-    probe, calls = _fake_probe({1: (5.0, 1), 2: "fail"})
-    res = search_batch(cands, probe, GIB, order="up")
-    assert res.best.batch == 1 and res.steps[-1].status.startswith("failed: RuntimeError: boom")
-
-
-def test_search_up_says_when_the_probe_cap_ended_it():
-    cands = [Candidate(b, b) for b in (1, 2, 4, 8, 16)]
-    probe, calls = _fake_probe({1: (5.0, 1), 2: (9.0, 1), 4: (12.0, 1)})
-    res = search_batch(cands, probe, GIB, order="up", max_probes=3)
-    assert calls == [1, 2, 4] and res.best.batch == 4
-    assert [s.status for s in res.steps] == ["ok", "ok", CAPPED_BEST] + ["not probed (probe cap)"] * 2
-    # a slower probe ends it before the cap: a plain "best", even though candidates remain
-    probe, calls = _fake_probe({1: (5.0, 1), 2: (9.0, 1), 4: (6.0, 1)})
-    res = search_batch(cands, probe, GIB, order="up", max_probes=3)
-    assert [s.status for s in res.steps][:2] == ["ok", "best"]
-
-
-def test_search_down_uses_the_planner_and_the_probe_cap():
-    cands = [Candidate(b, min(b, 4), max(1, b // 4), predicted_bytes=b * GIB // 4) for b in (1, 2, 4, 8, 16)]
-    probe, calls = _fake_probe({8: (30.0, 1), 4: (20.0, 1), 2: (25.0, 1)})
-    res = search_batch(cands, probe, 2 * GIB, order="down", max_probes=2)
-    assert calls == [8, 4] and res.best.batch == 8                 # 16 rejected by the planner, 4 slower
-    assert ("over budget (planner)", 16) in [(s.status, s.candidate.batch) for s in res.steps]
-    one = search_batch(cands[:1], probe, GIB, order="down")
-    assert one.best.batch == 1 and "not probed" in one.steps[0].status
-    assert search_batch([Candidate(1, 1, predicted_bytes=9 * GIB)], probe, GIB).best is None
-
-
-def test_search_down_probes_the_planners_edge_and_the_measurement_decides():
-    budget = 2 * GIB
-    edge = int(budget * 1.05)             # the planner's estimate runs ~5 % high on the disk shapes
-    cands = [Candidate(2, 2, predicted_bytes=GIB), Candidate(4, 4, predicted_bytes=int(1.8 * GIB)),
-             Candidate(5, 5, predicted_bytes=edge)]
-    probe, calls = _fake_probe({5: (7.0, int(1.95 * GIB)), 4: (6.0, int(1.7 * GIB)), 2: (4.0, GIB)})
-    res = search_batch(cands, probe, budget, order="down")
-    assert calls[0] == 5 and res.best.batch == 5                   # measured under the budget: it wins
-    probe, calls = _fake_probe({5: (7.0, int(2.1 * GIB)), 4: (6.0, int(1.7 * GIB)), 2: (4.0, GIB)})
-    res = search_batch(cands, probe, budget, order="down")
-    assert res.best.batch == 4
-    assert ("over budget (measured)", 5) in [(s.status, s.candidate.batch) for s in res.steps]
-    far = [*cands[:2], Candidate(5, 5, predicted_bytes=int(budget * (PLANNER_EDGE + 0.1)))]
-    probe, calls = _fake_probe({4: (6.0, int(1.7 * GIB)), 2: (4.0, GIB)})
-    res = search_batch(far, probe, budget, order="down")
-    assert 5 not in calls and ("over budget (planner)", 5) in [(s.status, s.candidate.batch) for s in res.steps]
-    # an edge candidate alone is still probed (it is over budget until measured), and its measurement decides
-    probe, calls = _fake_probe({5: (7.0, int(2.1 * GIB))})
-    res = search_batch(cands[2:], probe, budget, order="down")
-    assert calls == [5] and res.best is None and res.steps[0].status == "over budget (measured)"
 
 
 def test_project_probe_and_flexgen_rates():
@@ -287,18 +210,6 @@ def test_drift_table_compares_the_first_and_last_tenth_of_each_run():
                       {"system": "flexgen", "runs": []}]}
     assert drift_table(wl)[2:] == ["| ours-h2o-20 | 0 | 100 | 400 | 600 | 1.50 |"]    # a 5-step run is too short
     assert drift_table({"systems": [{"system": "hf", "runs": []}]}) == []
-
-
-def test_search_goes_on_through_a_dip_within_the_noise_margin():
-    """A probe a few per cent below the best is noise on this VM, not a turning point: the search continues and
-    keeps the fastest; a drop beyond the margin still ends it."""
-    from benchmarks.suite import SLOWER
-    cands = [Candidate(b, b) for b in (1, 2, 4, 8, 16)]
-    dip = 10.0 * (SLOWER + 1) / 2                                  # inside the margin
-    probe, calls = _fake_probe({1: (10.0, 1), 2: (dip, 1), 4: (14.0, 1), 8: (14.0 * SLOWER * 0.99, 1)})
-    res = search_batch(cands, probe, GIB, order="up", max_probes=10)
-    assert calls == [1, 2, 4, 8] and res.best.batch == 4
-    assert [s.status for s in res.steps] == ["ok", "ok", "best", "slower"]
 
 
 def test_real_weights_store_is_converted_once_before_any_system(monkeypatch, tmp_path):
