@@ -55,6 +55,9 @@ class OffloadPolicy:
     prefill_batch_size: int | None = None     # sequences per prefill forward (None: PREFILL_TOKENS' worth)
     uncached_disk_weights: bool = False  # drop disk weights from the page cache after each read (model > RAM)
     compute_budget_bytes: int | None = None   # capacity of the compute tier (on CPU: a budgeted pool)
+    kv_bits: int | None = None         # --compress-cache: KV stored as group-wise int4/int8 (None: kv_dtype)
+    weight_bits: int | None = None     # --compress-weight: matrices stored as group-wise int4/int8 (None: fp16)
+    group_size: int = 64               # values per quantization group (FlexGen's default)
 
     @classmethod
     def from_percent(cls, percent: Sequence[float], **kw) -> "OffloadPolicy":
@@ -97,6 +100,11 @@ class OffloadPolicy:
             raise ConfigError(f"--prefill-batch-size must be >= 1, got {self.prefill_batch_size}")
         if self.kv_dtype not in ("float16", "float32"):
             raise ConfigError(f"kv_dtype {self.kv_dtype!r} must be float16 or float32")
+        for flag, bits in (("--kv-bits", self.kv_bits), ("--weight-bits", self.weight_bits)):
+            if bits is not None and bits not in (4, 8):
+                raise ConfigError(f"{flag} must be 4 or 8, got {bits}")
+        if self.group_size < 2 or self.group_size % 2:
+            raise ConfigError(f"--group-size must be an even number >= 2, got {self.group_size}")
         return self
 
     def prefill_rows(self, batch: int, prompt_len: int, device_type: str = "cpu") -> int:
@@ -121,14 +129,21 @@ class OffloadPolicy:
         rolling. A split cache's parts are joined into one copy; rolling re-rotates every key anyway; a disk-homed
         cache's copy is the read that the KV lane's worker thread overlaps with compute."""
         parts = split_by_fraction(batch, self.tier_fractions("cache"))
-        return (attention_device_type == "cpu" and self.kv_dtype != "float32" and not rolling and len(parts) == 1
+        narrow = self.kv_bits is not None or self.kv_dtype != "float32"
+        return (attention_device_type == "cpu" and narrow and not rolling and len(parts) == 1
                 and parts[0][2] != "disk")
 
     @property
     def kv_format(self):
-        """The KV cache's StorageFormat (flexgen_h2o.formats), from kv_dtype."""
-        from flexgen_h2o.formats import storage_format      # torch-free config: imported when asked
-        return storage_format(self.kv_dtype)
+        """The KV cache's StorageFormat (flexgen_h2o.formats): group-wise int4/int8 with kv_bits, else kv_dtype."""
+        from flexgen_h2o.formats import quant_format, storage_format   # torch-free config: imported when asked
+        return quant_format(self.kv_bits, self.group_size) if self.kv_bits else storage_format(self.kv_dtype)
+
+    @property
+    def weight_format(self):
+        """The weight matrices' StorageFormat: group-wise int4/int8 with weight_bits, else the store's fp16."""
+        from flexgen_h2o.formats import WEIGHT_FORMAT, quant_format
+        return quant_format(self.weight_bits, self.group_size) if self.weight_bits else WEIGHT_FORMAT
 
     def replace(self, **changes) -> "OffloadPolicy":
         return dataclasses.replace(self, **changes)

@@ -28,6 +28,7 @@ from flexgen_h2o.planner.plan import BatchPlan, Plan
 from flexgen_h2o.sampling import Sampler, StopTracker
 from flexgen_h2o.schedule.activations import ActivationHome
 from flexgen_h2o.schedule.executor import BatchState, BlockExecutor, RunParts
+from flexgen_h2o.weights.compressed import compressed_weights
 from flexgen_h2o.weights.placement import WeightPlacement
 from flexgen_h2o.weights.staging import StagingPool
 
@@ -45,15 +46,16 @@ class Prefilled:
     would pay for the same prefill again."""
     prompts: list[list[int]]
     rolling: bool                                        # keys were stored before RoPE (position rolling)
-    layers: list[dict[int, tuple[Tensor, ...]]]          # per GPU batch: layer -> (k, v, score, pos) on the host
+    layers: list[dict[int, tuple[Tensor, ...]]]          # per GPU batch: layer -> (k, v, score, pos[, key scale])
     logits: list[Tensor]                                 # per GPU batch: (b, V) logits of step 0
 
 
 def _prompt_layout(snapshot: tuple[Tensor, ...], lengths: Tensor, width: int) -> tuple[Tensor, ...]:
     """A keep-everything cache's slots (real tokens packed first, in order) back in the left-padded prompt layout
     a prompt pass hands to commit_prefill: (k, v, score) (b, g, width, ...) and token positions (b, width), -1
-    for pads. Same shapes and order as a normal run's, so even the random rule draws the same numbers."""
-    k, v, score, pos = snapshot
+    for pads. Same shapes and order as a normal run's, so even the random rule draws the same numbers. A
+    compressed cache's per-channel key scale (a fifth tensor) passes through."""
+    k, v, score, pos = snapshot[:4]
     shift = (width - lengths).view(-1, 1)                                          # pads before each sequence
     src = torch.arange(width).view(1, -1) - shift                                  # (b, width) source slot
     real = src >= 0
@@ -61,7 +63,7 @@ def _prompt_layout(snapshot: tuple[Tensor, ...], lengths: Tensor, width: int) ->
     take = lambda x: gather_slots(x, index[:, None, :].expand(x.shape[0], x.shape[1], width))  # noqa: E731
     k, v, score = (torch.where(real.view(*real.shape[:1], 1, width, *([1] * (x.dim() - 3))), take(x),
                                torch.zeros((), dtype=x.dtype)) for x in (k, v, score))
-    return k, v, score, torch.where(real, pos[:, 0].long().gather(1, index), -1)
+    return (k, v, score, torch.where(real, pos[:, 0].long().gather(1, index), -1), *snapshot[4:])
 
 
 class Engine:
@@ -101,6 +103,8 @@ class Engine:
                       "host": HostTier(self.backend, pin=self.backend.is_cuda)}
         if self.offload_dir is not None:
             self.tiers["disk"] = DiskTier(self.offload_dir.__enter__())
+        if self.offload.weight_bits:     # the packed matrices, from the store's compressed copy (made once)
+            read_weight, locate, _ = compressed_weights(self.layers, read_weight, locate, self.offload.weight_format)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)     # read-only memmaps are never written through
             self.weights = WeightPlacement(self.layers, read_weight, self.offload.tier_fractions("weights"),
@@ -108,7 +112,7 @@ class Engine:
                                            pin=self.backend.pin, pin_weight=self.offload.pin_weight, locate=locate,
                                            pool=StagingPool(self.tiers["compute"], reuse=not self.backend.is_cuda),
                                            uncached_disk=self.offload.uncached_disk_weights,
-                                           tiers=self.tiers)
+                                           tiers=self.tiers, fmt=self.offload.weight_format)
         self.last_caches: list[dict[int, SplitKVCache]] = []     # the last block's caches, for inspection
         self.last_plan: Plan | None = None                       # and its plan (budgets, splits, bytes)
         self._handles: list = []                                 # tier allocations of the current block
@@ -173,7 +177,7 @@ class Engine:
                           and (self.device.type != "cpu" or self.host_attention_on_cpu))
         in_place = self.offload.kv_read_in_place("cpu" if host_attention else self.device.type, rolling, plan.size)
         for lo, hi, kind in plan.cache:
-            cache = KVCache(layer.kv_spec(), hi - lo, capacity, policy, budget.part(lo, hi), dtype=self.kv_dtype,
+            cache = KVCache(layer.kv_spec(), hi - lo, capacity, policy, budget.part(lo, hi), fmt=self.offload.kv_format,
                             alloc=lambda shape, dtype, kind=kind: self._alloc(kind, shape, dtype), tier_kind=kind,
                             rolling=rolling, generator=None if draws is None else draws.part(lo, hi),
                             staging=self.kv_staging, read_in_place=in_place, kernels=self.kernels)
@@ -324,8 +328,9 @@ class Engine:
                                             self._draws(ev, l, prompts[lo:hi]), ev.position_rolling)
                         for l, layer in enumerate(self.layers) if layer.kind == "attn"}
             if prefilled is not None:          # this rule's choice of the kept prompt rows, as a prefill makes it
-                for l, (k, v, score, pos) in prefilled.layers[len(batches)].items():
-                    b.caches[l].commit_prefill(k, v, score if policy.needs_scores else None, pos)
+                for l, (k, v, score, pos, *key_scale) in prefilled.layers[len(batches)].items():
+                    b.caches[l].commit_prefill(k, v, score if policy.needs_scores else None, pos,
+                                               key_scale=key_scale[0] if key_scale else None)
             b.activations = ActivationHome(list(bp.act), self._alloc, self.device)
             batches.append(b)
         return plan, batches

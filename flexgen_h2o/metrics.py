@@ -64,11 +64,12 @@ def engine_metrics(llm: Any, weights_in_tiers: bool, *, kv_cache_bytes: int, ful
                    hidden_bytes: int) -> dict[str, Any]:
     """What every mode reports about the model, the placement, the eviction and the memory it used; the modes add
     their own counts and times (run.py's batch and prompt modes, frontends/benchmark.py)."""
-    from flexgen_h2o.formats import WEIGHT_FORMAT
+    from flexgen_h2o.weights.placement import model_bytes
     engine, cfg = llm.engine, llm.config
     peaks = tier_peaks(engine, weights_in_tiers)
     device_peak = engine.backend.device_memory()["peak_bytes"]
-    return {"model": cfg.name, "hidden_size": cfg.hidden_size, "model_bytes": WEIGHT_FORMAT.nbytes(cfg.n_params()),
+    return {"model": cfg.name, "hidden_size": cfg.hidden_size, "model_bytes": model_bytes(engine.layers, llm.offload.weight_format),
+            "weight_format": llm.offload.weight_format.name, "kv_format": llm.offload.kv_format.name,
             "kv_cache_bytes": kv_cache_bytes, "full_cache_bytes": full_cache_bytes, "hidden_bytes": hidden_bytes,
             # FlexGen's "peak gpu mem": the compute tier (on CUDA, the allocator's own peak when larger)
             "peak_compute_bytes": max(peaks.get("compute", 0), device_peak), "tier_peak_bytes": peaks,

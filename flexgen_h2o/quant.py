@@ -9,6 +9,13 @@ padding repeats the dimension's last value, so it never widens that group's rang
 
 Bytes per group of g values: g * bits / 8 of data + 4 (fp16 min and step). For a 64-wide head at 4 bits that is
 36 bytes against fp16's 128 (0.28x); at 8 bits 68 (0.53x).
+
+The row form (pack_rows) keeps a whole last-dimension row in one byte row, so a KV slot or a weight row is one
+uint8 row that slicing, gathers, memmaps and copies move like any other tensor's rows:
+
+    [ packed values: n_groups * group_size * bits / 8 | fp16 minimum x n_groups | fp16 step x n_groups ]
+
+The compiled kernels (kernels/csrc/quant_linear.cpp, decode_attention.cpp) read this layout in place.
 """
 from __future__ import annotations
 
@@ -65,6 +72,29 @@ class GroupQuant:
         groups = math.ceil(dim_size / self.group_size)
         return rows * groups * (self.group_size * self.bits // 8 + 2 * PARAM_DTYPE.itemsize)
 
+    def groups(self, n: int) -> int:
+        return math.ceil(n / self.group_size)
+
+    def row_bytes(self, n: int) -> int:
+        """Bytes of one row of n values in the row form."""
+        return self.nbytes(n, n)
+
+    def pack_rows(self, x: Tensor) -> Tensor:
+        """x (..., n) as uint8 rows (..., row_bytes(n)), grouped along the last dimension (the row form)."""
+        stored = GroupQuant(self.bits, self.group_size, -1).pack(x)
+        params = torch.cat([stored.minimum, stored.step], dim=-1).view(torch.uint8)
+        return torch.cat([stored.data, params], dim=-1)
+
+    def unpack_rows(self, rows: Tensor, n: int, dtype: torch.dtype = torch.float32) -> Tensor:
+        """uint8 rows (..., row_bytes(n)) back as (..., n) values in `dtype`."""
+        groups = self.groups(n)
+        width = groups * self.group_size * self.bits // 8
+        # a copy of its own: an odd data width would leave the fp16 parameters at an odd byte offset
+        params = rows[..., width:].clone(memory_format=torch.contiguous_format).view(PARAM_DTYPE)
+        stored = Quantized(rows[..., :width], params[..., :groups], params[..., groups:],
+                           (*rows.shape[:-1], n), rows.dim() - 1)
+        return self.unpack(stored, dtype)
+
     def pack(self, x: Tensor) -> Quantized:
         """x (any float dtype) in its stored form; computed in fp32."""
         dim = self.dim % x.dim()
@@ -96,3 +126,24 @@ class GroupQuant:
         n = stored.shape[stored.dim]
         rows = values.reshape(*values.shape[:-2], -1)[..., :n]
         return rows.movedim(-1, stored.dim).to(dtype).contiguous()
+
+
+@dataclass(frozen=True)
+class PackedMatrix:
+    """A weight matrix (n, k) staged in its packed row form: what ops.linear and the compiled quant_linear take in
+    place of an fp16 matrix."""
+    rows: Tensor                     # uint8 (n, row_bytes(k))
+    n_in: int                        # k
+    quant: GroupQuant
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.rows.shape[0], self.n_in
+
+    @property
+    def device(self) -> torch.device:
+        return self.rows.device
+
+    def values(self, dtype: torch.dtype, start: int = 0, stop: int | None = None) -> Tensor:
+        """Rows [start, stop) dequantized, (stop - start, k) in `dtype`."""
+        return self.quant.unpack_rows(self.rows[start:stop], self.n_in, dtype)

@@ -24,8 +24,8 @@ from typing import Any  # noqa: E402
 from flexgen_h2o.config import ConfigError, OffloadPolicy  # noqa: E402
 from flexgen_h2o.frontends.jsonl import (OutputLock, ResultsFile, check_folder_writable,  # noqa: E402
                                          check_writable, read_requests)
-from flexgen_h2o.frontends.cli import (build_parser, check_flags, eviction_from_args, log_file_name,  # noqa: E402
-                                       run_sampling)
+from flexgen_h2o.frontends.cli import (build_parser, check_flags, compression_bits, eviction_from_args,  # noqa: E402
+                                       log_file_name, run_sampling)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -75,7 +75,7 @@ def _run(args: argparse.Namespace) -> int:
                                          prefill_batch_size=args.prefill_batch_size,
                                          uncached_disk_weights=args.uncached_disk_weights,
                                          pin_weight=args.pin_weight, cpu_cache_compute=args.cpu_cache_compute,
-                                         sep_layer=args.sep_layer).validate()
+                                         sep_layer=args.sep_layer, **compression_bits(args)).validate()
     gen_len = args.gen_len or (32 if mode == "benchmark" else 128)
     prompt_len = args.prompt_len or 512
     if args.cut_gen_len is not None and not 4 <= args.cut_gen_len < gen_len:

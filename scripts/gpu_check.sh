@@ -9,13 +9,16 @@
 #   4. OPT-1.3B-shaped dummy weights streamed from host RAM (--percent 0 100 100 0 100 0), prompt 512 + gen 32,
 #      ROUNDS interleaved rounds (A B C D, A B C D): ours with the full cache, FlexGen 0.1.8 and DeepSpeed
 #      ZeRO-Inference (parameters offloaded to CPU) at the same 256 sequences, ours with H2O at 1024;
-#   5. the placement and H2O suites on the GPU in fp32 (FLEXGEN_H2O_TEST_DEVICE=cuda), with -s too: H2O's
+#   5. the same shape compressed (issue 34): ours with --compress-weight --compress-cache (int4, full cache and
+#      H2O) against FlexGen 0.1.8's own --compress-weight --compress-cache, one round;
+#   6. the placement and H2O suites on the GPU in fp32 (FLEXGEN_H2O_TEST_DEVICE=cuda), with -s too: H2O's
 #      decode half against the reference on every tier, H2O with --cpu-cache-compute (the real split there),
 #      and batch invariance.
 #
 #   bash scripts/gpu_check.sh [OUT]          # logs and JSON in OUT (default benchmarks/results/gpu-check)
 #   ROUNDS=1 bash scripts/gpu_check.sh       # one round of step 4 (default 2)
-#   STEPS="gpu_tests bench" bash scripts/gpu_check.sh   # only these (chunked gpu_tests machine bench fp32_tests)
+#   STEPS="gpu_tests bench" bash scripts/gpu_check.sh   # only these (chunked gpu_tests machine bench compressed
+#                                                       # fp32_tests)
 #
 # Needs: a CUDA build of torch, transformers, pytest (pytest-xdist for -n), `pip install flexgen==0.1.8
 # deepspeed` for their rows, and the converted SmolLM2 tokenizer and the gensim test data that the benchmark
@@ -25,7 +28,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-benchmarks/results/gpu-check}
 source scripts/gpu_steps.sh
-STEPS=" ${STEPS:-chunked gpu_tests machine bench fp32_tests} "
+STEPS=" ${STEPS:-chunked gpu_tests machine bench compressed fp32_tests} "
 want() { [[ "$STEPS" == *" $1 "* ]]; }
 want chunked && step chunked 120 env FLEXGEN_H2O_TEST_DEVICE=cuda CUDA_LAUNCH_BLOCKING=1 "${PYTEST[@]}" -x \
     tests/test_equivalence.py tests/test_cuda.py -k chunked
@@ -42,6 +45,15 @@ want bench && for round in $(seq 1 "${ROUNDS:-2}"); do
     step "deepspeed_$round" 120 "$PY" -m benchmarks.systems.deepspeed --model opt-1.3b --batch 256 \
         --prompt-len 512 --gen-len 32 --offload cpu --json "$OUT/deepspeed_$round.json"
 done
+want compressed && {
+    COMPRESS=(--compress-weight --compress-cache)
+    step ours_full_int4 90 "$PY" -m flexgen_h2o.run "${SHAPE[@]}" "${COMPRESS[@]}" --gpu-batch-size 256 --full-cache \
+        --no-progress --metrics-json "$OUT/ours_full_int4.json"
+    step flexgen_int4 90 "$PY" -m benchmarks.systems.flexgen --model opt-1.3b --gbs 32 --num-gpu-batches 8 \
+        --prompt-len 512 --gen-len 32 --percent 0 100 100 0 100 0 "${COMPRESS[@]}" --json "$OUT/flexgen_int4.json"
+    step ours_h2o_int4 90 "$PY" -m flexgen_h2o.run "${SHAPE[@]}" "${COMPRESS[@]}" --gpu-batch-size 1024 \
+        --hh-ratio 0.1 --no-progress --metrics-json "$OUT/ours_h2o_int4.json"
+}
 want fp32_tests && step fp32_tests 240 env FLEXGEN_H2O_TEST_DEVICE=cuda "${PYTEST[@]}" -s $XDIST \
     tests/test_equivalence.py tests/test_h2o_engine.py tests/test_h2o_decode.py tests/test_batch_invariance.py
 echo "$failed step(s) failed; logs in $OUT"

@@ -80,6 +80,17 @@ def test_h2o_on_cuda_keeps_what_the_cpu_keeps(kind, placement, tmp_path):
     assert max(len(heads) for layer in kept for seq in layer for heads in seq) == H2O.hh_size + H2O.recent_size
 
 
+@pytest.mark.parametrize("placement", ["compute", "mixed"])
+def test_compressed_weights_and_kv_on_cuda(placement, tmp_path):
+    """--compress-weight --compress-cache on a GPU (packed bytes cross, dequantized there) against the fp32 CPU
+    engine with the same formats (the CPU's compiled kernels read them in place)."""
+    formats = dict(kv_bits=4, weight_bits=4)
+    ref = run_engine("llama-gqa", "cpu", torch.float32, "compute", H2O, **formats)
+    got = run_engine("llama-gqa", "cuda", torch.float16, placement, H2O, tmp_path, **formats)
+    assert_close_run(got, ref)
+    assert engine_kept(got[2]) == engine_kept(ref[2])
+
+
 def test_chunked_prefill_on_cuda(tmp_path):
     """One sequence per prefill chunk, every tier in use: the case that aborted a test worker on an H200 in fp32
     (2026-11-26, tests/test_equivalence.py::test_chunked_prefill_gives_transformers_tokens[opt-pct0-1])."""

@@ -153,6 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hh-size", type=int, default=204)
     p.add_argument("--recent-size", type=int, default=204)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--kv-bits", type=int, choices=[4, 8], help="a compressed cache (--compress-cache)")
     p.add_argument("--device", default="cpu", help="cpu, or cuda: the groups then sum each op's own GPU kernel "
                    "time (self device time), and a Chrome trace of the profiled call is written beside the table")
     p.add_argument("--dummy-weights", action="store_true",
@@ -195,9 +196,10 @@ def timed_call(engine, prompts, rule, prefilled, a: argparse.Namespace):
 def offload_policy(a: argparse.Namespace):
     """One GPU batch of `a.batch`: everything resident unless --percent places it."""
     from flexgen_h2o.config import OffloadPolicy
+    kv_bits = getattr(a, "kv_bits", None)             # the studies that share this setup have no --kv-bits
     if a.percent:
-        return OffloadPolicy.from_percent(a.percent, gpu_batch_size=a.batch, num_gpu_batches=1)
-    return OffloadPolicy(gpu_batch_size=a.batch, num_gpu_batches=1)
+        return OffloadPolicy.from_percent(a.percent, gpu_batch_size=a.batch, num_gpu_batches=1, kv_bits=kv_bits)
+    return OffloadPolicy(gpu_batch_size=a.batch, num_gpu_batches=1, kv_bits=kv_bits)
 
 
 def setup(a: argparse.Namespace, offload_dir: str | None = None):

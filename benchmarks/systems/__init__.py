@@ -20,6 +20,9 @@ def all_systems() -> dict[str, System]:
     from benchmarks.systems.ours import Ours
     from benchmarks.systems.vllm import VLLM
     out: list[System] = [Ours(None), Ours(10), Ours(20), Ours(40), HFGenerate(), Accelerate()]
+    # compressed KV and weights (issue 34): ours-kv4-h2o-20, ours-kv8-full, ours-w4-h2o-20, ...
+    out += [Ours(pct, kv_bits=bits) for bits in (4, 8) for pct in (None, 20)]
+    out += [Ours(pct, weight_bits=bits) for bits in (4, 8) for pct in (None, 20)]
     out += [KVPress(p, b) for p in ("observed", "streaming") for b in (10, 20, 40)] + [KVPressDecoding(20)]
     # openvino, openvino-f16, openvino-evict-20, openvino-evict-20-f16
     out += [OpenVINO(kv, b) for b in (None, 20) for kv in ("u8", "f16")]

@@ -92,7 +92,9 @@ def run_child(a: argparse.Namespace) -> dict[str, Any]:
     args = parser.parse_args(["--model", f"facebook/{cfg.name}", "--path", "_DUMMY_", "--offload-dir",
                               a.offload_dir, "--prompt-len", str(a.prompt_len), "--gen-len", str(a.gen_len),
                               "--gpu-batch-size", str(a.gbs), "--num-gpu-batches", str(a.num_gpu_batches),
-                              "--percent", *a.percent, "--log-file", str(log)])
+                              "--percent", *a.percent, "--log-file", str(log)]
+                             + (["--compress-weight"] if a.compress_weight else [])
+                             + (["--compress-cache"] if a.compress_cache else []))
     Path(a.offload_dir).mkdir(parents=True, exist_ok=True)
     fo.run_flexgen(args)
     got = parse_log(log.read_text())
@@ -112,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gen-len", type=int, default=32)
     p.add_argument("--percent", nargs=6, default=["100", "0", "100", "0", "100", "0"])
     p.add_argument("--offload-dir", default="/tmp/flexgen_offload")
+    p.add_argument("--compress-weight", action="store_true", help="FlexGen's 4-bit group-wise weights")
+    p.add_argument("--compress-cache", action="store_true", help="FlexGen's 4-bit group-wise KV cache")
     p.add_argument("--json", required=True)
     a = p.parse_args(argv)
     Path(a.json).write_text(json.dumps(run_child(a), indent=2))

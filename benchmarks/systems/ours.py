@@ -1,5 +1,7 @@
 """Our engine: `ours-full` (every token kept: FlexGen's algorithm on our schedule) and `ours-h2o-{10,20,40}` (H2O
-keeping that share of the prompt: half heavy hitters, half recent, `--hh-ratio` = share / 2).
+keeping that share of the prompt: half heavy hitters, half recent, `--hh-ratio` = share / 2). Compressed
+variants put the format first: `ours-kv4-h2o-20` (--compress-cache, int4 KV), `ours-kv8-...`, `ours-w4-...`
+(--compress-weight, int4 matrices), so a family prefix such as `ours-h2o` still names the plain four.
 
 Each case is `python -m flexgen_h2o.run` in benchmark mode (FlexGen's runner on real corpus text) with
 `--metrics-json`. The batch search uses the engine's own planner (`flexgen_h2o.planner.estimate`, the numbers
@@ -18,14 +20,16 @@ from benchmarks.common import largest_batch
 from benchmarks.systems.base import Candidate, System
 from benchmarks.workloads import Workload
 
-def predicted_bytes(w: Workload, hh_ratio: float | None, batch: int) -> int:
+def predicted_bytes(w: Workload, hh_ratio: float | None, batch: int, kv_bits: int | None = None,
+                    weight_bits: int | None = None) -> int:
     """The planner's RAM estimate of one block of `batch` sequences in one GPU batch (compute + host tiers)
     plus the process runtime; for a GPU workload, its compute tier (the device's memory)."""
     from flexgen_h2o.config import OffloadPolicy
     from flexgen_h2o.kv import EvictionConfig
     from flexgen_h2o.planner import estimate
     ev = EvictionConfig(policy="full") if hh_ratio is None else EvictionConfig(policy="h2o", hh_ratio=hh_ratio)
-    pol = OffloadPolicy.from_percent(w.percent, gpu_batch_size=batch, num_gpu_batches=1)
+    pol = OffloadPolicy.from_percent(w.percent, gpu_batch_size=batch, num_gpu_batches=1, kv_bits=kv_bits,
+                                     weight_bits=weight_bits)
     # the engine computes in fp16 on CUDA, fp32 on a CPU
     est = estimate(w.model_config(), pol, ev, prompt_len=w.prompt_len, gen_len=w.gen_len,
                    compute_dtype_bytes=2 if w.needs_gpu else 4)
@@ -49,19 +53,25 @@ def plan_candidates(predict: Callable[[int], int], budget: int, max_batch: int) 
 class Ours(System):
     kv_dtype_bytes = 2            # fp16 KV storage (plus an fp32 score and int32 position per slot)
 
-    def __init__(self, budget_pct: int | None) -> None:
-        self.budget_pct = budget_pct
+    def __init__(self, budget_pct: int | None, kv_bits: int | None = None, weight_bits: int | None = None) -> None:
+        self.budget_pct, self.kv_bits, self.weight_bits = budget_pct, kv_bits, weight_bits
         self.hh_ratio = None if budget_pct is None else budget_pct / 200
-        self.name = "ours-full" if budget_pct is None else f"ours-h2o-{budget_pct}"
+        formats = (f"kv{kv_bits}-" if kv_bits else "") + (f"w{weight_bits}-" if weight_bits else "")
+        self.name = f"ours-{formats}" + ("full" if budget_pct is None else f"h2o-{budget_pct}")
         # the engine allocates every slot up front, so RSS does not grow while decoding
         self.kv_grows = False
         self.kv_fixed_tokens = budget_pct is not None
+
+    @property
+    def kv_precision(self) -> str:
+        return f"int{self.kv_bits}-g64" if self.kv_bits else "fp16"
 
     def search_order(self) -> str:
         return "down"
 
     def candidates(self, w: Workload, max_batch: int) -> list[Candidate]:
-        return plan_candidates(lambda b: predicted_bytes(w, self.hh_ratio, b), w.budget_bytes, max_batch)
+        return plan_candidates(lambda b: predicted_bytes(w, self.hh_ratio, b, self.kv_bits, self.weight_bits),
+                               w.budget_bytes, max_batch)
 
     _prepared: dict[str, str | None] = {}          # model -> failure reason, shared by the four variants
 
@@ -89,6 +99,8 @@ class Ours(System):
         args += ["--dummy-weights"] if w.dummy else []
         args += ["--no-warmup"] if w.cold_disk else []       # a warm-up would warm the page cache we dropped
         args += ["--uncached-disk-weights"] if w.uncached else []
+        args += ["--kv-bits", str(self.kv_bits)] if self.kv_bits else []
+        args += ["--weight-bits", str(self.weight_bits)] if self.weight_bits else []
         return args
 
     def kv_growth_bytes(self, w: Workload, batch: int, tokens: int) -> int:
@@ -96,10 +108,10 @@ class Ours(System):
         more slots per sequence. H2O's capacity depends on the prompt alone."""
         if self.hh_ratio is not None:
             return 0
-        from flexgen_h2o.formats import FP16
+        from flexgen_h2o.config import OffloadPolicy
         from flexgen_h2o.planner.memory import kv_slot_bytes
         cfg = w.model_config()
-        return batch * tokens * cfg.n_layers * kv_slot_bytes(cfg, FP16)
+        return batch * tokens * cfg.n_layers * kv_slot_bytes(cfg, OffloadPolicy(kv_bits=self.kv_bits).kv_format)
 
     def child_metrics(self, raw: dict[str, Any], c: Candidate) -> dict[str, Any]:
         block = raw["block_size"]

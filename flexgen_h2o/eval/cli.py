@@ -56,6 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "an even split, heavy = budget // 2)")
     p.add_argument("--batch-size", type=int, default=8, help="sequences per engine block")
     p.add_argument("--kv-dtype", choices=("float16", "float32"), default="float16")
+    p.add_argument("--kv-bits", type=int, choices=(4, 8),
+                   help="store the KV cache group-wise quantized (the run's --compress-cache), 64 values a group")
+    p.add_argument("--weight-bits", type=int, choices=(4, 8),
+                   help="store the weight matrices group-wise quantized (the run's --compress-weight)")
     p.add_argument("--device", help="cuda, cuda:N or cpu (default: cuda when present)")
     p.add_argument("--seed", type=int, default=0, help="random policy's generator, pass keys and RULER's samples")
     p.add_argument("--fresh", action="store_true", help="discard the tasks' checkpoints and start over")
@@ -191,8 +195,12 @@ def run_tasks(a: argparse.Namespace, tasks: list[str]) -> int:
     common = {"model": loaded.config.name, "dummy_weights": a.dummy_weights, "kv_dtype": a.kv_dtype, "seed": a.seed}
     if a.heavy_share is not None:       # recorded only when set, so checkpoints of even-split runs still resume
         common["heavy_share"] = a.heavy_share
-    runner_kw = dict(batch_size=a.batch_size, kv_dtype=a.kv_dtype, seed=a.seed, progress=not a.no_progress,
-                     device=a.device)
+    for key in ("kv_bits", "weight_bits"):     # the same: fp16 runs' checkpoints carry neither
+        if getattr(a, key) is not None:
+            common[key] = getattr(a, key)
+    runner_kw = dict(batch_size=a.batch_size, kv_dtype=a.kv_dtype, kv_bits=a.kv_bits, weight_bits=a.weight_bits,
+                     seed=a.seed,
+                     progress=not a.no_progress, device=a.device)
     # build every task's items first: a bad size fails before hours of running
     plans = {task: _plan(task, a, loaded) for task in tasks}
     t_start = time.perf_counter()

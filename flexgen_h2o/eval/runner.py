@@ -62,9 +62,11 @@ class Checkpoint(Protocol):
 
 class Runner:
     def __init__(self, model: LoadedModel, *, batch_size: int = 8, kv_dtype: str = "float16", seed: int = 0,
-                 lift_window: bool = False, progress: bool = True, device: str | None = None):
+                 lift_window: bool = False, progress: bool = True, device: str | None = None,
+                 kv_bits: int | None = None, weight_bits: int | None = None):
         """lift_window: let sequences run past the model's context window without position rolling (the
-        streaming task's baselines; the engine refuses that otherwise). RoPE models only."""
+        streaming task's baselines; the engine refuses that otherwise). RoPE models only. kv_bits: a
+        compressed KV cache (OffloadPolicy.kv_bits); weight_bits: compressed weight matrices."""
         cfg = model.config
         if lift_window:
             if cfg.positions != "rope":
@@ -73,7 +75,8 @@ class Runner:
             cfg = dataclasses.replace(cfg, max_seq_len=UNBOUNDED_WINDOW)
         self.model, self.seed, self.progress = model, seed, progress
         self.batch_size = batch_size
-        offload = OffloadPolicy(gpu_batch_size=batch_size, num_gpu_batches=1, kv_dtype=kv_dtype)
+        offload = OffloadPolicy(gpu_batch_size=batch_size, num_gpu_batches=1, kv_dtype=kv_dtype, kv_bits=kv_bits,
+                                weight_bits=weight_bits)
         tok = model.tokenizer
         decode = (lambda ids: tok.decode(ids, skip_special_tokens=True)) if tok is not None else None
         self.engine = Engine(cfg, model.read, offload=offload, locate=model.locate, device=device, decode=decode)

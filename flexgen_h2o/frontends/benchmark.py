@@ -14,7 +14,6 @@ from typing import Any, Callable
 from flexgen_h2o.config import GenerationConfig
 from flexgen_h2o.frontends.corpus import benchmark_prompts, lee_articles
 from flexgen_h2o.metrics import GIB, engine_metrics, fmt_bytes, peak_rss_bytes, reset_peak_rss, throughput
-from flexgen_h2o.formats import WEIGHT_FORMAT
 from flexgen_h2o.planner.memory import kv_slot_bytes
 
 WARMUP_PROMPT_LEN = 32          # FlexGen's warm-up prompt length
@@ -127,6 +126,7 @@ def memory_line(m: dict) -> str:
 
 def sizes_line(cfg: Any, est: Any, block: int, prompt_len: int) -> str:
     """FlexGen's size line, with the real KV next to the full-cache size FlexGen printed alone."""
-    return (f"model size: {fmt_bytes(WEIGHT_FORMAT.nbytes(cfg.n_params()))} {WEIGHT_FORMAT.name} | KV cache: "
+    fmt = est.plan.offload.weight_format
+    return (f"model size: {fmt_bytes(est.model_bytes)} {fmt.name} | KV cache: "
             f"{fmt_bytes(est.kv_bytes)} real, {fmt_bytes(est.full_kv_bytes)} full cache | hidden size (prefill): "
             f"{fmt_bytes(block * prompt_len * cfg.hidden_size * 2)} (width {cfg.hidden_size})")

@@ -87,6 +87,15 @@ def build_parser() -> argparse.ArgumentParser:
                    "for a GPU compute device")
     s.add_argument("--sep-layer", type=str2bool, default=True, help="attention and MLP as separate schedule layers")
     s.add_argument("--skip-preflight", action="store_true", help="run even if the memory estimate does not fit")
+    c = p.add_argument_group("compression (FlexGen's group-wise min-max quantization)")
+    c.add_argument("--compress-weight", action="store_true",
+                   help="store weight matrices as group-wise int4 (or --weight-bits 8): fewer bytes on every tier "
+                        "and link; dequantized beside the product")
+    c.add_argument("--compress-cache", action="store_true",
+                   help="store the KV cache as group-wise int4 (or --kv-bits 8): more sequences per budget")
+    c.add_argument("--weight-bits", type=int, choices=(4, 8), help="bits per weight value (implies --compress-weight)")
+    c.add_argument("--kv-bits", type=int, choices=(4, 8), help="bits per K/V value (implies --compress-cache)")
+    c.add_argument("--group-size", type=positive, default=64, help="values per quantization group (default 64)")
     kv = p.add_argument_group("KV cache (H2O)")
     kv.add_argument("--hh-ratio", type=ratio, help="heavy hitters = int(r * prompt_len), as the H2O FlexGen port")
     kv.add_argument("--recent-ratio", type=ratio, help="recent window = int(r * prompt_len); default: --hh-ratio")
@@ -170,5 +179,13 @@ def log_file_name(a: argparse.Namespace, offload: OffloadPolicy, prompt_len: int
     size = os.path.basename(a.model.rstrip("/")).split("-")[-1]
     pct = "-".join(f"{x:g}" for x in offload.percent)
     cache = "cpu-cache" if offload.cpu_cache_compute else "gpu-cache"
+    compressed = ("-compw" if offload.weight_bits else "") + ("-compc" if offload.kv_bits else "")
     return (f"fo-{size}-gbs{offload.gpu_batch_size}-ngbs{offload.num_gpu_batches}-prompt{prompt_len}-gen{gen_len}"
-            f"-percent-{pct}-{cache}.log")
+            f"-percent-{pct}-{cache}{compressed}.log")
+
+
+def compression_bits(a: argparse.Namespace) -> dict:
+    """OffloadPolicy's kv_bits, weight_bits and group_size from the compression flags: FlexGen's --compress-*
+    flags at its default of 4 bits, or the bits named."""
+    return {"kv_bits": a.kv_bits or (4 if a.compress_cache else None),
+            "weight_bits": a.weight_bits or (4 if a.compress_weight else None), "group_size": a.group_size}

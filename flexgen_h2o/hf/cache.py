@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from flexgen_h2o.formats import quant_format
 from flexgen_h2o.kernels import resolve as resolve_kernels
 from flexgen_h2o.kv import Budget, EvictionConfig, get_policy, policy_for
 from flexgen_h2o.kv.cache import KVCache
@@ -84,14 +85,25 @@ class H2OLayer(CacheLayerMixin):
             raise RuntimeError(f"H2OCache was sized for max_new_tokens={self.owner.max_new_tokens}; this step "
                                f"would be token {self.seen + 1} of at most {store.capacity}")
         slot = store.free_slots()                                               # (b, g)
-        write_slot(store.k, slot, key_states.to(store.k.dtype))
-        write_slot(store.v, slot, value_states.to(store.v.dtype))
+        if not store.fmt.quantized:          # a compressed row is written (packed) by commit_decode
+            write_slot(store.k, slot, key_states.to(store.k.dtype))
+            write_slot(store.v, slot, value_states.to(store.v.dtype))
         # the position marks the slot valid, so the new token attends to itself like any kept token
         store.pos.scatter_(2, slot.unsqueeze(-1), self.next_pos.view(-1, 1, 1).expand(*slot.shape, 1).to(torch.int32))
         s = max(store.n_used, int(slot.max()) + 1)          # never-used slots past s are not even read
         self._pending, self._write_slot, self._window = (key_states, value_states), slot, s
         self.seen += 1
-        return store.k[:, :, :s], store.v[:, :, :s]
+        if not store.fmt.quantized:
+            return store.k[:, :, :s], store.v[:, :, :s]
+        # a compressed cache: its window dequantized, the new token unrounded (as the engine attends to it)
+        windows = []
+        for stored, new, scale in ((store.k, key_states, store.k_scale), (store.v, value_states, None)):
+            window = store.fmt.unpack(stored[:, :, :s], new.shape[-1], new.dtype)
+            if scale is not None:                # keys are stored divided by their channel scale
+                window.mul_(scale.to(window.dtype))
+            write_slot(window, slot, new)
+            windows.append(window)
+        return windows[0], windows[1]
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.seen + query_length, 0
@@ -148,7 +160,7 @@ class H2OLayer(CacheLayerMixin):
         device = k.device
         self.store = KVCache(KVSpec(g, d), b, owner.budget.capacity, owner.policy, owner.budget, dtype=k.dtype,
                              alloc=lambda shape, dtype: torch.empty(shape, dtype=dtype, device=device),
-                             generator=owner.generator(device), kernels=owner.kernels)
+                             generator=owner.generator(device), kernels=owner.kernels, fmt=owner.kv_format)
         self.store.commit_prefill(k, v, scores, token_pos)
         self.next_pos = token_valid.long().sum(-1)
         self.keys, self.values = self.store.k, self.store.v
@@ -183,10 +195,12 @@ class H2OCache(Cache):
         H2OCache(EvictionConfig(policy="h2o-port", hh_ratio=0.1, sink_size=4, score_reduce="mean"))
     max_new_tokens (optional) caps the slots at prompt + max_new_tokens, as the engine does; it is required
     for policy "full". query_chunk: prompt queries per block when scoring (memory ~ b * heads * chunk * prompt).
+    kv_bits 4 or 8 stores K and V group-wise quantized (group_size values per group along head_dim, FlexGen's
+    --compress-cache); attention reads them dequantized, the new token's own row unrounded.
     """
 
     def __init__(self, eviction: EvictionConfig | None = None, *, max_new_tokens: int | None = None,
-                 query_chunk: int = 128, **options):
+                 query_chunk: int = 128, kv_bits: int | None = None, group_size: int = 64, **options):
         unknown = sorted(set(options) - _OPTIONS)
         if unknown:
             raise ValueError(f"unknown H2OCache option(s) {', '.join(unknown)}; use EvictionConfig fields: "
@@ -205,6 +219,7 @@ class H2OCache(Cache):
             raise ValueError(f"query_chunk must be >= 1, got {query_chunk}")
         super().__init__(layers=[])
         self.eviction, self.max_new_tokens, self.query_chunk = eviction, max_new_tokens, query_chunk
+        self.kv_format = None if kv_bits is None else quant_format(kv_bits, group_size)   # None: the model's dtype
         self.policy = get_policy(eviction.policy)
         self.kernels = resolve_kernels()   # the decode commit's compiled kernel, read once per cache
         self.budget: Budget | None = None

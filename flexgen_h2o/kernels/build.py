@@ -35,7 +35,7 @@ import torch
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / name for name in ("bindings.cpp", "scored_attention.cpp", "decode_attention.cpp", "commit_step.cpp",
-                                        "half_linear.cpp", "layer_math.cpp")]
+                                        "half_linear.cpp", "quant_linear.cpp", "layer_math.cpp")]
 
 _lock = threading.Lock()
 # "module" once built, "reason" once it could not be; "origin": where build() found the package's kernels

@@ -32,6 +32,7 @@ from torch import Tensor
 
 from flexgen_h2o.kernels import build
 from flexgen_h2o.models import ops
+from flexgen_h2o.quant import PackedMatrix
 
 OFF_SWITCH = build.OFF_SWITCH                      # "0": every compiled kernel off (A/B runs)
 LAYER_MATH_SWITCH = "FLEXGEN_H2O_FUSED_LAYER_MATH"  # "0": the layer math alone on torch ops (A/B runs)
@@ -40,6 +41,10 @@ GEMM_SWITCH = "FLEXGEN_H2O_CPU_GEMM"                # "blas": a prompt's GEMMs o
 # share of L3 (a sweep of 64-256 at SmolLM2's 2,048-token prompts moved the kernel's time by a few % at most)
 Q_BLOCK = 128
 HALF_LINEAR_MAX_ROWS = 256       # rows of x up to which the fp16-weight kernel beats upcast chunks + the BLAS
+# the same for a packed int4 weight (8192 x 2048): the kernel took 39/55 ms at 64/128 rows against 54/63 for
+# dequantized blocks + the GEMM, 105/597 ms at 256/1024 against 81/208 (`python -m
+# benchmarks.studies.quant_linear_rows`)
+QUANT_LINEAR_MAX_ROWS = 128
 ONEDNN_MIN_ROWS = 512            # below this the call's fixed cost outweighs its faster kernel
 
 _onednn: dict[str, object] = {}  # "op": torch.ops.mkldnn._linear_pointwise once it answered right, else None
@@ -126,9 +131,16 @@ class Kernels(ops.TorchKernels):
                 return op(x, w, b, "none", [], "")
         return F.linear(x, w, b)
 
-    def linear(self, x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
-        """A decode step's few rows times an fp16 weight of contiguous rows: the compiled kernel. Otherwise
-        ops.linear with this object's GEMM."""
+    def linear(self, x: Tensor, w: Tensor | PackedMatrix, b: Tensor | None = None) -> Tensor:
+        """A decode step's few rows times an fp16 weight of contiguous rows or a packed (int4/int8) matrix: the
+        compiled kernels. Otherwise ops.linear with this object's GEMM (a packed matrix dequantized by blocks)."""
+        if isinstance(w, PackedMatrix):
+            if (x.numel() <= QUANT_LINEAR_MAX_ROWS * x.shape[-1] and self._cpu_fp32(x)
+                    and hasattr(self.ext, "quant_linear")):
+                out = self.ext.quant_linear(x.reshape(-1, x.shape[-1]).contiguous(), w.rows, w.n_in,
+                                            w.quant.bits, w.quant.group_size).view(*x.shape[:-1], w.shape[0])
+                return out if b is None else out.add_(b.to(x.dtype))
+            return ops.linear(x, w, b, gemm=self._gemm)
         if (w.dtype == torch.float16 and x.numel() <= HALF_LINEAR_MAX_ROWS * x.shape[-1] and self._cpu_fp32(x)
                 and w.dim() == 2 and w.is_contiguous()):
             out = self.ext.half_linear(x.reshape(-1, x.shape[-1]).contiguous(), w).view(*x.shape[:-1], w.shape[0])
@@ -150,22 +162,28 @@ class Kernels(ops.TorchKernels):
 
     def narrow_decode_attention(self, q: Tensor, k: Tensor, v: Tensor, valid: Tensor, slot: Tensor,
                                 k_new: Tensor, v_new: Tensor, scale: float, *, want_scores: bool = False,
-                                score_reduce: str = "sum") -> tuple[Tensor, Tensor | None]:
-        """ops.narrow_decode_attention's contract and values (to fp32 rounding) for an fp16 window whose
-        (sequence, KV head) blocks of rows are contiguous, read in place."""
-        if (self._cpu_fp32(q) and k.dtype == torch.float16 and k.dim() == 4 and k.stride(3) == 1
-                and k.stride(2) == k.shape[3]):
-            out, mass = self.ext.decode_attention(q, k, v, valid, slot, k_new, v_new, float(scale), want_scores,
-                                                  score_reduce == "mean")
+                                score_reduce: str = "sum", fmt=None) -> tuple[Tensor, Tensor | None]:
+        """ops.narrow_decode_attention's contract and values (to fp32 rounding) for an fp16 or quantized window
+        whose (sequence, KV head) blocks of rows are contiguous, read in place (a quantized row dequantized in
+        registers, csrc/decode_attention.cpp)."""
+        rows_ok = self._cpu_fp32(q) and k.dim() == 4 and k.stride(3) == 1 and k.stride(2) == k.shape[3]
+        mean = score_reduce == "mean"
+        if rows_ok and fmt is not None and fmt.quantized and hasattr(self.ext, "decode_attention_quant"):
+            quant = fmt.quant_for(q.shape[-1])
+            out, mass = self.ext.decode_attention_quant(q, k, v, valid, slot, k_new, v_new, float(scale), want_scores,
+                                                        mean, quant.bits, quant.group_size)
+            return out, (mass if want_scores else None)
+        if rows_ok and k.dtype == torch.float16:
+            out, mass = self.ext.decode_attention(q, k, v, valid, slot, k_new, v_new, float(scale), want_scores, mean)
             return out, (mass if want_scores else None)
         return super().narrow_decode_attention(q, k, v, valid, slot, k_new, v_new, scale,
-                                               want_scores=want_scores, score_reduce=score_reduce)
+                                               want_scores=want_scores, score_reduce=score_reduce, fmt=fmt)
 
     # --- the KV cache's commit ---
 
     def commit_usable(self, k: Tensor) -> bool:
         return (self.ext is not None and k.device.type == "cpu" and k.is_contiguous()
-                and k.dtype in (torch.float16, torch.float32))
+                and k.dtype in (torch.float16, torch.float32, torch.uint8))
 
     def commit_step(self, *args) -> None:
         """csrc/commit_step.cpp's commit_step (kv.cache.KVCache.commit_decode passes its arguments)."""

@@ -22,7 +22,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from flexgen_h2o.formats import format_of
+from flexgen_h2o.formats import StorageFormat, format_of
 from flexgen_h2o.kv.budget import Budget, RowBudgets
 from flexgen_h2o.kv.draws import KeyedDraws
 from flexgen_h2o.kv.registry import trait
@@ -83,11 +83,13 @@ class KVCache:
                  dtype: torch.dtype = torch.float16, alloc: Allocator = _plain_alloc, tier_kind: str = "compute",
                  rolling: bool = False, generator: KeyedDraws | torch.Generator | None = None,
                  staging: StagingBuffers | None = None, read_in_place: bool = False,
-                 kernels: TorchKernels = TORCH):
+                 kernels: TorchKernels = TORCH, fmt: StorageFormat | None = None):
         """staging: reuse buffers for the compute-dtype windows staged on a CPU (None: a fresh copy each time).
         kernels: the engine's (flexgen_h2o.kernels.resolve); a compiled build commits a CPU-homed cache's steps.
         read_in_place: stage hands out the cache's own window (OffloadPolicy.kv_read_in_place decides).
-        budget: one Budget for every sequence, or RowBudgets with one per sequence (each evicts down to its own)."""
+        budget: one Budget for every sequence, or RowBudgets with one per sequence (each evicts down to its own).
+        fmt: the K/V rows' storage format (default: the plain one of `dtype`); a quantized one stores each slot's
+        head_dim values as one byte row, packed when the row is committed (formats.QuantFormat)."""
         if isinstance(budget, RowBudgets) and len(budget) != batch:
             raise ValueError(f"{len(budget)} sequence budgets for a cache of {batch} sequences")
         rows = budget.rows if isinstance(budget, RowBudgets) else (budget,) * batch
@@ -99,15 +101,24 @@ class KVCache:
         self.policy, self.budget, self.rolling, self.generator = policy, budget, rolling, generator
         self.tier_kind, self.kernels = tier_kind, kernels
         g, d = spec.n_kv_heads, spec.head_dim
-        self.k = alloc((batch, g, capacity, d), dtype)                 # (b, g, s, d)
-        self.v = alloc((batch, g, capacity, d), dtype)                 # (b, g, s, d)
+        self.fmt = format_of(dtype) if fmt is None else fmt
+        width = self.fmt.row_width(d)                                  # d, or a quantized row's bytes
+        self.k = alloc((batch, g, capacity, width), self.fmt.dtype)    # (b, g, s, width)
+        self.v = alloc((batch, g, capacity, width), self.fmt.dtype)    # (b, g, s, width)
         self.score = alloc((batch, g, capacity), torch.float32)        # (b, g, s) accumulated attention
         self.pos = alloc((batch, g, capacity), torch.int32)            # (b, g, s) original position, -1 = free
         self.pos.fill_(-1)
         self.score.zero_()
         # never-used slots are read (masked) by attention: garbage there would give 0 * NaN = NaN in p @ V
+        # (an all-zero quantized row reads back as zeros: minimum 0, step 0)
         self.k.zero_()
         self.v.zero_()
+        # a quantized cache stores keys divided by a per-channel scale taken from each sequence's prompt (the
+        # largest |k| of the channel): outlier channels would otherwise set every token's group range. Per
+        # token int4 groups cost 1.06-1.07x perplexity without it (`python -m flexgen_h2o.eval --kv-bits 4`),
+        # and KIVI's per-channel keys recover most of that (`python -m benchmarks.studies.kv_group_dim`)
+        self.k_scale = (torch.ones(batch, g, 1, d, dtype=torch.float32, device=self.k.device)
+                        if self.fmt.quantized else None)                  # (b, g, 1, d)
         self.n_used = 0                    # high-water mark: slots [n_used, capacity) have never held a token
         self.bytes_read: Counter = Counter()
         self.bytes_written: Counter = Counter()
@@ -116,11 +127,12 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.k, self.v, self.score, self.pos))
+        scale = 0 if self.k_scale is None else self.k_scale.nbytes
+        return scale + sum(t.numel() * t.element_size() for t in (self.k, self.v, self.score, self.pos))
 
     def _slot_bytes(self, n_slots: int, with_kv: bool = True, rows: int | None = None) -> int:
-        b, g, _, d = self.k.shape
-        kv = 2 * d * self.k.element_size() if with_kv else 0
+        b, g, _, width = self.k.shape
+        kv = 2 * width * self.k.element_size() if with_kv else 0
         return (b if rows is None else rows) * g * n_slots * (kv + 4 + 4)
 
     # --- batch maps (beam reorder, repeat, select: transformers' cache contract) ---
@@ -129,7 +141,7 @@ class KVCache:
         """Apply a batch-dimension map to every per-sequence part: K, V, the fp32 scores and positions (a beam's
         accumulated attention follows its keys), and each row's budget with its compiled-commit counts. `fn` maps
         a (b, ...) tensor; applied to arange(b) it names the source row of each new row."""
-        for name in ("k", "v", "score", "pos"):
+        for name in ("k", "v", "score", "pos") + (("k_scale",) if self.k_scale is not None else ()):
             old = getattr(self, name)
             new = fn(old)
             if new.shape == old.shape:
@@ -144,13 +156,19 @@ class KVCache:
     # --- prefill ---
 
     def commit_prefill(self, k_new: Tensor, v_new: Tensor, scores: Tensor | None, token_pos: Tensor,
-                       first_row: int = 0, unpadded: bool = False) -> None:
+                       first_row: int = 0, unpadded: bool = False, key_scale: Tensor | None = None) -> None:
         """Keep the policy's choice of the prompt's rows for sequences [first_row, first_row + len(k_new)), so
         a prefill can commit chunk by chunk. k_new, v_new (b, g, p, d); scores (b, g, p) fp32 column sums
         (None when the policy needs none); token_pos (b, p) with -1 for pads. unpadded: the caller knows there
-        are no pads (decided on the host), so a policy keeping every real row keeps all p of them in order."""
+        are no pads (decided on the host), so a policy keeping every real row keeps all p of them in order.
+        key_scale (b, g, 1, d): the per-channel key scale of rows already stored (a snapshot's, Engine.prefill)."""
         b, g, p, _ = k_new.shape
         rows = slice(first_row, first_row + b)
+        if self.k_scale is not None:
+            if key_scale is None:       # each channel's largest |k| over the sequence's real prompt tokens
+                real = (token_pos >= 0)[:, None, :, None].to(k_new.device)
+                key_scale = torch.where(real, k_new.abs(), 0).amax(dim=2, keepdim=True).float().clamp_(min=1e-30)
+            self.k_scale[rows] = key_scale.to(self.k_scale.device)
         positions = token_pos[:, None, :].expand(b, g, p).long()
         if unpadded and trait(self.policy.name, "keeps_every_row"):
             # every row, in order: slices, with no keep mask, packing, gather or host sync (the gathers alone
@@ -166,12 +184,21 @@ class KVCache:
             sc = gather_slots(scores, index) if scores is not None else torch.zeros(b, g, n_keep, device=kept.device)
             score_rows = torch.where(kept, sc.float(), torch.zeros_like(sc, dtype=torch.float32))
             pos_rows = torch.where(kept, gather_slots(positions, index), -1)
-        self.k[rows, :, :n_keep] = k_rows                   # assignment casts to the cache's dtypes
-        self.v[rows, :, :n_keep] = v_rows
+        self.k[rows, :, :n_keep] = self._stored(k_rows, self.k_scale, rows)   # assignment casts to the cache's dtype
+        self.v[rows, :, :n_keep] = self._stored(v_rows)
         self.score[rows, :, :n_keep] = score_rows
         self.pos[rows, :, :n_keep] = pos_rows
         self.n_used = max(self.n_used, n_keep)
         self.bytes_written[self.tier_kind] += self._slot_bytes(n_keep, rows=b)
+
+    def _stored(self, rows: Tensor, key_scale: Tensor | None = None, batch_rows: slice = slice(None)) -> Tensor:
+        """K or V rows in the cache's stored form (keys divided by their channel scale first: pass it). Rows
+        already stored (a snapshot's, Engine.prefill) pass as they are, so re-committing never quantizes twice."""
+        if self.fmt.quantized and rows.dtype == self.fmt.dtype:
+            return rows
+        if key_scale is not None:
+            rows = rows / key_scale[batch_rows].to(rows.device)
+        return self.fmt.pack(rows)
 
     def _room_for(self, n_keep: int) -> int:
         """n_keep, if that many prompt rows leave the current token its slot."""
@@ -199,17 +226,22 @@ class KVCache:
         windows = (self.k[:, :, :s], self.v[:, :, :s])
         self.bytes_read[self.tier_kind] += self._slot_bytes(s)
         if self.read_in_place:
-            return KVView(k=windows[0], v=windows[1], valid=pos >= 0, write_slot=write_slot, compute_dtype=dtype)
+            return KVView(k=windows[0], v=windows[1], valid=pos >= 0, write_slot=write_slot, compute_dtype=dtype,
+                          format=self.fmt, key_scale=self.k_scale)
         release = None
-        fmt = format_of(self.k.dtype)
+        fmt, d = self.fmt, self.spec.head_dim
+        shape = (*windows[0].shape[:3], d)                   # the window's values: (b, g, s, d)
         if self.staging is not None and device.type == "cpu":
             # capacity-sized buffers: one pool key per cache, however wide the window
-            flats = [self.staging.take(self.k.numel(), dtype) for _ in windows]
-            k, v = (fmt.stage(w, device, dtype, into=flat[:w.numel()].view(w.shape))
-                    for flat, w in zip(flats, windows))
+            flats = [self.staging.take(self.batch * self.spec.n_kv_heads * self.capacity * d, dtype)
+                     for _ in windows]
+            n = shape[0] * shape[1] * shape[2] * d
+            k, v = (fmt.stage(w, device, dtype, into=flat[:n].view(shape)) for flat, w in zip(flats, windows))
             release = functools.partial(self.staging.give, *flats)
         else:
-            k, v = (fmt.stage(w, device, dtype) for w in windows)
+            k, v = (fmt.stage(w, device, dtype, n=d) for w in windows)
+        if self.k_scale is not None:
+            k.mul_(self.k_scale.to(device, dtype))
         view = KVView(k=k, v=v, valid=pos >= 0, write_slot=write_slot.to(device), release=release)
         if self.rolling:
             view.key_positions = self._ranks(pos.long(), view.write_slot, new_rank.to(device))
@@ -231,9 +263,11 @@ class KVCache:
             rule = self.policy.compiled_rule
             mass = out.scores.to(self.score.device) if out.scores is not None else torch.empty(0)
             recent, budget = self._row_counts
-            self.kernels.commit_step(self.k, self.v, self.score, self.pos, slot, out.k_new.to(self.k.device),
-                            out.v_new.to(self.k.device), new_pos.to(self.k.device), mass, s, rule,
-                            self.budget.sink, recent, budget)
+            k_new, v_new = (out.k_new.to(self.k.device), out.v_new.to(self.k.device))
+            if self.fmt.quantized:           # the kernel copies packed rows; it does not quantize
+                k_new, v_new = self._stored(k_new, self.k_scale), self._stored(v_new)
+            self.kernels.commit_step(self.k, self.v, self.score, self.pos, slot, k_new, v_new,
+                                     new_pos.to(self.k.device), mass, s, rule, self.budget.sink, recent, budget)
         else:
             self._commit_with_torch_ops(slot, s, out, new_pos)
         self.n_used = s
@@ -242,12 +276,13 @@ class KVCache:
 
     def _compiled_commit(self) -> bool:
         """The compiled commit (kernels/csrc/commit_step.cpp) takes a CPU-homed cache's step under the rules it
-        implements (the policy names its rule); GPU caches and the random and window rules run kv/'s torch ops."""
+        implements (the policy names its rule; a quantized cache's rows are packed first); GPU caches and the
+        random and window rules run kv/'s torch ops."""
         return self.policy.compiled_rule is not None and self.kernels.commit_usable(self.k)
 
     def _commit_with_torch_ops(self, slot: Tensor, s: int, out: LayerOutput, new_pos: Tensor) -> None:
-        write_slot(self.k, slot, out.k_new.to(self.k.device))
-        write_slot(self.v, slot, out.v_new.to(self.v.device))
+        write_slot(self.k, slot, self._stored(out.k_new.to(self.k.device), self.k_scale))
+        write_slot(self.v, slot, self._stored(out.v_new.to(self.v.device)))
         write_slot(self.pos, slot, new_pos.to(self.pos.device).view(-1, 1, 1).expand(*slot.shape, 1))
         pos = self.pos[:, :, :s]
         score = self.score[:, :, :s]

@@ -36,7 +36,7 @@ class SplitKVCache:
         return sum(c.nbytes for c in self.caches)
 
     def commit_prefill(self, k_new: Tensor, v_new: Tensor, scores: Tensor | None, token_pos: Tensor,
-                       first_row: int = 0, unpadded: bool = False) -> None:
+                       first_row: int = 0, unpadded: bool = False, key_scale: Tensor | None = None) -> None:
         """The prompt rows of sequences [first_row, first_row + len(k_new)), which may span several parts."""
         end = first_row + k_new.shape[0]
         for lo, hi, cache in self.parts:
@@ -45,14 +45,19 @@ class SplitKVCache:
                 continue
             src = slice(a - first_row, z - first_row)
             cache.commit_prefill(k_new[src], v_new[src], None if scores is None else scores[src],
-                                 token_pos[src], first_row=a - lo, unpadded=unpadded)
+                                 token_pos[src], first_row=a - lo, unpadded=unpadded,
+                                 key_scale=None if key_scale is None else key_scale[src])
 
-    def snapshot(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """Every slot of every part as host tensors (k, v, score, pos), pos -1 for an empty slot: what
-        commit_prefill needs to rebuild this prompt's cache under another eviction rule."""
+    def snapshot(self) -> tuple[Tensor, ...]:
+        """Every slot of every part as host tensors (k, v, score, pos), pos -1 for an empty slot, and a compressed
+        cache's per-channel key scale (b, g, 1, d) after them: what commit_prefill needs to rebuild this prompt's
+        cache under another eviction rule."""
         s = min(c.capacity for c in self.caches)
-        return tuple(torch.cat([getattr(c, name)[:, :, :s].to("cpu", copy=True) for c in self.caches])
-                     for name in ("k", "v", "score", "pos"))
+        out = tuple(torch.cat([getattr(c, name)[:, :, :s].to("cpu", copy=True) for c in self.caches])
+                    for name in ("k", "v", "score", "pos"))
+        if self.caches[0].k_scale is not None:
+            out += (torch.cat([c.k_scale.to("cpu", copy=True) for c in self.caches]),)
+        return out
 
     def stage(self, device: torch.device, dtype: torch.dtype, new_rank: Tensor | None = None) -> KVView:
         if self.attention_device is not None:

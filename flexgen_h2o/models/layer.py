@@ -42,7 +42,7 @@ class KVSpec:
     def row_bytes(self, fmt: StorageFormat = FP16) -> int:
         """K + V bytes in the cache's format plus the fp32 score and int32 position that travel with every slot,
         per KV head."""
-        return self.n_kv_heads * (2 * fmt.nbytes(self.head_dim) + 4 + 4)
+        return self.n_kv_heads * (2 * fmt.nbytes(self.head_dim, self.head_dim) + 4 + 4)
 
 
 @dataclass
@@ -83,9 +83,12 @@ class KVView:
     write_slot: Tensor           # (b, g) long: the free slot the new token is written into before attending
     key_positions: Tensor | None = None   # (b, g, s) long: rolling only, positions to rotate cached keys at
     release: Callable[[], None] | None = None   # gives pooled staging buffers back once the step is committed
-    # set when k and v are the cache's own narrower window (fp16 on a CPU), read only: attention upcasts them to
-    # this dtype a block of sequences at a time (ops.narrow_decode_attention) and never writes into them
+    # set when k and v are the cache's own narrower window (fp16 or quantized rows on a CPU), read only: attention
+    # upcasts them to this dtype a block of sequences at a time (ops.narrow_decode_attention) and never writes
+    # into them
     compute_dtype: torch.dtype | None = None
+    format: StorageFormat = FP16          # the stored form of k and v when compute_dtype is set
+    key_scale: Tensor | None = None       # (b, g, 1, d) a compressed cache's keys are k * key_scale (kv/cache.py)
 
 
 @dataclass

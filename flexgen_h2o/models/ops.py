@@ -185,10 +185,12 @@ NARROW_BLOCK_BYTES = 4 << 20
 
 def narrow_decode_attention(q: Tensor, k: Tensor, v: Tensor, valid: Tensor, slot: Tensor, k_new: Tensor,
                             v_new: Tensor, scale: float, *, want_scores: bool = False,
-                            score_reduce: str = "sum") -> tuple[Tensor, Tensor | None]:
-    """One decode step's attention over a window stored narrower than the compute dtype (fp16 KV on a CPU).
+                            score_reduce: str = "sum", fmt=None) -> tuple[Tensor, Tensor | None]:
+    """One decode step's attention over a window stored narrower than the compute dtype (fp16 or quantized KV on
+    a CPU; fmt: the window's StorageFormat, None for a plain one).
 
-    q (b, h, 1, d) in compute dtype; k, v (b, g, s, d) the cache's own window, read only; valid (b, g, s) with
+    q (b, h, 1, d) in compute dtype; k, v (b, g, s, d) the cache's own window (s rows of fmt.row_width(d) for a
+    quantized one), read only; valid (b, g, s) with
     the new token's slot already set; k_new, v_new (b, g, 1, d) in compute dtype go into slot (b, g) of
     each upcast block, so the new token attends to its unrounded self as grouped_attention's does. Same values
     as grouped_attention on the upcast window: the same matmuls, one block of sequences at a time."""
@@ -203,7 +205,8 @@ def narrow_decode_attention(q: Tensor, k: Tensor, v: Tensor, valid: Tensor, slot
     def blocks(window: Tensor, new_row: Tensor):
         for lo in range(0, b, rows):
             hi = min(b, lo + rows)
-            block = scratch[:(hi - lo) * g * s * d].view(hi - lo, g, s, d).copy_(window[lo:hi])
+            part = window[lo:hi] if fmt is None or not fmt.quantized else fmt.unpack(window[lo:hi], d, dtype)
+            block = scratch[:(hi - lo) * g * s * d].view(hi - lo, g, s, d).copy_(part)
             write_slot(block, slot[lo:hi], new_row[lo:hi])
             yield lo, hi, block
 
@@ -273,17 +276,19 @@ def linear(x: Tensor, w: Tensor, b: Tensor | None = None, gemm: Gemm = F.linear)
     are still in cache, so a step reads the fp16 bytes once: on 2 cores a 2048 x 8192 fp16 weight at batch 6 took
     6.6 ms this way, against 10.4 ms for the same weight kept in fp32 and 34 ms + the GEMM for converting it whole
     first. The product is the same GEMM on the same fp32 values, one block of outputs at a time."""
-    if w.dtype == x.dtype:
+    packed = not isinstance(w, Tensor)          # a quant.PackedMatrix: its rows dequantized a block at a time
+    if not packed and w.dtype == x.dtype:
         return gemm(x, w, b)
     rows = max(1, UPCAST_CHUNK_BYTES // (w.shape[1] * x.element_size()))
     if rows >= w.shape[0]:
-        return gemm(x, w.to(x.dtype), None if b is None else b.to(x.dtype))
+        whole = w.values(x.dtype) if packed else w.to(x.dtype)
+        return gemm(x, whole, None if b is None else b.to(x.dtype))
     out = x.new_empty(*x.shape[:-1], w.shape[0])
     scratch = _scratch(rows * w.shape[1], x.dtype, x.device)
     for start in range(0, w.shape[0], rows):
         stop = min(w.shape[0], start + rows)
         block = scratch[:(stop - start) * w.shape[1]].view(stop - start, w.shape[1])
-        block.copy_(w[start:stop])
+        block.copy_(w.values(x.dtype, start, stop) if packed else w[start:stop])
         out[..., start:stop] = gemm(x, block)
     if b is not None:
         out += b.to(x.dtype)
@@ -332,9 +337,9 @@ class TorchKernels:
 
     def narrow_decode_attention(self, q: Tensor, k: Tensor, v: Tensor, valid: Tensor, slot: Tensor,
                                 k_new: Tensor, v_new: Tensor, scale: float, *, want_scores: bool = False,
-                                score_reduce: str = "sum") -> tuple[Tensor, Tensor | None]:
+                                score_reduce: str = "sum", fmt=None) -> tuple[Tensor, Tensor | None]:
         return narrow_decode_attention(q, k, v, valid, slot, k_new, v_new, scale, want_scores=want_scores,
-                                       score_reduce=score_reduce)
+                                       score_reduce=score_reduce, fmt=fmt)
 
     def commit_usable(self, k: Tensor) -> bool:
         """Whether a decode step's commit into a cache of keys `k` goes to a compiled kernel (kv/cache.py)."""

@@ -107,11 +107,17 @@ class AttentionLayer(_Base):
                 q, k_store, v = (t.to(kv.k.device, att_dtype) for t in (q, k_store, v))
             # one new token: it goes into its free slot first, so it attends to itself like any other row
             kv.valid.scatter_(2, kv.write_slot.unsqueeze(-1), True)
-            if kv.compute_dtype is not None:     # the cache's own fp16 window, read in place and never written
+            if kv.compute_dtype is not None:     # the cache's own fp16/int window, read in place, never written
                 # on a CPU the compiled kernel converts each row once in cache; else the torch ops upcast by blocks
-                out, scores = kernels.narrow_decode_attention(q, kv.k, kv.v, kv.valid, kv.write_slot, k_store, v,
+                q_att, k_att = q, k_store
+                if kv.key_scale is not None:     # stored keys are k / key_scale: the scale goes into the query
+                    b_, h_, _, d_ = q.shape
+                    g_ = kv.key_scale.shape[1]
+                    q_att = (q.reshape(b_, g_, h_ // g_, d_) * kv.key_scale).reshape(b_, h_, 1, d_)
+                    k_att = k_store / kv.key_scale
+                out, scores = kernels.narrow_decode_attention(q_att, kv.k, kv.v, kv.valid, kv.write_slot, k_att, v,
                                                               scale, want_scores=ctx.want_scores,
-                                                              score_reduce=ctx.score_reduce)
+                                                              score_reduce=ctx.score_reduce, fmt=kv.format)
                 return self._finish(x, out, w, k_store, v, scores, ctx)
             ops.write_slot(kv.k, kv.write_slot, k_store)
             ops.write_slot(kv.v, kv.write_slot, v)

@@ -25,12 +25,13 @@ from dataclasses import dataclass, field
 import torch
 
 from flexgen_h2o.config import OffloadPolicy
-from flexgen_h2o.formats import WEIGHT_FORMAT, StorageFormat
+from flexgen_h2o.formats import StorageFormat
 from flexgen_h2o.kernels import onednn_may_run
 from flexgen_h2o.kv import Budget, EvictionConfig
 from flexgen_h2o.models import KVSpec, ModelConfig, build_layers, schedule_groups
 from flexgen_h2o.planner.plan import Plan
-from flexgen_h2o.weights.placement import is_lookup_table, resident_dtype, weight_homes
+from flexgen_h2o.weights.placement import (is_lookup_table, model_bytes, packed_names, resident_dtype,
+                                           stored_bytes, weight_homes)
 
 TIERS = ("compute", "host", "disk")
 PARTS = ("weights", "kv", "activations", "workspace")
@@ -85,7 +86,7 @@ def plan_bytes(plan: Plan, *, dummy_store_bytes: int = 0, real_weights: bool = F
     layers = build_layers(model)
     _weights(est, layers, offload, c, plan.device_type)
     est.add("disk", "weights", dummy_store_bytes)
-    est.model_bytes = WEIGHT_FORMAT.nbytes(model.n_params())
+    est.model_bytes = model_bytes(layers, offload.weight_format)
     for tier, n in plan.kv_bytes().items():
         est.add(tier, "kv", n)
     est.kv_bytes = sum(est.bytes[t]["kv"] for t in TIERS)
@@ -123,7 +124,10 @@ def _weights(est: Estimate, layers: list, offload: OffloadPolicy, c: int, device
     """Homes by FlexGen's midpoint rule; staged copies of the two largest-staging schedule layers."""
     device, dtype = torch.device(device_type), torch.float32 if c == 4 else torch.float16
     on_cpu = device.type == "cpu"
-    home_of = weight_homes(layers, offload.tier_fractions("weights"))
+    fmt = offload.weight_format
+    packed = packed_names(layers) if fmt.quantized else set()
+    home_of = weight_homes(layers, offload.tier_fractions("weights"), fmt)
+    at_rest_bytes = lambda spec: stored_bytes(spec, fmt, packed)       # noqa: E731
     counted: set[str] = set()
     staged_per_layer: list[int] = []
     for layer in layers:
@@ -132,15 +136,21 @@ def _weights(est: Estimate, layers: list, offload: OffloadPolicy, c: int, device
             home = home_of[spec.name]
             if spec.name not in counted:           # a tied tensor is resident once, but staged in each layer
                 counted.add(spec.name)
+                at_rest = at_rest_bytes(spec)
                 if home == "compute":
-                    est.add("compute", "weights", spec.numel * resident_dtype(spec.shape, device, dtype).itemsize)
+                    est.add("compute", "weights", at_rest if spec.name in packed else
+                            spec.numel * resident_dtype(spec.shape, device, dtype).itemsize)
                 elif home == "host":
-                    est.add("host", "weights", WEIGHT_FORMAT.nbytes(spec.numel))
+                    est.add("host", "weights", at_rest)
                 else:
-                    est.store_bytes += WEIGHT_FORMAT.nbytes(spec.numel)
-            if home != "compute" and not is_lookup_table(layer, spec):
-                # placement._stage_one: matrices stay fp16 (a host one on a CPU is used in place); vectors
-                # take the compute dtype; offloaded embedding tables are read by row, never staged
+                    est.store_bytes += at_rest
+            if spec.name in packed:
+                # placement._stage_one: a CPU multiplies packed rows where they lie (a disk read: its pooled
+                # buffer); a GPU dequantizes every packed matrix, compute-homed too, into a buffer of its dtype
+                staged += (at_rest_bytes(spec) if home == "disk" else 0) if on_cpu else spec.numel * c
+            elif home != "compute" and not is_lookup_table(layer, spec):
+                # matrices stay fp16 (a host one on a CPU is used in place); vectors take the compute dtype;
+                # offloaded embedding tables are read by row, never staged
                 matrix = len(spec.shape) > 1
                 staged += 0 if (matrix and home == "host" and on_cpu) else spec.numel * (2 if matrix else c)
         staged_per_layer.append(staged)

@@ -146,8 +146,9 @@ class Plan:
         chunk = "every layer per chunk" if self.prefill_by_rows else "layer by layer"
         kv = sum(self.kv_bytes().values())
         return (f"plan: {len(self.batches)} GPU batch(es) of {'/'.join(map(str, sizes))} | KV {self.capacity} "
-                f"slots/seq x {self.model.n_layers} layers, {self.kv_format.name}, {kv / 2**20:.1f} MiB | rule "
-                f"{self.policy} | prefill {self.prefill_rows} seq/chunk, {chunk}")
+                f"slots/seq x {self.model.n_layers} layers, {self.kv_format.name} ({self.slot_bytes()} B/token/layer), "
+                f"{kv / 2**20:.1f} MiB | weights {self.offload.weight_format.name} | rule {self.policy} | prefill "
+                f"{self.prefill_rows} seq/chunk, {chunk}")
 
     def disk_bytes(self) -> int:
         """Offload-file bytes the block allocates: its disk-homed KV slots and resting hidden states."""

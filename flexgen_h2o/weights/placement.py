@@ -10,6 +10,10 @@ Homes:
 - disk: the store's own .npy files, read with plain positioned reads at every stage (the path that streams).
   Not through a long-lived memmap: every page touched through a mapping stays in the process's RSS, so a
   model streamed from disk would look (and, under pressure, behave) as if it were resident.
+
+With a compressed format (--compress-weight, weights/compressed.py) the packed matrices are held, read and
+staged as their uint8 rows on every tier; a CPU multiplies them in place (quant.PackedMatrix, dequantized beside
+the product), a GPU dequantizes them into its fp16 buffer when they arrive.
 """
 from __future__ import annotations
 
@@ -22,8 +26,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from flexgen_h2o.formats import WEIGHT_FORMAT
+from flexgen_h2o.formats import WEIGHT_FORMAT, StorageFormat
 from flexgen_h2o.models.layer import WeightSpec
+from flexgen_h2o.quant import PackedMatrix
 from flexgen_h2o.weights.staging import RowLookup, StagingPool, file_rows, host_rows, read_file_range
 
 TIERS = ("disk", "host", "compute")
@@ -42,15 +47,39 @@ def choose_home(sizes: list[int], fractions: tuple[float, float, float]) -> list
     return homes
 
 
-def weight_homes(layers: list, fractions: tuple[float, float, float]) -> dict[str, str]:
-    """Every tensor's home tier, by FlexGen's midpoint rule over each model layer's bytes: the one decision the
-    engine's placement and the planner's count share. A tied tensor keeps the home of its first layer."""
+def weight_homes(layers: list, fractions: tuple[float, float, float],
+                 fmt: StorageFormat = WEIGHT_FORMAT) -> dict[str, str]:
+    """Every tensor's home tier, by FlexGen's midpoint rule over each model layer's stored bytes (in `fmt`): the
+    one decision the engine's placement and the planner's count share. A tied tensor keeps its first layer's."""
     homes: dict[str, str] = {}
+    packed = packed_names(layers)
     for layer in layers:
         specs = layer.weight_specs()
-        for spec, home in zip(specs, choose_home([WEIGHT_FORMAT.nbytes(s.numel) for s in specs], fractions)):
+        for spec, home in zip(specs, choose_home([stored_bytes(s, fmt, packed) for s in specs], fractions)):
             homes.setdefault(spec.name, home)
     return homes
+
+
+def packed_names(layers: list) -> set[str]:
+    """The matrices a compressed format packs: 2-d, multiplied, and not an embedding table (a head tied to the
+    token embedding is that table, read by row too, so it stays fp16 with the norms and biases)."""
+    tables = {s.name for layer in layers for s in layer.weight_specs() if is_lookup_table(layer, s)}
+    return {s.name for layer in layers for s in layer.weight_specs()
+            if len(s.shape) == 2 and not is_lookup_table(layer, s) and s.name not in tables}
+
+
+def stored_bytes(spec: WeightSpec, fmt: StorageFormat, packed: set[str]) -> int:
+    """Bytes a weight takes at rest: its packed rows for a packed matrix of a quantized format, else fp16."""
+    if fmt.quantized and spec.name in packed:
+        return spec.shape[0] * fmt.row_width(spec.shape[1])
+    return WEIGHT_FORMAT.nbytes(spec.numel)
+
+
+def model_bytes(layers: list, fmt: StorageFormat = WEIGHT_FORMAT) -> int:
+    """The model's stored size in `fmt` (packed matrices' rows, fp16 for the rest; a tied tensor once)."""
+    packed = packed_names(layers) if fmt.quantized else set()
+    unique = {s.name: s for layer in layers for s in layer.weight_specs()}
+    return sum(stored_bytes(s, fmt, packed) for s in unique.values())
 
 
 def resident_dtype(shape: tuple[int, ...], device: torch.device, compute_dtype: torch.dtype) -> torch.dtype:
@@ -72,8 +101,10 @@ class WeightPlacement:
     def __init__(self, layers: list, read: Callable[[str], np.ndarray], fractions: tuple[float, float, float], *,
                  device: torch.device, compute_dtype: torch.dtype, pin: Callable[[Tensor], Tensor] = lambda t: t,
                  pin_weight: bool = True, locate: Callable[[str], tuple[Path, int, int]] | None = None,
-                 pool: StagingPool | None = None, tiers: Mapping | None = None, uncached_disk: bool = False):
-        """read: name -> fp16 array; locate (a store's): name -> (file, offset, bytes) for disk-homed reads;
+                 pool: StagingPool | None = None, tiers: Mapping | None = None, uncached_disk: bool = False,
+                 fmt: StorageFormat = WEIGHT_FORMAT):
+        """read: name -> fp16 array (uint8 rows for a matrix `fmt` packs: weights.compressed gives such a
+        reader); locate (a store's): name -> (file, offset, bytes) for disk-homed reads;
         pool: where staged copies land (None: fresh tensors, unaccounted); tiers: the engine's "compute" and
         "host" tiers, charged for the resident weights (None: plain tensors, unaccounted); uncached_disk: every
         disk read bypasses the page cache afterwards (staging.read_file_range), so each pass reads the device."""
@@ -82,7 +113,9 @@ class WeightPlacement:
         self.pool, self._pin, self.uncached_disk = pool, pin, uncached_disk
         self._count_lock = threading.Lock()
         self._handles: list = []                  # tier allocations of resident weights, freed by close()
-        self.home_of = weight_homes(layers, fractions)
+        self.fmt = fmt
+        self.packed = packed_names(layers) if fmt.quantized else set()
+        self.home_of = weight_homes(layers, fractions, fmt)
         self._compute: dict[str, Tensor] = {}
         self._host: dict[str, Tensor] = {}
         self._disk: dict[str, tuple[Path, int, int, tuple[int, ...]] | np.ndarray] = {}
@@ -97,32 +130,42 @@ class WeightPlacement:
                 placed.add(spec.name)
                 home = self.home_of[spec.name]
                 if home == "disk" and locate is not None:
-                    self._disk[spec.name] = (*locate(spec.name), tuple(spec.shape))
-                    self.resident_bytes["disk"] += WEIGHT_FORMAT.nbytes(spec.numel)
+                    self._disk[spec.name] = (*locate(spec.name), self.stored_shape(spec))
+                    self.resident_bytes["disk"] += stored_bytes(spec, fmt, self.packed)
                     continue
                 array = read(spec.name)
-                if tuple(array.shape) != tuple(spec.shape):
-                    raise ValueError(f"weight {spec.name}: shape {tuple(array.shape)} != expected {spec.shape}")
+                if tuple(array.shape) != self.stored_shape(spec):
+                    raise ValueError(f"weight {spec.name}: shape {tuple(array.shape)} != expected "
+                                     f"{self.stored_shape(spec)}")
+                packed = spec.name in self.packed
                 if home == "compute":
-                    t = self._resident(tiers, "compute", spec, resident_dtype(spec.shape, device, compute_dtype),
-                                       pinned=False)
+                    dtype = torch.uint8 if packed else resident_dtype(spec.shape, device, compute_dtype)
+                    t = self._resident(tiers, "compute", spec, dtype, pinned=False)
                     self._compute[spec.name] = t.copy_(torch.from_numpy(np.ascontiguousarray(array)))
                     self.resident_bytes["compute"] += t.nbytes
                 elif home == "host":
-                    t = self._resident(tiers, "host", spec, torch.float16, pinned=pin_weight)
+                    t = self._resident(tiers, "host", spec, torch.uint8 if packed else torch.float16,
+                                       pinned=pin_weight)
                     self._host[spec.name] = t.copy_(torch.from_numpy(np.ascontiguousarray(array)))
                     self.resident_bytes["host"] += t.nbytes
                 else:
                     self._disk[spec.name] = array
                     self.resident_bytes["disk"] += array.nbytes
 
+    def stored_shape(self, spec: WeightSpec) -> tuple[int, ...]:
+        """The shape a weight is held in: its packed rows (n, row_width(k)) for a packed matrix."""
+        if spec.name in self.packed:
+            return spec.shape[0], self.fmt.row_width(spec.shape[1])
+        return tuple(spec.shape)
+
     def _resident(self, tiers: Mapping | None, kind: str, spec: WeightSpec, dtype: torch.dtype,
                   pinned: bool) -> Tensor:
+        shape = self.stored_shape(spec) if dtype == torch.uint8 else tuple(spec.shape)
         if tiers is None:
             device = self.device if kind == "compute" else torch.device("cpu")
-            t = torch.empty(tuple(spec.shape), dtype=dtype, device=device)
+            t = torch.empty(shape, dtype=dtype, device=device)
             return self._pin(t) if pinned else t
-        handle = tiers[kind].allocate(tuple(spec.shape), dtype, pinned=pinned, name=spec.name)
+        handle = tiers[kind].allocate(shape, dtype, pinned=pinned, name=spec.name)
         self._handles.append(handle)
         return handle.payload
 
@@ -137,7 +180,7 @@ class WeightPlacement:
     def layer_bytes(self, index: int) -> int:
         """Bytes one stage(index) reads as whole tensors (embedding tables are read by row)."""
         layer = self.layers[index]
-        return sum(WEIGHT_FORMAT.nbytes(s.numel) for s in layer.weight_specs() if not is_lookup_table(layer, s))
+        return sum(stored_bytes(s, self.fmt, self.packed) for s in layer.weight_specs() if not is_lookup_table(layer, s))
 
     def stage(self, index: int) -> Mapping[str, Tensor | RowLookup]:
         """The layer's weights on the compute device (see _stage_one for dtypes). Offloaded embedding tables come as a
@@ -155,6 +198,8 @@ class WeightPlacement:
     def release(self, staged: Mapping[str, Tensor | RowLookup]) -> None:
         if self.pool is not None:
             for t in staged.values():
+                if isinstance(t, PackedMatrix):
+                    t = t.rows
                 if isinstance(t, Tensor):
                     self.pool.give(t)
 
@@ -180,33 +225,42 @@ class WeightPlacement:
             return torch.empty(shape, dtype=dtype, device=self.device)
         return self.pool.take(shape, dtype)
 
-    def _stage_one(self, spec: WeightSpec) -> Tensor:
+    def _stage_one(self, spec: WeightSpec) -> Tensor | PackedMatrix:
         """A weight on the compute device. Matrices keep the store's fp16 (ops.linear upcasts them by blocks of
         rows on a CPU; on CUDA fp16 is the compute dtype), so a CPU stage moves 2 bytes per weight, not 2 + 4,
-        and a host-homed matrix on a CPU is used where it lies. Vectors (norms, biases) take the compute dtype."""
+        and a host-homed matrix on a CPU is used where it lies. Vectors (norms, biases) take the compute dtype.
+        A packed matrix moves as its uint8 rows: a CPU multiplies them as they are (PackedMatrix), a GPU
+        dequantizes them into a pooled buffer of the compute dtype."""
         home = self.home_of[spec.name]
-        if home == "compute":
+        packed = spec.name in self.packed
+        if home == "compute" and not packed:
             return self._compute[spec.name]
-        shape = tuple(spec.shape)
+        shape = self.stored_shape(spec)
         on_host = self.device.type == "cpu"
-        dtype = torch.float16 if len(shape) > 1 else self.compute_dtype
-        if home == "host":
-            src, scratch = self._host[spec.name], None
-            if on_host and dtype == src.dtype:
-                self._count(self.bytes_read, home, src.nbytes)
-                return src
+        dtype = torch.uint8 if packed else torch.float16 if len(shape) > 1 else self.compute_dtype
+        scratch = None
+        if home == "compute":
+            src = self._compute[spec.name]
+        elif home == "host":
+            src = self._host[spec.name]
         elif isinstance(self._disk[spec.name], tuple):
             path, offset, _, _ = self._disk[spec.name]
-            # on CPU the fp16 bytes land in a pooled buffer; on CUDA in a fresh host tensor
-            scratch = self._take(shape, torch.float16) if on_host else torch.empty(shape, dtype=torch.float16)
+            # on CPU the stored bytes land in a pooled buffer; on CUDA in a fresh host tensor
+            stored = torch.uint8 if packed else torch.float16
+            scratch = self._take(shape, stored) if on_host else torch.empty(shape, dtype=stored)
             src = read_file_range(path, offset, scratch, uncached=self.uncached_disk)
-            if on_host and dtype == src.dtype:
-                self._count(self.bytes_read, home, src.nbytes)
-                return src                    # the pooled buffer itself is the staged weight
         else:
-            src, scratch = torch.from_numpy(np.ascontiguousarray(self._disk[spec.name])), None
-        self._count(self.bytes_read, home, src.nbytes)
-        out = WEIGHT_FORMAT.stage(src, self.device, dtype, into=self._take(shape, dtype), non_blocking=True)
+            src = torch.from_numpy(np.ascontiguousarray(self._disk[spec.name]))
+        if home != "compute":
+            self._count(self.bytes_read, home, src.nbytes)
+        in_ram_dummy = home == "disk" and scratch is None and not packed     # copied, as before compression
+        if on_host and dtype == src.dtype and not in_ram_dummy:   # used where it lies (a disk read: its buffer)
+            return PackedMatrix(src, spec.shape[1], self.fmt.quant_for(spec.shape[1])) if packed else src
+        if packed:                                # a GPU: the packed bytes cross, then become fp16 there
+            out = self.fmt.stage(src, self.device, self.compute_dtype,
+                                 into=self._take(tuple(spec.shape), self.compute_dtype), non_blocking=True)
+        else:
+            out = WEIGHT_FORMAT.stage(src, self.device, dtype, into=self._take(shape, dtype), non_blocking=True)
         if scratch is not None and on_host and self.pool is not None:
             self.pool.give(scratch)
         return out

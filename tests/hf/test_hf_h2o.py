@@ -280,3 +280,24 @@ def test_prompt_attention_matches_eager_probabilities():
     # the check has teeth: counting the pad queries of the middle hole would change the real keys' scores
     every_query = probs.sum(2).view(b, g, h // g, t).sum(2)
     assert not torch.allclose(every_query[1, :, :4], want_sum[1, :, :4], atol=1e-3)
+
+
+# --- compressed KV (kv_bits): the reference's rows read back through quantization ---
+
+@pytest.mark.parametrize("kind, bits", [("llama-gqa", 4), ("opt", 8)])
+def test_compressed_cache_matches_the_engine_and_the_reference(kind, bits):
+    from flexgen_h2o.config import OffloadPolicy
+    from tests.test_compressed_kv import SEED, reference
+    model = h2o_model(kind)
+    prompts = random_prompts(LENGTHS, seed=SEED)
+    cache = H2OCache(H2O_SINK, kv_bits=bits)
+    tokens, logits = hf_generate(model, prompts, cache)
+    ref_tokens, ref_logits = reference(model, prompts, H2O_SINK, (bits, 64))
+    assert torch.equal(tokens, ref_tokens) and max_logit_diff(logits, ref_logits) <= 1e-4
+    engine, out = run_engine(model, prompts, H2O_SINK, offload=OffloadPolicy(kv_bits=bits, gpu_batch_size=8))
+    try:
+        assert [t.tolist() for t in tokens] == out.token_ids
+        assert cache.kept_positions() == engine_kept(engine)
+        assert cache.layers[0].store.k.dtype == torch.uint8
+    finally:
+        engine.close()

@@ -21,6 +21,12 @@ that KV head's group. Scores follow the engine's contract (ANCHORS.md §2.4-2.8)
   tokens of its (sequence, KV head), and the query to the new token's rank (the number of tokens kept before
   it). HF has already rotated both at their true positions; RoPE is a rotation, so turning a vector by
   (rank - true position) lands it exactly at its rank.
+- a compressed cache (kv_bits): at a decode step every earlier token's key and value are read as they would
+  come back from group-wise min-max quantization along head_dim (fake_quant); keys are divided by a per-channel
+  scale first (each channel's largest |k| over the sequence's real prompt tokens) and multiplied back after.
+  The new token attends to its own unrounded row. With rolling the cache holds keys before RoPE, so a key is
+  turned back to position 0 (scale included), rounded and turned forward again. The prompt pass attends among
+  unrounded rows.
 """
 from __future__ import annotations
 
@@ -29,7 +35,10 @@ from typing import Any, Sequence
 import torch
 from transformers import AttentionInterface
 
+from tests.reference.fake_quant import fake_quant
+
 ATTN_NAME = "h2o_reference_masked"
+NEAR_TIE = 3e-7         # a compressed cache's rounding this close to a boundary may go either way (fake_quant)
 RULES = ("exact", "port", "window", "avg", "full")
 # which reference rule checks which flexgen_h2o eviction policy (random has no deterministic reference)
 RULE_FOR_POLICY = {"h2o": "exact", "h2o-port": "port", "h2o-avg": "avg", "local": "window", "sink": "window",
@@ -91,6 +100,31 @@ def rotate(x: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor) -> torc
     return (x.double() * cos + rotated_half.double() * sin).to(x.dtype)
 
 
+def stored_history(st: "_RefState", key: torch.Tensor, value: torch.Tensor):
+    """key, value (b, g, L, d) with every row but the newest (index L - 1) as a compressed cache reads it back."""
+    bits, group = st.kv_bits
+    key, value = key.clone(), value.clone()
+    margins: list = []
+    value[:, :, :-1] = fake_quant(value[:, :, :-1], bits, group, margins)
+    old = key[:, :, :-1]
+    pos = torch.tensor([plist[:old.shape[2]] for plist in st.pos])[:, None, :].expand(old.shape[:3])
+    if st.inv_freq is not None:
+        old = rotate(old, -pos.clamp(min=0), st.inv_freq)              # as stored: before RoPE
+    width = st.prompt_width
+    real = (pos[:, :, :width] >= 0)[..., None]
+    scale = torch.where(real, old[:, :, :width].abs(), torch.zeros(())).amax(dim=2, keepdim=True).clamp(min=1e-30)
+    old = fake_quant(old / scale, bits, group, margins) * scale
+    if st.inv_freq is not None:
+        old = rotate(old, pos.clamp(min=0), st.inv_freq)
+    key[:, :, :-1] = old
+    step = len(st.pos[0]) - st.prompt_width              # the decode step whose logits these rows give
+    least = torch.where(pos >= 0, torch.minimum(*margins), 0.5)          # pads are never read
+    for b, margin in enumerate(least.flatten(1).amin(1).tolist()):
+        if margin < NEAR_TIE and st.near_tie[b] is None:
+            st.near_tie[b] = step
+    return key, value
+
+
 class _RefState:
     def __init__(self, attention_mask: torch.Tensor, budgets: list[tuple[int, int, int]], rule: str,
                  score_reduce: str, max_len: int, inv_freq: torch.Tensor | None = None):
@@ -101,6 +135,9 @@ class _RefState:
         self.phase = "prefill"
         self.decode_mass = True          # False: decode steps add nothing (what a broken cache would do)
         self.flip_ties = False           # True: equal scores resolved the wrong way round
+        self.kv_bits: tuple[int, int] | None = None     # (bits, group size): a compressed cache
+        self.prompt_width = attention_mask.shape[1]     # cache indices below it are the (padded) prompt's
+        self.near_tie: list[int | None] = [None] * attention_mask.shape[0]  # per sequence: see reference_generate
         # per sequence, per cache index: the token's position among the sequence's real tokens, -1 for pads
         self.pos: list[list[int]] = []
         for row in attention_mask.tolist():
@@ -177,6 +214,8 @@ def masked_h2o_attention(module: torch.nn.Module, query: torch.Tensor, key: torc
                 st.keep[layer][bi][gi].add(new)          # the new token joins its column before attending
                 st.score[layer][bi, gi, new] = 0.0
                 allowed[bi, gi, 0, sorted(st.keep[layer][bi][gi])] = True
+        if st.kv_bits is not None:
+            key, value = stored_history(st, key, value)
         if st.inv_freq is not None:
             query, key = roll_to_ranks(st, layer, query, key)
     # query head hi reads KV head hi // r (HF repeat_kv groups heads contiguously)
@@ -256,7 +295,9 @@ def reference_generate(model: torch.nn.Module, input_ids: torch.Tensor, attentio
                        trace: list | None = None, rolling: bool = False,
                        forced: torch.Tensor | None = None,
                        scores: list | None = None,
-                       decode_mass: bool = True, flip_ties: bool = False) -> tuple[torch.Tensor, list[torch.Tensor]]:
+                       decode_mass: bool = True, flip_ties: bool = False,
+                       kv_bits: tuple[int, int] | None = None,
+                       near_ties: list | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """Greedy generation with simulated eviction.
 
     input_ids (b, p), left-padded; attention_mask (b, p) 1 = real (None = all real); budget: (sink, heavy,
@@ -268,7 +309,10 @@ def reference_generate(model: torch.nn.Module, input_ids: torch.Tensor, attentio
     argmax (teacher forcing, as the accuracy harness scores a continuation). scores: if a list, it receives at
     the end the accumulated score of every kept token, [layer][b][g] -> {position: score}. decode_mass=False:
     victims are chosen on the prefill scores alone; flip_ties=True: equal scores are resolved the wrong way round
-    (tests use both to show that a run's victims depend on decode-time scores and on the tie order)."""
+    (tests use both to show that a run's victims depend on decode-time scores and on the tie order).
+    kv_bits (bits, group size): the cache is compressed (see the module's docstring). near_ties: if a list, it
+    receives per sequence the first decode step whose history held a rounding within NEAR_TIE of a boundary
+    (None: none did); from that step on an engine may differ from this reference by a quantization step."""
     if rule not in RULES:
         raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
     if score_reduce not in ("sum", "mean"):
@@ -290,7 +334,7 @@ def reference_generate(model: torch.nn.Module, input_ids: torch.Tensor, attentio
             raise ValueError("rolling in the reference assumes RoPE without attention scaling")
         inv_freq = rope.inv_freq.float()
     state = _RefState(mask, budgets, rule, score_reduce, max_len=p + max_new_tokens, inv_freq=inv_freq)
-    state.decode_mass, state.flip_ties = decode_mass, flip_ties
+    state.decode_mass, state.flip_ties, state.kv_bits = decode_mass, flip_ties, kv_bits
     old_impl, was_training = model.config._attn_implementation, model.training
     model.config._attn_implementation = ATTN_NAME
     model.eval()
@@ -320,6 +364,8 @@ def reference_generate(model: torch.nn.Module, input_ids: torch.Tensor, attentio
                 trace.append(state.snapshot())
         if scores is not None:
             scores.extend(state.kept_scores())
+        if near_ties is not None:
+            near_ties.extend(state.near_tie)
     finally:
         for m in attn_modules:
             delattr(m, STATE_ATTR)

@@ -34,6 +34,9 @@ void store_row(at::Half* dst, const float* src, int64_t d) {
 
 void store_row(float* dst, const float* src, int64_t d) { std::copy(src, src + d, dst); }
 
+// a quantized cache's row arrives packed (quant.py's row form, packed by the caller): its bytes are copied
+void store_row(uint8_t* dst, const uint8_t* src, int64_t d) { std::copy(src, src + d, dst); }
+
 struct Budget {
   int64_t sink, recent, budget;
 };
@@ -92,9 +95,9 @@ int64_t choose_victim(const int32_t* pos, const float* score, int64_t s, Rule ru
   return victim < 0 ? leaving : victim;
 }
 
-template <typename T>
+template <typename T, typename S>
 void commit_columns(const at::Tensor& k, const at::Tensor& v, float* score, int32_t* pos, const int64_t* slot,
-                    const float* k_new, const float* v_new, const int64_t* new_pos, const float* mass, int64_t b,
+                    const S* k_new, const S* v_new, const int64_t* new_pos, const float* mass, int64_t b,
                     int64_t g, int64_t cap, int64_t d, int64_t s, Rule rule, int64_t sink, const int64_t* recent,
                     const int64_t* budget, int64_t* victims) {
   T* k_data = k.data_ptr<T>();
@@ -123,8 +126,9 @@ void commit_columns(const at::Tensor& k, const at::Tensor& v, float* score, int3
 
 }  // namespace
 
-// k, v (b, g, cap, d) fp16 or fp32, score (b, g, cap) fp32, pos (b, g, cap) int32: a cache's own tensors,
-// contiguous, written in place. slot (b, g) int64 < s; k_new, v_new (b, g, 1, d) fp32; new_pos (b,) int64;
+// k, v (b, g, cap, d) fp16 or fp32, or uint8 rows of d bytes (a quantized cache), score (b, g, cap) fp32, pos
+// (b, g, cap) int32: a cache's own tensors, contiguous, written in place. slot (b, g) int64 < s; k_new, v_new
+// (b, g, 1, d) fp32 (uint8 rows already packed, for a quantized cache); new_pos (b,) int64;
 // mass (b, g, s) fp32 or an empty tensor. s: the window the step attended. recent, budget (b,) int64: each
 // sequence's recent window and budget (kv/budget.py's RowBudgets). Returns the victim slots (b, g), -1 where a
 // column kept everything.
@@ -133,8 +137,9 @@ at::Tensor commit_step(const at::Tensor& k, const at::Tensor& v, const at::Tenso
                        const at::Tensor& new_pos, const at::Tensor& mass, int64_t s, int64_t rule, int64_t sink,
                        const at::Tensor& recent, const at::Tensor& budget) {
   TORCH_CHECK(k.dim() == 4 && k.sizes() == v.sizes() && k.scalar_type() == v.scalar_type() &&
-              (k.scalar_type() == at::kHalf || k.scalar_type() == at::kFloat) && k.is_contiguous() &&
-              v.is_contiguous(), "k and v must be contiguous (b, g, cap, d) float16 or float32 caches");
+              (k.scalar_type() == at::kHalf || k.scalar_type() == at::kFloat || k.scalar_type() == at::kByte) &&
+              k.is_contiguous() && v.is_contiguous(),
+              "k and v must be contiguous (b, g, cap, d) float16, float32 or uint8 (packed rows) caches");
   const int64_t b = k.size(0), g = k.size(1), cap = k.size(2), d = k.size(3);
   TORCH_CHECK(score.scalar_type() == at::kFloat && pos.scalar_type() == at::kInt && score.is_contiguous() &&
               pos.is_contiguous() && score.sizes() == at::IntArrayRef({b, g, cap}) && pos.sizes() == score.sizes(),
@@ -147,7 +152,11 @@ at::Tensor commit_step(const at::Tensor& k, const at::Tensor& v, const at::Tenso
   const int64_t* slots = slot_c.data_ptr<int64_t>();
   TORCH_CHECK(std::all_of(slots, slots + b * g, [s](int64_t i) { return 0 <= i && i < s; }),
               "every write slot must lie inside the window");
-  const at::Tensor k_new_c = k_new.to(at::kFloat).contiguous(), v_new_c = v_new.to(at::kFloat).contiguous();
+  const bool packed = k.scalar_type() == at::kByte;
+  TORCH_CHECK(!packed || (k_new.scalar_type() == at::kByte && v_new.scalar_type() == at::kByte),
+              "a uint8 cache takes its new rows packed (uint8)");
+  const auto row_type = packed ? at::kByte : at::kFloat;
+  const at::Tensor k_new_c = k_new.to(row_type).contiguous(), v_new_c = v_new.to(row_type).contiguous();
   TORCH_CHECK(k_new_c.sizes() == at::IntArrayRef({b, g, 1, d}) && v_new_c.sizes() == k_new_c.sizes(),
               "k_new and v_new must be (b, g, 1, d)");
   at::Tensor mass_c;
@@ -160,16 +169,19 @@ at::Tensor commit_step(const at::Tensor& k, const at::Tensor& v, const at::Tenso
               "recent and budget must be (b,): one per sequence");
   at::Tensor victims = at::empty({b, g}, slot_c.options());
   const float* mass_ptr = mass.numel() > 0 ? mass_c.data_ptr<float>() : nullptr;
-  auto run = [&](auto tag) {
+  auto run = [&](auto tag, auto row_tag) {
     using T = decltype(tag);
-    commit_columns<T>(k, v, score.data_ptr<float>(), pos.data_ptr<int32_t>(), slots, k_new_c.data_ptr<float>(),
-                      v_new_c.data_ptr<float>(), new_pos_c.data_ptr<int64_t>(), mass_ptr, b, g, cap, d, s,
-                      static_cast<Rule>(rule), sink, recent_c.data_ptr<int64_t>(), budget_c.data_ptr<int64_t>(),
-                      victims.data_ptr<int64_t>());
+    using S = decltype(row_tag);
+    commit_columns<T, S>(k, v, score.data_ptr<float>(), pos.data_ptr<int32_t>(), slots, k_new_c.data_ptr<S>(),
+                         v_new_c.data_ptr<S>(), new_pos_c.data_ptr<int64_t>(), mass_ptr, b, g, cap, d, s,
+                         static_cast<Rule>(rule), sink, recent_c.data_ptr<int64_t>(), budget_c.data_ptr<int64_t>(),
+                         victims.data_ptr<int64_t>());
   };
   if (k.scalar_type() == at::kHalf)
-    run(at::Half());
+    run(at::Half(), float());
+  else if (packed)
+    run(uint8_t(), uint8_t());
   else
-    run(float());
+    run(float(), float());
   return victims;
 }

@@ -11,11 +11,16 @@
 //
 // Built with -mavx2 -mfma -mf16c where the CPU has them (kernels/build.py decides); elsewhere the same loops run
 // as plain C++, which the compiler vectorises as it can.
+//
+// decode_attention_quant reads a group-wise quantized cache (quant.py's row form) with the same loops: they take
+// their rows from a reader, HalfRows or QuantRows, which dequantizes 8 values in registers where HalfRows converts
+// 8 halves.
 #include "kernels.h"
 
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -27,28 +32,108 @@ constexpr int64_t MIN_SLOTS_PER_THREAD = 2 << 10;   // batch 4 x 3 heads x 101 s
 constexpr int64_t PREFETCH_ROWS = 32;  // how far ahead of the rows in use their lines are requested
 constexpr int64_t HEADS_AT_ONCE = 3;   // query heads per pass over the window: their sums fill 12 of 16 registers
 
-// logits[j * ld + i] = q_j . key_i for the R heads q (R x d) over s fp16 keys: the plain loops
-void logits_plain(const float* q, int64_t R, const at::Half* keys, int64_t s, int64_t d, int64_t ld, float* logits) {
-  for (int64_t i = 0; i < s; ++i)
+// The fp16 window's rows (s rows of d halves) as the loops below read them; group_size is QuantRows' alone
+struct HalfRows {
+  const at::Half* rows;
+  int64_t d;
+  HalfRows(const void* block, int64_t d, int64_t /*group_size*/)
+      : rows(static_cast<const at::Half*>(block)), d(d) {}
+  bool wide() const { return d % 8 == 0; }
+  float at(int64_t i, int64_t c) const { return static_cast<float>(rows[i * d + c]); }
+#ifdef FLEXGEN_H2O_AVX2
+  __m256 load8(int64_t i, int64_t c) const {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rows + i * d + c)));
+  }
+  // ask for rows [i, i + n) ahead of their use: a column's window comes from DRAM (the whole cache is ~0.5 GB at
+  // the s2048 batch), and the loops below are short enough to wait on every line
+  void prefetch(int64_t i, int64_t n, int64_t s) const {
+    const int64_t end = std::min(i + n, s) * d;
+    for (int64_t e = i * d; e < end; e += 32) __builtin_prefetch(rows + e);   // 32 halves: one 64-byte line
+  }
+#endif
+};
+
+inline int64_t quant_row_bytes(int64_t d, int64_t group_size, int64_t bits) {
+  const int64_t groups = (d + group_size - 1) / group_size;
+  return groups * group_size * bits / 8 + 4 * groups;
+}
+
+inline uint16_t load_u16(const uint8_t* p) {   // the row's fp16 parameters need not be 2-byte aligned
+  uint16_t x;
+  std::memcpy(&x, p, 2);
+  return x;
+}
+
+// A window of quant.py's row form, read as HalfRows reads fp16 rows: s rows of [packed values: G * group_size *
+// BITS / 8 bytes | fp16 minimum x G | fp16 step x G], G groups of group_size values (the last one padded), value =
+// minimum + q * step; at 4 bits the even value is the low nibble
+template <int BITS>
+struct QuantRows {
+  const uint8_t* rows;
+  int64_t row_bytes, group_size, minima, steps;   // minima, steps: where a row's fp16 parameters start
+  int shift = -1;       // log2(group_size) where load8 can take the window, else -1 (the plain loops)
+
+  QuantRows(const void* block, int64_t d, int64_t group_size)
+      : rows(static_cast<const uint8_t*>(block)), row_bytes(quant_row_bytes(d, group_size, BITS)),
+        group_size(group_size) {
+    const int64_t groups = (d + group_size - 1) / group_size;
+    minima = groups * group_size * BITS / 8;
+    steps = minima + 2 * groups;
+    // 8 values never straddle a group, and the group of column c is c >> shift rather than a division
+    if (d % 8 == 0 && group_size % 8 == 0 && (group_size & (group_size - 1)) == 0)
+      shift = __builtin_ctzll(static_cast<uint64_t>(group_size));
+  }
+  bool wide() const { return shift >= 0; }
+
+  float at(int64_t i, int64_t c) const {
+    const uint8_t* row = rows + i * row_bytes;
+    const int64_t group = shift >= 0 ? c >> shift : c / group_size;   // no division on a wide window's tail rows
+    const int q = BITS == 8 ? row[c] : (row[c >> 1] >> (4 * (c & 1))) & 0xF;
+    const at::Half minimum(load_u16(row + minima + 2 * group), at::Half::from_bits());
+    const at::Half step(load_u16(row + steps + 2 * group), at::Half::from_bits());
+    return static_cast<float>(q) * static_cast<float>(step) + static_cast<float>(minimum);
+  }
+
+#ifdef FLEXGEN_H2O_AVX2
+  // values [c, c + 8) of row i (c % 8 == 0) as fp32, dequantized in registers
+  __m256 load8(int64_t i, int64_t c) const {
+    const uint8_t* row = rows + i * row_bytes;
+    __m256i q;
+    if (BITS == 8) {
+      q = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + c)));
+    } else {   // the 4 bytes in every lane, lane u shifted right by 4 u: nibble u at the bottom
+      uint32_t packed;
+      std::memcpy(&packed, row + c / 2, 4);
+      q = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(packed)),
+                                             _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28)),
+                           _mm256_set1_epi32(0xF));
+    }
+    const int64_t p = 2 * (c >> shift);
+    const __m256 minimum = _mm256_cvtph_ps(_mm_set1_epi16(static_cast<short>(load_u16(row + minima + p))));
+    const __m256 step = _mm256_cvtph_ps(_mm_set1_epi16(static_cast<short>(load_u16(row + steps + p))));
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), step, minimum);
+  }
+
+  void prefetch(int64_t i, int64_t n, int64_t s) const {   // as HalfRows::prefetch, over row_bytes a row
+    const int64_t end = std::min(i + n, s) * row_bytes;
+    for (int64_t e = i * row_bytes; e < end; e += 64) __builtin_prefetch(rows + e);
+  }
+#endif
+};
+
+// logits[j * ld + i] = q_j . key_i for the R heads q (R x d) over keys [i0, s): the plain loops
+template <class Rows>
+void logits_plain(const float* q, int64_t R, const Rows& keys, int64_t i0, int64_t s, int64_t d, int64_t ld,
+                  float* logits) {
+  for (int64_t i = i0; i < s; ++i)
     for (int64_t j = 0; j < R; ++j) {
       float sum = 0.0f;
-      for (int64_t c = 0; c < d; ++c) sum += q[j * d + c] * static_cast<float>(keys[i * d + c]);
+      for (int64_t c = 0; c < d; ++c) sum += q[j * d + c] * keys.at(i, c);
       logits[j * ld + i] = sum;
     }
 }
 
 #ifdef FLEXGEN_H2O_AVX2
-// ask for rows [i, i + n) of the window (s rows of d halves) ahead of their use: a column's window comes from DRAM
-// (the whole cache is ~0.5 GB at the s2048 batch), and the loops below are short enough to wait on every line
-inline void prefetch_rows(const at::Half* rows, int64_t i, int64_t n, int64_t s, int64_t d) {
-  const int64_t end = std::min(i + n, s) * d;
-  for (int64_t at = i * d; at < end; at += 32) __builtin_prefetch(rows + at);   // 32 halves: one 64-byte line
-}
-
-inline __m256 load_half8(const at::Half* p) {
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-}
-
 // the eight lanes of x[u] summed, into lane u of the result
 inline __m256 sum_each8(const __m256* x) {
   const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(x[0], x[1]), _mm256_hadd_ps(x[2], x[3]));
@@ -62,20 +147,20 @@ inline __m128 sum_each4(const __m256* x) {
   return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
 }
 
-// logits_plain for d % 8 == 0: ROWS keys at a time, each 8-wide piece converted once and multiplied by all R
+// logits_plain for a wide() reader: ROWS keys at a time, each 8-wide piece converted once and multiplied by all R
 // heads; a horizontal sum per (head, block of ROWS keys) rather than per logit
-template <int R, int ROWS>
-void logits_avx2(const float* q, const at::Half* keys, int64_t s, int64_t d, int64_t ld, float* logits) {
+template <int R, int ROWS, class Rows>
+void logits_avx2(const float* q, const Rows& keys, int64_t s, int64_t d, int64_t ld, float* logits) {
   int64_t i = 0;
   for (; i + ROWS <= s; i += ROWS) {
-    prefetch_rows(keys, i + PREFETCH_ROWS, ROWS, s, d);
+    keys.prefetch(i + PREFETCH_ROWS, ROWS, s);
     __m256 acc[R][ROWS];
     for (int j = 0; j < R; ++j)
       for (int u = 0; u < ROWS; ++u) acc[j][u] = _mm256_setzero_ps();
     for (int64_t c = 0; c < d; c += 8)
 #pragma GCC unroll 8
       for (int u = 0; u < ROWS; ++u) {
-        const __m256 k = load_half8(keys + (i + u) * d + c);
+        const __m256 k = keys.load8(i + u, c);
 #pragma GCC unroll 3
         for (int j = 0; j < R; ++j) acc[j][u] = _mm256_fmadd_ps(_mm256_loadu_ps(q + j * d + c), k, acc[j][u]);
       }
@@ -84,25 +169,25 @@ void logits_avx2(const float* q, const at::Half* keys, int64_t s, int64_t d, int
       else _mm_storeu_ps(logits + j * ld + i, sum_each4(acc[j]));
     }
   }
-  logits_plain(q, R, keys + i * d, s - i, d, ld, logits + i);
+  logits_plain(q, R, keys, i, s, d, ld, logits);
 }
 
 // out_j[c0, c0 + 8 NC) += sum_i w_j[i] value_i[c0, ...) for R heads (weights w_j at w + j * ld); rows whose R
-// weights are all 0 are skipped (masked slots: their fp16 rows may hold anything), and so is row `skip`
-template <int R, int NC>
-void values_avx2(const float* w, int64_t ld, const at::Half* values, int64_t s, int64_t d, int64_t c0,
-                 int64_t skip, float* out) {
+// weights are all 0 are skipped (masked slots: their rows may hold anything), and so is row `skip`
+template <int R, int NC, class Rows>
+void values_avx2(const float* w, int64_t ld, const Rows& values, int64_t s, int64_t d, int64_t c0, int64_t skip,
+                 float* out) {
   __m256 acc[R][NC];
   for (int j = 0; j < R; ++j)
     for (int c = 0; c < NC; ++c) acc[j][c] = _mm256_loadu_ps(out + j * d + c0 + 8 * c);
   for (int64_t i = 0; i < s; ++i) {
     bool any = false;
     for (int j = 0; j < R; ++j) any |= w[j * ld + i] != 0.0f;
-    if (c0 == 0) prefetch_rows(values, i + PREFETCH_ROWS, 1, s, d);
+    if (c0 == 0) values.prefetch(i + PREFETCH_ROWS, 1, s);
     if (!any || i == skip) continue;
 #pragma GCC unroll 4
     for (int c = 0; c < NC; ++c) {
-      const __m256 v = load_half8(values + i * d + c0 + 8 * c);
+      const __m256 v = values.load8(i, c0 + 8 * c);
 #pragma GCC unroll 3
       for (int j = 0; j < R; ++j) acc[j][c] = _mm256_fmadd_ps(_mm256_set1_ps(w[j * ld + i]), v, acc[j][c]);
     }
@@ -111,9 +196,8 @@ void values_avx2(const float* w, int64_t ld, const at::Half* values, int64_t s, 
     for (int c = 0; c < NC; ++c) _mm256_storeu_ps(out + j * d + c0 + 8 * c, acc[j][c]);
 }
 
-template <int R>
-void values_blocks(const float* w, int64_t ld, const at::Half* values, int64_t s, int64_t d, int64_t skip,
-                   float* out) {
+template <int R, class Rows>
+void values_blocks(const float* w, int64_t ld, const Rows& values, int64_t s, int64_t d, int64_t skip, float* out) {
   for (int64_t c0 = 0; c0 < d; c0 += 32)            // four vectors of d per pass: 4 R sums in registers
     switch ((d - c0) / 8) {
       case 1: values_avx2<R, 1>(w, ld, values, s, d, c0, skip, out); break;
@@ -125,9 +209,10 @@ void values_blocks(const float* w, int64_t ld, const at::Half* values, int64_t s
 #endif
 
 // logits of R <= HEADS_AT_ONCE heads over s keys
-void head_logits(const float* q, int64_t R, const at::Half* keys, int64_t s, int64_t d, int64_t ld, float* logits) {
+template <class Rows>
+void head_logits(const float* q, int64_t R, const Rows& keys, int64_t s, int64_t d, int64_t ld, float* logits) {
 #ifdef FLEXGEN_H2O_AVX2
-  if (d % 8 == 0) {
+  if (keys.wide()) {
     switch (R) {
       case 1: return logits_avx2<1, 8>(q, keys, s, d, ld, logits);
       case 2: return logits_avx2<2, 4>(q, keys, s, d, ld, logits);
@@ -135,14 +220,15 @@ void head_logits(const float* q, int64_t R, const at::Half* keys, int64_t s, int
     }
   }
 #endif
-  logits_plain(q, R, keys, s, d, ld, logits);
+  logits_plain(q, R, keys, 0, s, d, ld, logits);
 }
 
-// out (R x d) += the weighted sum of s fp16 value rows for R <= HEADS_AT_ONCE heads, as values_avx2 says
-void head_values(const float* w, int64_t R, int64_t ld, const at::Half* values, int64_t s, int64_t d, int64_t skip,
+// out (R x d) += the weighted sum of s value rows for R <= HEADS_AT_ONCE heads, as values_avx2 says
+template <class Rows>
+void head_values(const float* w, int64_t R, int64_t ld, const Rows& values, int64_t s, int64_t d, int64_t skip,
                  float* out) {
 #ifdef FLEXGEN_H2O_AVX2
-  if (d % 8 == 0) {
+  if (values.wide()) {
     switch (R) {
       case 1: return values_blocks<1>(w, ld, values, s, d, skip, out);
       case 2: return values_blocks<2>(w, ld, values, s, d, skip, out);
@@ -155,7 +241,7 @@ void head_values(const float* w, int64_t R, int64_t ld, const at::Half* values, 
     for (int64_t j = 0; j < R; ++j) {
       const float wi = w[j * ld + i];
       if (wi == 0.0f) continue;
-      for (int64_t c = 0; c < d; ++c) out[j * d + c] += wi * static_cast<float>(values[i * d + c]);
+      for (int64_t c = 0; c < d; ++c) out[j * d + c] += wi * values.at(i, c);
     }
   }
 }
@@ -167,10 +253,10 @@ void softmax(float* line, int64_t n) {
 }
 
 struct Problem {
-  int64_t b, g, r, s, d;
+  int64_t b, g, r, s, d, group_size;
   const float* q;                 // (b, g * r, d), contiguous
-  const at::Half* k;              // window rows: k + bi * kb + gi * kg + slot * d
-  const at::Half* v;
+  const uint8_t* k;               // window blocks, in bytes: k + bi * kb + gi * kg holds s rows
+  const uint8_t* v;
   int64_t kb, kg, vb, vg;
   const bool* valid;              // (b, g, s)
   const int64_t* slot;            // (b, g): where the new token sits in the window
@@ -182,7 +268,8 @@ struct Problem {
 };
 
 // the (sequence bi, KV head gi) column: r query heads over s slots, up to HEADS_AT_ONCE heads per pass over the
-// window. The new token's key and value are the unrounded fp32 rows (k_new, v_new), not its slot's fp16 copy
+// window. The new token's key and value are the unrounded fp32 rows (k_new, v_new), not its slot's stored copy
+template <class Rows>
 void attend_column(const Problem& p, int64_t bi, int64_t gi, float* qs, float* probs) {
   const int64_t bg = bi * p.g + gi, s = p.s, d = p.d, r = p.r;
   const bool* valid = p.valid + bg * s;
@@ -191,7 +278,7 @@ void attend_column(const Problem& p, int64_t bi, int64_t gi, float* qs, float* p
   const float* k_new = p.k_new + bg * d;
   const float* v_new = p.v_new + bg * d;
   for (int64_t i = 0; i < r * d; ++i) qs[i] = q[i] * p.scale;
-  const at::Half* keys = p.k + bi * p.kb + gi * p.kg;
+  const Rows keys(p.k + bi * p.kb + gi * p.kg, d, p.group_size);
   for (int64_t j0 = 0; j0 < r; j0 += HEADS_AT_ONCE)
     head_logits(qs + j0 * d, std::min(HEADS_AT_ONCE, r - j0), keys, s, d, s, probs + j0 * s);
   constexpr float masked = -std::numeric_limits<float>::infinity();
@@ -206,7 +293,7 @@ void attend_column(const Problem& p, int64_t bi, int64_t gi, float* qs, float* p
   }
   float* out = p.out + bg * r * d;
   std::fill(out, out + r * d, 0.0f);
-  const at::Half* values = p.v + bi * p.vb + gi * p.vg;
+  const Rows values(p.v + bi * p.vb + gi * p.vg, d, p.group_size);
   for (int64_t j0 = 0; j0 < r; j0 += HEADS_AT_ONCE)
     head_values(probs + j0 * s, std::min(HEADS_AT_ONCE, r - j0), s, values, s, d, new_slot, out + j0 * d);
   for (int64_t j = 0; j < r; ++j)
@@ -221,25 +308,21 @@ void attend_column(const Problem& p, int64_t bi, int64_t gi, float* qs, float* p
   }
 }
 
-void check_window(const at::Tensor& w, const at::Tensor& like, const char* name) {
-  TORCH_CHECK(w.scalar_type() == at::kHalf && w.dim() == 4, name, " must be a 4-d float16 window");
+void check_window(const at::Tensor& w, const at::Tensor& like, const char* name, at::ScalarType dtype,
+                  const char* dtype_name) {
+  TORCH_CHECK(w.scalar_type() == dtype && w.dim() == 4, name, " must be a 4-d ", dtype_name, " window");
   TORCH_CHECK(w.sizes() == like.sizes(), name, " must have the key window's shape");
   TORCH_CHECK(w.stride(3) == 1 && w.stride(2) == w.size(3), name, "'s slots must be contiguous rows");
 }
 
-}  // namespace
-
-// q (b, h, 1, d) fp32; k, v (b, g, s, d) fp16 windows whose (sequence, head) blocks are contiguous rows (views of
-// a larger cache are fine); valid (b, g, s) bool with the new token's slot set; slot (b, g) int64; k_new,
-// v_new (b, g, 1, d) fp32. Returns out (b, h, 1, d) and, if want_mass, the mass (b, g, s) each key received,
-// pooled over its group's query heads (sum, or mean when mean_pool), else an empty tensor.
-std::vector<at::Tensor> decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                         const at::Tensor& valid, const at::Tensor& slot, const at::Tensor& k_new,
-                                         const at::Tensor& v_new, double scale, bool want_mass, bool mean_pool) {
+// Both entry points past their windows' checks: k and v (b, g, s, row) hold d values a row, read through Rows
+template <class Rows>
+std::vector<at::Tensor> decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                               const at::Tensor& valid, const at::Tensor& slot, const at::Tensor& k_new,
+                               const at::Tensor& v_new, double scale, bool want_mass, bool mean_pool, int64_t d,
+                               int64_t group_size) {
   TORCH_CHECK(q.dim() == 4 && q.size(2) == 1 && q.scalar_type() == at::kFloat, "q must be (b, h, 1, d) float32");
-  check_window(k, k, "k");
-  check_window(v, k, "v");
-  const int64_t b = k.size(0), g = k.size(1), s = k.size(2), d = k.size(3), h = q.size(1);
+  const int64_t b = k.size(0), g = k.size(1), s = k.size(2), h = q.size(1);
   TORCH_CHECK(q.size(0) == b && q.size(3) == d && h % g == 0, "q must match the window: (b, h, 1, d), h % g == 0");
   TORCH_CHECK(valid.scalar_type() == at::kBool && valid.sizes() == at::IntArrayRef({b, g, s}),
               "valid must be (b, g, s) bool");
@@ -254,18 +337,51 @@ std::vector<at::Tensor> decode_attention(const at::Tensor& q, const at::Tensor& 
               "every write slot must lie inside the window");
   at::Tensor out = at::empty({b, h, 1, d}, q.options());
   at::Tensor mass = want_mass ? at::empty({b, g, s}, q.options()) : at::empty({0}, q.options());
-  const int64_t r = h / g;
-  Problem p{b, g, r, s, d, qc.data_ptr<float>(), k.data_ptr<at::Half>(), v.data_ptr<at::Half>(),
-            k.stride(0), k.stride(1), v.stride(0), v.stride(1), valid_c.data_ptr<bool>(), slot_c.data_ptr<int64_t>(),
-            k_new_c.data_ptr<float>(), v_new_c.data_ptr<float>(), static_cast<float>(scale),
-            mean_pool ? 1.0f / static_cast<float>(r) : 1.0f, out.data_ptr<float>(),
-            want_mass ? mass.data_ptr<float>() : nullptr};
+  const int64_t r = h / g, kz = k.element_size(), vz = v.element_size();
+  Problem p{b, g, r, s, d, group_size, qc.data_ptr<float>(), static_cast<const uint8_t*>(k.data_ptr()),
+            static_cast<const uint8_t*>(v.data_ptr()), k.stride(0) * kz, k.stride(1) * kz, v.stride(0) * vz,
+            v.stride(1) * vz, valid_c.data_ptr<bool>(), slot_c.data_ptr<int64_t>(), k_new_c.data_ptr<float>(),
+            v_new_c.data_ptr<float>(), static_cast<float>(scale), mean_pool ? 1.0f / static_cast<float>(r) : 1.0f,
+            out.data_ptr<float>(), want_mass ? mass.data_ptr<float>() : nullptr};
   // a thread takes at least MIN_SLOTS_PER_THREAD (sequence, KV head, slot) rows: waking the sleeping OpenMP thread
   // (OMP_WAIT_POLICY=PASSIVE) costs ~0.1 ms on this project's VM, more than a small step's whole attention
   const int64_t grain = std::max<int64_t>(1, MIN_SLOTS_PER_THREAD / std::max<int64_t>(1, s));
   at::parallel_for(0, b * g, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> qs(r * d), probs(r * s);
-    for (int64_t col = begin; col < end; ++col) attend_column(p, col / g, col % g, qs.data(), probs.data());
+    for (int64_t col = begin; col < end; ++col) attend_column<Rows>(p, col / g, col % g, qs.data(), probs.data());
   });
   return {out, mass};
+}
+
+}  // namespace
+
+// q (b, h, 1, d) fp32; k, v (b, g, s, d) fp16 windows whose (sequence, head) blocks are contiguous rows (views of
+// a larger cache are fine); valid (b, g, s) bool with the new token's slot set; slot (b, g) int64; k_new,
+// v_new (b, g, 1, d) fp32. Returns out (b, h, 1, d) and, if want_mass, the mass (b, g, s) each key received,
+// pooled over its group's query heads (sum, or mean when mean_pool), else an empty tensor.
+std::vector<at::Tensor> decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                         const at::Tensor& valid, const at::Tensor& slot, const at::Tensor& k_new,
+                                         const at::Tensor& v_new, double scale, bool want_mass, bool mean_pool) {
+  check_window(k, k, "k", at::kHalf, "float16");
+  check_window(v, k, "v", at::kHalf, "float16");
+  return decode<HalfRows>(q, k, v, valid, slot, k_new, v_new, scale, want_mass, mean_pool, k.size(3), 0);
+}
+
+// decode_attention over a quantized cache: k, v (b, g, s, row_bytes) uint8 windows of quant.py's row form, d =
+// q.size(3) values a row in groups of group_size (even), bits 4 or 8. A masked slot's bytes are never used.
+std::vector<at::Tensor> decode_attention_quant(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                               const at::Tensor& valid, const at::Tensor& slot,
+                                               const at::Tensor& k_new, const at::Tensor& v_new, double scale,
+                                               bool want_mass, bool mean_pool, int64_t bits, int64_t group_size) {
+  check_window(k, k, "k", at::kByte, "uint8");
+  check_window(v, k, "v", at::kByte, "uint8");
+  TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
+  TORCH_CHECK(group_size >= 2 && group_size % 2 == 0, "group_size must be even");
+  TORCH_CHECK(q.dim() == 4 && q.size(3) > 0, "q must be (b, h, 1, d) float32");
+  const int64_t d = q.size(3);
+  TORCH_CHECK(k.size(3) == quant_row_bytes(d, group_size, bits), "k and v rows must be quant.py's row form of d = ",
+              d, " values: ", quant_row_bytes(d, group_size, bits), " bytes, not ", k.size(3));
+  if (bits == 4)
+    return decode<QuantRows<4>>(q, k, v, valid, slot, k_new, v_new, scale, want_mass, mean_pool, d, group_size);
+  return decode<QuantRows<8>>(q, k, v, valid, slot, k_new, v_new, scale, want_mass, mean_pool, d, group_size);
 }

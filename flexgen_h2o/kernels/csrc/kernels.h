@@ -14,6 +14,11 @@ std::vector<at::Tensor> scored_prompt_attention(const at::Tensor& q, const at::T
 std::vector<at::Tensor> decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                          const at::Tensor& valid, const at::Tensor& slot, const at::Tensor& k_new,
                                          const at::Tensor& v_new, double scale, bool want_mass, bool mean_pool);
+// The same over a group-wise quantized cache: k, v (b, g, s, row_bytes) uint8 in quant.py's row form.
+std::vector<at::Tensor> decode_attention_quant(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                               const at::Tensor& valid, const at::Tensor& slot,
+                                               const at::Tensor& k_new, const at::Tensor& v_new, double scale,
+                                               bool want_mass, bool mean_pool, int64_t bits, int64_t group_size);
 
 // One decode step's commit into a CPU-homed cache: K/V row, position, scores, H2O's victim (commit_step.cpp).
 at::Tensor commit_step(const at::Tensor& k, const at::Tensor& v, const at::Tensor& score, const at::Tensor& pos,
@@ -23,6 +28,9 @@ at::Tensor commit_step(const at::Tensor& k, const at::Tensor& v, const at::Tenso
 
 // x (m, k) fp32 @ w.T for an fp16 weight (n, k), converting the weight in L1 (half_linear.cpp).
 at::Tensor half_linear(const at::Tensor& x, const at::Tensor& w);
+
+// x (m, k) fp32 @ dequant(w).T for a 4- or 8-bit weight in quant.py's row form (n, row_bytes) (quant_linear.cpp).
+at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w, int64_t k, int64_t bits, int64_t group_size);
 
 // A decode step's element-wise layer math on the calling thread (layer_math.cpp): RMSNorm of fp32 rows with an
 // fp16 or fp32 weight; silu(gate) * up into gate; RoPE of (b, h, t, d) rows by per-(sequence, token) cos and sin.
