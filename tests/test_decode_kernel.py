@@ -27,6 +27,10 @@ def _step(b, h, g, s, d, capacity, free=0.3, seed=0, q_scale=1.0):
     return q, k[:, :, :s], v[:, :, :s], valid, slot, k_new, v_new
 
 
+# the torch path's softmax and products round differently per CPU: on an Intel Xeon VM (2026-11-28) it was 2.4e-6
+# from a float64 attention on SmolLM2's shape and the kernel 8e-7, where the AMD VM had kept both within 1e-6
+OUT_TOL = dict(rtol=5e-5, atol=5e-6)
+
 SHAPES = [
     (3, 9, 3, 409, 64, 410),     # SmolLM2's GQA at 20 % of 2k: 102 blocks of 4 keys and a tail of 1
     (2, 4, 4, 17, 64, 20),       # MHA (OPT), one head per group: two blocks of 8 keys and a tail of 1
@@ -46,7 +50,7 @@ def test_kernel_gives_the_torch_paths_output_and_key_mass(kernel, b, h, g, s, d,
     before = k.clone(), v.clone()
     ref_out, ref_mass = ops.narrow_decode_attention(*args, 0.3, want_scores=True, score_reduce=score_reduce)
     out, mass = kernel.narrow_decode_attention(*args, 0.3, want_scores=True, score_reduce=score_reduce)
-    torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out, ref_out, **OUT_TOL)
     torch.testing.assert_close(mass, ref_mass, rtol=1e-5, atol=1e-7)
     assert torch.all(mass[~valid] == 0)                       # free slots get exactly no mass
     per_column = 1.0 if score_reduce == "mean" else h // g    # each query head spends a mass of 1
@@ -62,8 +66,8 @@ def test_peaked_attention_and_a_new_token_that_differs_from_its_fp16_row(kernel)
     args = _step(2, 9, 3, 50, 64, 64, q_scale=12.0)
     ref = ops.narrow_decode_attention(*args, 0.125, want_scores=True)
     got = kernel.narrow_decode_attention(*args, 0.125, want_scores=True)
-    for a, b in zip(got, ref):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got[0], ref[0], **OUT_TOL)
+    torch.testing.assert_close(got[1], ref[1], rtol=1e-5, atol=1e-6)
     q, k, v, valid, slot, k_new, v_new = args
     rounded = kernel.narrow_decode_attention(q, k, v, valid, slot, k_new.half().float(), v_new.half().float(), 0.125)
     assert not torch.equal(rounded[0], got[0])
