@@ -1,38 +1,19 @@
 """The compiled decode attention over a group-wise quantized cache (csrc/decode_attention.cpp's
 decode_attention_quant) against the torch-op path on the dequantized window: quant.py's row form read in place,
-its masked slots never read, the new token used unrounded. Built here on its own (a JIT module of that one source),
-with the project's flags (FLEXGEN_H2O_KERNEL_ISA=portable: the plain C++ loops)."""
+its masked slots never read, the new token used unrounded. The package's own build, the one the engine runs."""
 from __future__ import annotations
-
-import shutil
 
 import pytest
 import torch
 
-from flexgen_h2o.kernels import build
 from flexgen_h2o.models import ops
 from flexgen_h2o.quant import GroupQuant
 
-BINDINGS = """#include <torch/extension.h>
-#include "kernels.h"
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("decode_attention", &decode_attention);
-  m.def("decode_attention_quant", &decode_attention_quant);
-}
-"""
 
-
-@pytest.fixture(scope="module")
-def ext(tmp_path_factory):
-    if shutil.which("c++") is None:
-        pytest.skip("no C++ compiler")
-    from torch.utils.cpp_extension import load
-    folder = tmp_path_factory.mktemp("decode_quant")
-    (folder / "bindings.cpp").write_text(BINDINGS)
-    return load(name="decode_attention_quant_test", sources=[str(build.CSRC / "decode_attention.cpp"),
-                                                             str(folder / "bindings.cpp")],
-                extra_cflags=build.cflags(), extra_ldflags=build.LDFLAGS, extra_include_paths=[str(build.CSRC)],
-                build_directory=str(folder), verbose=False)
+@pytest.fixture
+def ext(kernel):
+    """The package's build of the kernels (tests/conftest.py), which binds decode_attention_quant."""
+    return kernel.ext
 
 
 def _step(b, g, r, s, d, capacity, bits, group_size, free=0.3, seed=0, q_scale=1.0):

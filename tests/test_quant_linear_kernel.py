@@ -1,35 +1,18 @@
 """The compiled quantized-weight linear (csrc/quant_linear.cpp) against the product of the weight quant.py unpacks:
 4 and 8 bits, several group sizes, k not a multiple of the group, every few-row tile shape and the buffered path.
-Built here on its own (the build flags of kernels/build.py, FLEXGEN_H2O_KERNEL_ISA included) into a temporary
-folder, so it does not depend on the package's build."""
+The package's own build, the one the engine runs."""
 from __future__ import annotations
-
-import shutil
 
 import pytest
 import torch
 
-from flexgen_h2o.kernels import build
 from flexgen_h2o.quant import GroupQuant
 
-# a torch op rather than a pybind11 module: torch/library.h compiles in a third of torch/extension.h's time
-BIND = """#include <torch/library.h>
-#include "kernels.h"
-TORCH_LIBRARY(flexgen_h2o_quant_linear_test, m) { m.def("quant_linear", &quant_linear); }
-"""
 
-
-@pytest.fixture(scope="module")
-def ext(tmp_path_factory):
-    if shutil.which("c++") is None:
-        pytest.skip("no C++ compiler")
-    from torch.utils.cpp_extension import load
-    folder = tmp_path_factory.mktemp("quant_linear_build")
-    (folder / "bind.cpp").write_text(BIND)
-    load(name="quant_linear_test", sources=[str(build.CSRC / "quant_linear.cpp"), str(folder / "bind.cpp")],
-         extra_cflags=build.cflags(), extra_include_paths=[str(build.CSRC)], build_directory=str(folder),
-         is_python_module=False)
-    return torch.ops.flexgen_h2o_quant_linear_test
+@pytest.fixture
+def ext(kernel):
+    """The package's build of the kernels (tests/conftest.py), which binds quant_linear."""
+    return kernel.ext
 
 
 def _case(bits: int, group_size: int, m: int, k: int, n: int, seed: int = 0):

@@ -96,14 +96,10 @@ class H2OLayer(CacheLayerMixin):
         if not store.fmt.quantized:
             return store.k[:, :, :s], store.v[:, :, :s]
         # a compressed cache: its window dequantized, the new token unrounded (as the engine attends to it)
-        windows = []
-        for stored, new, scale in ((store.k, key_states, store.k_scale), (store.v, value_states, None)):
-            window = store.fmt.unpack(stored[:, :, :s], new.shape[-1], new.dtype)
-            if scale is not None:                # keys are stored divided by their channel scale
-                window.mul_(scale.to(window.dtype))
-            write_slot(window, slot, new)
-            windows.append(window)
-        return windows[0], windows[1]
+        k, v = store.values(s, key_states.device, key_states.dtype)
+        write_slot(k, slot, key_states)
+        write_slot(v, slot, value_states)
+        return k, v
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.seen + query_length, 0

@@ -228,24 +228,30 @@ class KVCache:
         if self.read_in_place:
             return KVView(k=windows[0], v=windows[1], valid=pos >= 0, write_slot=write_slot, compute_dtype=dtype,
                           format=self.fmt, key_scale=self.k_scale)
-        release = None
-        fmt, d = self.fmt, self.spec.head_dim
-        shape = (*windows[0].shape[:3], d)                   # the window's values: (b, g, s, d)
+        release, into = None, (None, None)
+        d = self.spec.head_dim
         if self.staging is not None and device.type == "cpu":
             # capacity-sized buffers: one pool key per cache, however wide the window
             flats = [self.staging.take(self.batch * self.spec.n_kv_heads * self.capacity * d, dtype)
                      for _ in windows]
-            n = shape[0] * shape[1] * shape[2] * d
-            k, v = (fmt.stage(w, device, dtype, into=flat[:n].view(shape)) for flat, w in zip(flats, windows))
+            shape = (*windows[0].shape[:3], d)               # the window's values: (b, g, s, d)
+            into = tuple(flat[:shape[0] * shape[1] * s * d].view(shape) for flat in flats)
             release = functools.partial(self.staging.give, *flats)
-        else:
-            k, v = (fmt.stage(w, device, dtype, n=d) for w in windows)
-        if self.k_scale is not None:
-            k.mul_(self.k_scale.to(device, dtype))
+        k, v = self.values(s, device, dtype, into)
         view = KVView(k=k, v=v, valid=pos >= 0, write_slot=write_slot.to(device), release=release)
         if self.rolling:
             view.key_positions = self._ranks(pos.long(), view.write_slot, new_rank.to(device))
         return view
+
+    def values(self, s: int, device: torch.device, dtype: torch.dtype,
+               into: tuple[Tensor | None, Tensor | None] = (None, None)) -> tuple[Tensor, Tensor]:
+        """K and V of slots [0, s) as values on `device` in `dtype`, written into `into`'s buffers or fresh
+        tensors: a compressed cache's rows dequantized there, keys multiplied back by their channel scale."""
+        d = self.spec.head_dim
+        k, v = (self.fmt.stage(w[:, :, :s], device, dtype, into=buf, n=d) for w, buf in zip((self.k, self.v), into))
+        if self.k_scale is not None:
+            k.mul_(self.k_scale.to(device, dtype))
+        return k, v
 
     @staticmethod
     def _ranks(pos: Tensor, write_slot: Tensor, new_rank: Tensor) -> Tensor:
