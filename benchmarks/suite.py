@@ -3,6 +3,7 @@
     python -m benchmarks.suite                                    # every workload, every system (hours)
     python -m benchmarks.suite --workload s2048+512 --systems ours hf kvpress-observed-20
     python -m benchmarks.suite --smoke                            # tiny shapes, a few minutes, CI
+    python -m benchmarks.suite --workload chat                    # issue 35's chat job (benchmarks/chat.py)
 
 Per workload: (1) each selected system that can run here prepares once (stores, offload folders, the kvpress
 virtualenv); one that cannot is kept as a skipped row with its reason. (2) A small batch search per system:
@@ -35,7 +36,7 @@ from benchmarks.suite_report import CAPPED_BEST  # noqa: E402
 from benchmarks.systems import RESULT_KEYS, Candidate, System, all_systems, select_systems  # noqa: E402
 from benchmarks.systems.base import parse_batches  # noqa: E402
 from benchmarks.systems.gpu_check import NEEDS_GPU, cuda_available  # noqa: E402
-from benchmarks.workloads import WORKLOADS, Workload, overridden, select_workloads  # noqa: E402
+from benchmarks.workloads import WORKLOADS, Workload, ensure_real_store, overridden, select_workloads  # noqa: E402
 
 SMOKE_WORKLOADS = ["s512+128", "disk512+128"]
 # a probe this much below the best so far ends the search. Two probes of one system drift by 10-15 % on this VM:
@@ -243,20 +244,6 @@ def validate_row(row: dict[str, Any]) -> list[str]:
     return bad
 
 
-def ensure_real_store(w: Workload) -> str | None:
-    """Convert a real-weights model's store once, before any system runs (on a fresh machine the first one to
-    need it would otherwise convert inside its own case, or fail where it reads only the tokenizer); the reason
-    every system is skipped if that fails."""
-    if w.dummy:
-        return None
-    from flexgen_h2o.loader import ensure_store
-    try:
-        ensure_store(w.model, progress=False)
-    except Exception as err:                  # noqa: BLE001 - any failure becomes the rows' printed reason
-        return f"converting the {w.model} store failed: {str(err).strip().splitlines()[-1][:200]}"
-    return None
-
-
 def run_workload(w: Workload, names: list[str], systems: dict[str, System], runner: Runner,
                  machine: dict[str, Any]) -> dict[str, Any]:
     a = runner.a
@@ -332,6 +319,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from benchmarks.chat import main as chat_main, suite_argv     # `--workload chat` (issue 35): its own runner
+    if (chat_argv := suite_argv(sys.argv[1:] if argv is None else argv)) is not None:
+        return chat_main(chat_argv)
     a = build_parser().parse_args(argv)
     a.repeats = a.repeats or (1 if a.smoke else 2)
     a.max_probes = a.max_probes or (1 if a.smoke else 6)      # smoke: the search runs, one probe per system

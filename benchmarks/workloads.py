@@ -144,3 +144,17 @@ def select_workloads(names: list[str] | None, smoke_mode: bool, uncached_weights
         raise SystemExit(f"error: unknown workload(s) {', '.join(unknown)}; known: {', '.join(WORKLOADS)}")
     picked = [uncached(WORKLOADS[n]) if uncached_weights else WORKLOADS[n] for n in names]
     return [smoke(w) for w in picked] if smoke_mode else picked
+
+
+def ensure_real_store(w: Workload) -> str | None:
+    """Convert a real-weights model's store once, before any system runs (on a fresh machine the first one to
+    need it would otherwise convert inside its own case, or fail where it reads only the tokenizer); the reason
+    every system is skipped if that fails."""
+    if w.dummy:
+        return None
+    from flexgen_h2o.loader import ensure_store
+    try:
+        ensure_store(w.model, progress=False)
+    except Exception as err:                  # noqa: BLE001 - any failure becomes the rows' printed reason
+        return f"converting the {w.model} store failed: {str(err).strip().splitlines()[-1][:200]}"
+    return None

@@ -20,7 +20,8 @@ from typing import Any, Iterator, Mapping, Sequence
 
 from flexgen_h2o.config import ConfigError, GenerationConfig, OffloadPolicy
 from flexgen_h2o.formats import WEIGHT_FORMAT
-from flexgen_h2o.schedule.blocks import BlockResult, Job, add_metrics, encode_prompts, plan_job, run_blocks
+from flexgen_h2o.schedule.blocks import (BlockResult, Job, add_metrics, encode_prompts, plan_job, refill_totals,
+                                         run_blocks, run_refill)
 from flexgen_h2o.kv import EvictionConfig
 from flexgen_h2o.planner import PARTS, preflight as run_preflight
 
@@ -77,12 +78,16 @@ class LLM:
         offload_dir: root of the disk tier's files when the placement uses disk.
         preflight: refuse (PreflightError) weights, and later batches, that would not fit this machine.
         progress: tqdm bars for conversion, prefill and decode.
+        refill: continuous refill (default): one block of rows for the whole call, a finished row taking the next
+            prompt; False runs FlexGen's synchronous blocks (each waits for its longest answer). refill_share:
+            the share of free rows that calls a join pass (default: one row with resident weights, a quarter
+            when they stream in; schedule/refill.py).
     """
 
     def __init__(self, model: str = "smollm2-135m", *, path: str | None = None, dummy_weights: bool = False,
                  offload: OffloadPolicy | Mapping | None = None, eviction: EvictionConfig | Mapping | None = None,
                  device: str | None = None, offload_dir: str | None = None, preflight: bool = True,
-                 progress: bool = False):
+                 progress: bool = False, refill: bool = True, refill_share: float | None = None):
         from flexgen_h2o.backend import get_backend
         from flexgen_h2o.loader import load_model
         from flexgen_h2o.models import resolve_model
@@ -102,22 +107,27 @@ class LLM:
                                 progress=progress)
         except WeightStoreError as e:      # not converted and not downloadable, or a broken store
             raise ConfigError(str(e)) from None
-        self._setup(loaded, offload, eviction, device, offload_dir, preflight, progress)
+        self._setup(loaded, offload, eviction, device, offload_dir, preflight, progress, refill, refill_share)
 
     @classmethod
     def from_loaded(cls, loaded: Any, *, offload: OffloadPolicy | None = None, eviction: EvictionConfig | None = None,
                     device: str | None = None, offload_dir: str | None = None, preflight: bool = True,
-                    progress: bool = False) -> "LLM":
+                    progress: bool = False, refill: bool = True, refill_share: float | None = None) -> "LLM":
         """Build around an already loaded model (`loader.load_model`); the CLI uses it after its own preflight."""
         self = cls.__new__(cls)
-        self._setup(loaded, _offload(offload), _eviction(eviction), device, offload_dir, preflight, progress)
+        self._setup(loaded, _offload(offload), _eviction(eviction), device, offload_dir, preflight, progress, refill,
+                    refill_share)
         return self
 
     def _setup(self, loaded: Any, offload: OffloadPolicy, eviction: EvictionConfig, device: str | None,
-               offload_dir: str | None, preflight: bool, progress: bool) -> None:
+               offload_dir: str | None, preflight: bool, progress: bool, refill: bool,
+               refill_share: float | None) -> None:
         from flexgen_h2o.engine import Engine
+        if refill_share is not None and not 0 <= refill_share <= 1:
+            raise ConfigError(f"refill_share must be in [0, 1], got {refill_share}")
         self.loaded, self.config, self.tokenizer = loaded, loaded.config, loaded.tokenizer
         self.offload, self.eviction = offload, eviction
+        self.refill, self.refill_share = refill, refill_share
         self.preflight, self.progress = preflight, progress
         self.offload_dir = os.path.expanduser(offload_dir or DEFAULT_OFFLOAD_DIR)
         decode = (lambda ids: loaded.tokenizer.decode(ids, skip_special_tokens=True)) if loaded.tokenizer else None
@@ -183,19 +193,27 @@ class LLM:
                         progress: bool | None = None, label=lambda i: f"prompt {i}",
                         bucket: bool = True, seeds: Sequence[int] | None = None,
                         job: Job | None = None) -> Iterator[BlockResult]:
-        """The block loop behind generate(): checks, bucketing, preflight, then one result per finished block.
+        """The block loop behind generate(): checks, bucketing, preflight, then results as they finish: one per
+        block, or with refill, per group of prompts that finished together (prompts join in the given order).
         job: these prompts already checked and cut (plan_job, the CLI's); otherwise they are checked here.
         Metrics of the whole call land in `last_metrics` once the iterator is exhausted."""
         lens = [len(p) for p in ids]
         if job is None:
-            job = plan_job(self.config, self.eviction, self.offload.block_size, lens, max_new, label, bucket=bucket)
+            job = plan_job(self.config, self.eviction, self.offload.block_size, lens, max_new, label, bucket=bucket,
+                           refill=self.refill)
         blocks = job.blocks
         if self.preflight and blocks:   # KV, activations, workspace of the largest block, weights already placed
+            n_seqs = min(self.offload.block_size, len(lens)) if self.refill else max(len(b) for b in blocks)
             run_preflight(self.config, self.offload, self.eviction, prompt_len=max(lens), gen_len=max(max_new),
-                          n_seqs=max(len(b) for b in blocks), backend=self.engine.backend,
+                          n_seqs=n_seqs, backend=self.engine.backend,
                           offload_root=self.offload_dir, parts=tuple(p for p in PARTS if p != "weights"))
-        total: Counter = Counter()
         show = self.progress if progress is None else progress
+        if self.refill and lens:
+            yield from run_refill(self.engine, ids, gen, max_new, range(len(ids)), progress=show, seeds=seeds,
+                                  share=self.refill_share)
+            self.last_metrics = dict(refill_totals(self.engine.last_refill_metrics, lens, range(len(ids))))
+            return
+        total: Counter = Counter()
         for res in run_blocks(self.engine, ids, gen, max_new, blocks, progress=show, seeds=seeds):
             add_metrics(total, res, lens)
             yield res

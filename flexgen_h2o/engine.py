@@ -9,7 +9,7 @@ import time
 import warnings
 from collections import Counter
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -274,6 +274,16 @@ class Engine:
             per_block = times                    # block shape and step times: the last block's
         result.metrics = {**per_block, **totals}
         return result
+
+    def generate_refill(self, prompts: Sequence[Sequence[int]], gen: GenerationConfig | None = None,
+                        max_new_tokens: Sequence[int] | None = None, seeds: Sequence[int] | None = None,
+                        eviction: EvictionConfig | None = None, share: float | None = None,
+                        on_tokens: Callable[[int], None] | None = None) -> Iterator:
+        """Continuous refill (schedule/refill.py): lists of Finished as prompts finish; then last_refill_metrics."""
+        from flexgen_h2o.schedule.refill import RefillRun
+        run = RefillRun(self, prompts, gen or GenerationConfig(), max_new_tokens, seeds, eviction, share, on_tokens)
+        yield from run.run()
+        self.last_refill_metrics = run.metrics
 
     def _generate_block(self, prompts: list[Sequence[int]], seq_index: list[int], gen: GenerationConfig,
                         per_seq_max: list[int] | None, forced: list[Sequence[int]] | None,

@@ -63,6 +63,11 @@ def _mode(args: argparse.Namespace) -> str:
         for flag in ("prompt_len", "cut_gen_len"):
             if getattr(args, flag) is not None:
                 raise ConfigError(f"--{flag.replace('_', '-')} is for benchmark mode (no --input, no --prompt)")
+    elif args.no_refill or args.refill_share is not None:
+        raise ConfigError("benchmark mode runs FlexGen's synchronous blocks and never refills: --no-refill and "
+                          "--refill-share are for batch (--input) and prompts (--prompt) modes")
+    if args.refill_share is not None and args.no_refill:
+        raise ConfigError("--refill-share sets when a refill happens; drop it or --no-refill")
     return mode
 
 
@@ -144,7 +149,8 @@ def _generate(args, mode, offload, eviction, gen_len, prompt_len, log_path, requ
     loaded = None if deferred else _load(args)
     tok = fallback_tokenizer() if deferred else loaded.tokenizer
     texts, prompts, max_new, label = _prompts(args, mode, cfg, tok, offload, pending, prompt_len, gen_len)
-    job = plan_job(cfg, eviction, offload.block_size, [len(p) for p in prompts], max_new, label)
+    refill = mode != "benchmark" and not args.no_refill       # benchmark mode keeps FlexGen's synchronous blocks
+    job = plan_job(cfg, eviction, offload.block_size, [len(p) for p in prompts], max_new, label, refill=refill)
     est, checked = _preflight(args, cfg, offload, eviction, backend, deferred, job)
     if mode == "benchmark":
         from flexgen_h2o.frontends.benchmark import corpus_prompts, sizes_line
@@ -156,7 +162,8 @@ def _generate(args, mode, offload, eviction, gen_len, prompt_len, log_path, requ
     if loaded is None:
         loaded = _load(args, dummy_on_disk=True)
     llm = LLM.from_loaded(loaded, offload=offload, eviction=eviction, device=args.device,
-                          offload_dir=args.offload_dir, preflight=False, progress=not args.no_progress)
+                          offload_dir=args.offload_dir, preflight=False, progress=not args.no_progress,
+                          refill=refill, refill_share=args.refill_share)
     try:
         metrics = _run_mode(args, mode, llm, est, texts, prompts, job, gen_len, requests, pending, results)
     finally:
@@ -283,6 +290,8 @@ def _run_metrics(llm: Any, t: dict, est: Any, mode: str, weights_in_tiers: bool,
             "prefill_tok_s": prompt_tokens / max(prefill_s, 1e-9),
             "decode_tok_s": max(gen_tokens - n_prompts, 0) / max(decode_s, 1e-9),
             "total_tok_s": gen_tokens / max(prefill_s + decode_s, 1e-9), "projected": False,
+            # continuous refill: join passes, and the share of row-steps that held a prompt (None: blocks)
+            "refill_joins": t.get("joins"), "row_occupancy": t.get("row_occupancy"),
             **engine_metrics(llm, weights_in_tiers, kv_cache_bytes=est.kv_bytes, full_cache_bytes=est.full_kv_bytes,
                              hidden_bytes=est.n_seqs * est.prompt_len * llm.config.hidden_size * 2),
             "peak_rss_bytes": peak_rss_bytes()}
@@ -291,7 +300,9 @@ def _run_metrics(llm: Any, t: dict, est: Any, mode: str, weights_in_tiers: bool,
 def _summary(m: dict) -> str:
     return (f"\nthroughput: prefill {m['prefill_tok_s']:.1f} tok/s | decode {m['decode_tok_s']:.1f} tok/s | total "
             f"{m['total_tok_s']:.1f} tok/s  ({m['prompts']} prompt(s) in {m['blocks']} block(s); {m['prompt_tokens']} "
-            f"prompt tokens + {m['padding_frac']:.1%} padding; {m['generated_tokens']} generated)")
+            f"prompt tokens + {m['padding_frac']:.1%} padding; {m['generated_tokens']} generated)"
+            + (f"\nrefill: {m['refill_joins']} join passes, rows busy {m['row_occupancy']:.1%} of decode steps"
+               if m.get("refill_joins") is not None else ""))
 
 
 if __name__ == "__main__":

@@ -18,13 +18,20 @@ class Sampler:
         self.gen = gen
         self.generators = [torch.Generator().manual_seed(gen.seed * 1_000_003 + i) for i in seq_ids]
 
-    def __call__(self, logits: Tensor, rows: range | None = None) -> Tensor:
+    def __call__(self, logits: Tensor, rows: Sequence[int | None] | None = None) -> Tensor:
         """logits (b, V) on the compute device -> next ids (b,) long on the host; `rows` are the sequences'
-        indices in this sampler. Greedy picks on the device, so only b ids cross to the host (a 1024-sequence
-        batch's fp32 logits are 206 MB a step); sampling moves fp32 logits to the host, where each sequence's
-        generator lives."""
+        indices in this sampler, None for a row that holds no sequence (continuous refill's free rows: they take
+        the argmax and draw nothing, so no sequence's generator moves). Greedy picks on the device, so only b
+        ids cross to the host (a 1024-sequence batch's fp32 logits are 206 MB a step); sampling moves fp32
+        logits to the host, where each sequence's generator lives."""
         if self.gen.greedy:
             return logits.argmax(dim=-1).cpu()
+        if rows is not None and None in rows:
+            picked = logits.argmax(dim=-1).cpu()
+            live = [r for r, s in enumerate(rows) if s is not None]
+            if live:
+                picked[live] = self(logits[live], [rows[r] for r in live])
+            return picked
         logits = logits.float().cpu() / self.gen.temperature
         if self.gen.top_k > 0:
             kth = torch.topk(logits, min(self.gen.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
@@ -60,8 +67,9 @@ class StopTracker:
         if self.reasons[i] is None:
             self.reasons[i] = "length"
 
-    def update(self, next_ids: Sequence[int]) -> None:
-        for i, tok in enumerate(next_ids):
+    def update(self, next_ids: Sequence[int], seqs: Sequence[int] | None = None) -> None:
+        """Record each sequence's next id: next_ids[j] belongs to sequence seqs[j] (default: j)."""
+        for i, tok in zip(range(len(next_ids)) if seqs is None else seqs, next_ids):
             if self.reasons[i] is not None:
                 continue
             self.tokens[i].append(int(tok))
@@ -77,16 +85,19 @@ class StopTracker:
         text = self.decode(self.tokens[i])
         return any(s in text for s in self.gen.stop)
 
+    def text(self, i: int) -> str:
+        """Sequence i's text: stop string and what follows it cut, EOS dropped; i finishes ("length") if open."""
+        if self.reasons[i] is None:
+            self.reasons[i] = "length"
+        toks = self.tokens[i]
+        text = self.decode(toks) if self.decode else ""
+        if self.reasons[i] == "stop":
+            text = text[:min(text.find(s) for s in self.gen.stop if s in text)]
+        elif self.reasons[i] == "eos" and self.decode:
+            text = self.decode(toks[:-1])
+        return text
+
     def finish(self) -> tuple[list[list[int]], list[str], list[str]]:
         """Token ids, texts (stop strings cut) and finish reasons."""
-        texts = []
-        for i, toks in enumerate(self.tokens):
-            if self.reasons[i] is None:
-                self.reasons[i] = "length"
-            text = self.decode(toks) if self.decode else ""
-            if self.reasons[i] == "stop":
-                text = text[:min(text.find(s) for s in self.gen.stop if s in text)]
-            elif self.reasons[i] == "eos" and self.decode:
-                text = self.decode(toks[:-1])
-            texts.append(text)
+        texts = [self.text(i) for i in range(len(self.tokens))]
         return self.tokens, texts, [r or "length" for r in self.reasons]

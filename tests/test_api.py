@@ -41,11 +41,14 @@ def test_generate_in_order_with_counts(llm):
         if o.finish_reason == "length":
             assert len(o.token_ids) == 6 and o.text == tok.decode(o.token_ids, skip_special_tokens=True)
         assert str(o) == o.text
+    # continuous refill by default: one block of 3 rows, 7 prompts joining as rows free up
+    assert llm.last_metrics["blocks"] == 1 and llm.last_metrics["joins"] >= 2
+    assert llm.last_metrics["prompt_tokens"] == sum(map(len, PROMPTS))
     # one prompt per block (no padding, no bucketing) gives the same tokens: results map to the right prompt
-    with LLM(llm.config.name, offload={"gpu_batch_size": 1}) as single:      # the checkpoint folder
+    with LLM(llm.config.name, offload={"gpu_batch_size": 1}, refill=False) as single:      # the checkpoint folder
         alone = single.generate(PROMPTS, max_new_tokens=6)
+        assert single.last_metrics["blocks"] == len(PROMPTS) and "joins" not in single.last_metrics
     assert [o.token_ids for o in alone] == [o.token_ids for o in outs]
-    assert llm.last_metrics["blocks"] == 3 and llm.last_metrics["prompt_tokens"] == sum(map(len, PROMPTS))
 
 
 def test_per_prompt_budgets_stop_strings_and_token_ids(llm):
@@ -89,8 +92,8 @@ def test_policies_by_name_and_dict(tiny):
         assert "hh_ratio=0.25" in repr(model)
         outs = model.generate([PROMPTS[i] for i in (0, 2, 4, 6)], max_new_tokens=3, stop_at_eos=False)
         assert [len(o.token_ids) for o in outs] == [3] * 4
-        # a budget is each prompt's own: 25 % of "xyz"'s 3 tokens is 0 heavy hitters, refused up front
-        with pytest.raises(ConfigError, match=r"prompt 3: the eviction budget is 0 slots for prompt_len 3"):
+        # a budget is each prompt's own: 25 % of "a"'s 1 token is 0 heavy hitters, refused up front
+        with pytest.raises(ConfigError, match=r"prompt 1: the eviction budget is 0 slots for prompt_len 1"):
             model.generate(PROMPTS[:4], max_new_tokens=3)
     with pytest.raises(ConfigError, match="offload must be an OffloadPolicy"):
         LLM(str(tiny[0]), offload=[100, 0])

@@ -96,7 +96,7 @@ def test_batch_mode_keeps_ids_order_and_counts(tiny, tmp_path):
             {"prompt": "Another long prompt that sits in the same bucket as", "id": "long2"}]
     inp, out, mj = _jsonl(tmp_path / "in.jsonl", rows), tmp_path / "out.jsonl", tmp_path / "m.json"
     proc = run_cli(["--model", str(ckpt), "--input", str(inp), "--output", str(out), "--gen-len", "5",
-                    "--gpu-batch-size", "2", "--metrics-json", str(mj), "--seed", "1"], env)
+                    "--gpu-batch-size", "2", "--metrics-json", str(mj), "--seed", "1", "--no-refill"], env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     recs = [json.loads(x) for x in out.read_text().splitlines()]
     assert [r["id"] for r in recs] == ["fox", 2, 10, "hw", 5, "long2"]         # input order; no id: line number

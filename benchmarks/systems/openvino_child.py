@@ -3,6 +3,7 @@
     <venv>/bin/python benchmarks/systems/openvino_child.py --ir ~/.cache/flexgen_h2o/formats/smollm2-135m-ov-fp32 \
         --ids prompt_ids.json --batch 8 --gen-len 32 --num-kv-blocks 152 --json F [--evict-start 32 ...]
     ... --check-greedy prompts.json --gen-len 16 --json F      # token ids of a few prompts, no timing
+    ... --chat job.json --batch 32 --num-kv-blocks 1120 --json F   # benchmarks/chat.py's workload (chat())
 
 The pipeline is `ContinuousBatchingPipeline` on the CPU with the properties INFERENCE_NUM_THREADS (from
 OMP_NUM_THREADS, the suite's thread count), KV_CACHE_PRECISION always (the plugin reports u8 as its default, but
@@ -194,6 +195,61 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
             "threads": int(os.environ.get("OMP_NUM_THREADS", "2")), **versions()}
 
 
+def chat(a: argparse.Namespace) -> dict[str, Any]:
+    """The chat workload (benchmarks/chat.py): every prompt of the job (token id lists of any lengths, each with
+    its own max_new_tokens) added at once, so the scheduler admits up to max_num_seqs (= --batch) and refills a
+    finished sequence's place from the queue; greedy, stops at EOS. No warm-up: the job's wall clock, first
+    compile included, is what is compared. Per prompt: the generated ids' count (EOS counted, as our engine's
+    token_ids count it) and why it ended."""
+    import numpy as np
+    import openvino as ov
+    import openvino_genai as ov_genai
+    job = json.loads(Path(a.chat).read_text())
+    prompts, max_new, eos = job["prompts"], job["max_new_tokens"], int(job["eos_id"])
+    longest = max(len(p) for p in prompts)
+    t_load = time.perf_counter()
+    pipe = ov_genai.ContinuousBatchingPipeline(a.ir, scheduler(a, a.batch, longest), "CPU", properties(a))
+    t0 = time.perf_counter()
+    handles = []
+    for i, (p, n) in enumerate(zip(prompts, max_new)):
+        g = ov_genai.GenerationConfig()
+        g.max_new_tokens, g.do_sample, g.ignore_eos = int(n), False, False
+        g.eos_token_id, g.stop_token_ids = eos, {eos}
+        handles.append(pipe.add_request(i, ov.Tensor(np.asarray([p], dtype=np.int64)), g))
+    tokens: list[list[int]] = [[] for _ in prompts]
+    reasons: list[str] = ["none"] * len(prompts)
+    steps, usage, scheduled = 0, [], []
+    while pipe.has_non_finished_requests():
+        pipe.step()
+        steps += 1
+        m = pipe.get_metrics()
+        usage.append(float(m.cache_usage))
+        scheduled.append(int(m.scheduled_requests))
+        for i, h in enumerate(handles):
+            if h.can_read():
+                for out in h.read().values():
+                    tokens[i] += list(out.generated_ids)
+                    reason = str(getattr(out, "finish_reason", "")).rsplit(".", 1)[-1].lower()
+                    if reason and reason != "none":
+                        reasons[i] = reason
+    t1 = time.perf_counter()
+    # OpenVINO reports STOP for an EOS; an EOS it left out of generated_ids is counted as our engine counts it
+    finish, lengths = [], []
+    for t, r, n in zip(tokens, reasons, max_new):
+        hit_eos = bool(t) and t[-1] == eos or (r == "stop" and len(t) < n)
+        finish.append("eos" if hit_eos else "length")
+        lengths.append(len(t) + (1 if hit_eos and (not t or t[-1] != eos) else 0))
+    return {"mode": "chat", "batch": a.batch, "prompts": len(prompts), "prompt_tokens": sum(map(len, prompts)),
+            "generated_tokens": sum(lengths), "lengths": lengths, "finish": finish,
+            "eos_in_ids": sum(bool(t) and t[-1] == eos for t in tokens), "load_s": t0 - t_load,
+            "gen_s": t1 - t0, "steps": steps, "max_cache_usage": max(usage, default=0.0),
+            "max_scheduled": max(scheduled, default=0), "num_kv_blocks": a.num_kv_blocks,
+            "kv_cache_bytes": int(pipe.get_metrics().kv_cache_size_in_bytes), "kv_precision": a.kv_precision,
+            "inference_precision": inference_precision(a), "peak_rss_bytes": peak_rss_bytes(),
+            "max_num_batched_tokens": batched_tokens(a.batch, longest, a.max_batched_tokens),
+            "threads": int(os.environ.get("OMP_NUM_THREADS", "2")), **versions()}
+
+
 def profiled_model(a: argparse.Namespace) -> Any:
     """The IR as GenAI's runner compiles it: SDPA turned into PagedAttention (the same transformation GenAI
     applies), and a Gather of each sequence's last row before the LM head (GenAI's gather-before-matmul: logits
@@ -296,6 +352,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--ir", required=True, help="folder of the exported OpenVINO IR (openvino_model.xml)")
     p.add_argument("--ids", help="JSON list of prompts (token id lists of one length)")
+    p.add_argument("--chat", metavar="JOB_JSON", help="the chat workload: {prompts, max_new_tokens, eos_id} (chat())")
     p.add_argument("--check-greedy", metavar="PROMPTS_JSON",
                    help="instead of a timed case: greedy token ids of these prompts (token id lists)")
     p.add_argument("--batch", type=int, default=1)
@@ -316,12 +373,14 @@ def main() -> int:
     a = p.parse_args()
     if a.check_greedy:
         out = check_greedy(a)
+    elif a.chat:
+        out = chat(a)
     elif a.profile and a.ids:
         out = profile(a)
     elif a.ids:
         out = run(a)
     else:
-        p.error("--ids or --check-greedy is required")
+        p.error("--ids, --chat or --check-greedy is required")
     Path(a.json).write_text(json.dumps(out, indent=2))
     return 0
 

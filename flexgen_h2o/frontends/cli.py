@@ -42,6 +42,17 @@ def ratio(v: str) -> float:
     return r
 
 
+def share(v: str) -> float:
+    """A share of something: 0 <= s <= 1."""
+    try:
+        r = float(v)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {v!r}") from None
+    if not 0.0 <= r <= 1.0:
+        raise argparse.ArgumentTypeError(f"{v} is not in [0, 1]")
+    return r
+
+
 def _int_at_least(low: int):
     def parse(v: str) -> int:
         try:
@@ -87,6 +98,12 @@ def build_parser() -> argparse.ArgumentParser:
                    "for a GPU compute device")
     s.add_argument("--sep-layer", type=str2bool, default=True, help="attention and MLP as separate schedule layers")
     s.add_argument("--skip-preflight", action="store_true", help="run even if the memory estimate does not fit")
+    s.add_argument("--no-refill", action="store_true",
+                   help="batch and prompts modes: synchronous blocks (each waits for its longest answer) instead of "
+                        "continuous refill, where a finished row takes the next prompt (benchmark mode never refills)")
+    s.add_argument("--refill-share", type=share, default=None,
+                   help="refill once this share of the block's rows is free (default: one row when every weight "
+                        "is resident on the compute device, 0.25 when weights stream in)")
     c = p.add_argument_group("compression (FlexGen's group-wise min-max quantization)")
     c.add_argument("--compress-weight", action="store_true",
                    help="store weight matrices as group-wise int4 (or --weight-bits 8): fewer bytes on every tier "

@@ -220,17 +220,32 @@ class OutputLock:
 
 def generate_file(llm: Any, requests: list[Request], pending: list[Request], ids: list[list[int]],
                   results: ResultsFile, gen: Any, *, input_name: str, progress: bool, job: Any = None) -> dict:
-    """Generate the pending requests block by block (bucketed), appending each block as it finishes; then
-    put the whole file in input order. Returns the run's metrics (times and token counts)."""
+    """Generate the pending requests, appending results as they finish; then put the whole file in input
+    order. Synchronous blocks (bucketed) append block by block; a refilled job (llm.refill: prompts join in
+    input order) holds each finished result until every earlier pending id is written, so the file stays in
+    input order all along. Returns the run's metrics (times and token counts)."""
     # sampling seeded by the request's place in the input (as LLM.generate seeds by list index), not by its
     # place in this run: a resumed id samples what it would have sampled uninterrupted
     position = {r.key: n for n, r in enumerate(requests)}
     blocks = llm.generate_blocks(ids, gen, [r.max_new_tokens for r in pending], progress=progress,
                                  label=lambda i: f"{input_name}: line {pending[i].line}",
                                  seeds=[position[r.key] for r in pending], job=job)
+    held: dict[int, dict] = {}
+    next_out = 0                                     # the first pending index not yet written (refill)
     for block in blocks:
-        results.append(record(pending[i], text, toks, reason, len(ids[i]), model=llm.config.name)
-                       for i, toks, text, reason in zip(block.indices, block.token_ids, block.texts,
-                                                        block.finish_reasons))
+        recs = {i: record(pending[i], text, toks, reason, len(ids[i]), model=llm.config.name)
+                for i, toks, text, reason in zip(block.indices, block.token_ids, block.texts, block.finish_reasons)}
+        if not getattr(llm, "refill", False):
+            results.append(recs.values())
+            continue
+        held.update(recs)
+        run = []
+        while next_out in held:
+            run.append(held.pop(next_out))
+            next_out += 1
+        if run:
+            results.append(run)
+    if held:                                         # cannot happen: every pending id finishes
+        results.append(held[i] for i in sorted(held))
     results.finalize(requests)
     return dict(llm.last_metrics)

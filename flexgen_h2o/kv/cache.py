@@ -177,7 +177,8 @@ class KVCache:
             k_rows, v_rows, pos_rows = k_new, v_new, positions
             score_rows = 0.0 if scores is None else scores
         else:
-            keep = self.policy.select_prefill(scores, positions, self.budget, self.generator)  # (b, g, p)
+            budget, generator = self._row_rules(first_row, b)
+            keep = self.policy.select_prefill(scores, positions, budget, generator)        # (b, g, p)
             n_keep = self._room_for(int(keep.sum(-1).max().item()) if keep.numel() else 0)
             index, kept = pack_kept(keep, n_keep)           # kept rows first, in prompt order: (b, g, n) each
             k_rows, v_rows = gather_slots(k_new, index), gather_slots(v_new, index)
@@ -190,6 +191,34 @@ class KVCache:
         self.pos[rows, :, :n_keep] = pos_rows
         self.n_used = max(self.n_used, n_keep)
         self.bytes_written[self.tier_kind] += self._slot_bytes(n_keep, rows=b)
+
+    def _row_rules(self, first_row: int, b: int) -> tuple[Budget | RowBudgets, KeyedDraws | None]:
+        """The budgets and random draws of sequences [first_row, first_row + b): a chunk of the prompt pass, or
+        a row refilled alone, is selected against its own rows' budgets and keys, not the whole batch's."""
+        if first_row == 0 and b == self.batch:
+            return self.budget, self.generator
+        budget = self.budget.part(first_row, first_row + b) if isinstance(self.budget, RowBudgets) else self.budget
+        generator = self.generator.part(first_row, first_row + b) if isinstance(self.generator, KeyedDraws) \
+            else self.generator
+        return budget, generator
+
+    def reset_row(self, row: int, budget: Budget, draw_key: int | None = None) -> None:
+        """Free every slot of sequence `row` for a new prompt (continuous refill): positions -1, scores 0, the
+        row's budget (and its compiled-commit counts) and random-rule key replaced. K/V bytes stay: a free slot
+        is masked, and the new prompt's rows overwrite them. Nothing else moves, whatever the tier."""
+        if budget.capacity > self.capacity:
+            raise ValueError(f"a budget of {budget.budget} slots does not fit this cache's {self.capacity}")
+        self.pos[row] = -1
+        self.score[row] = 0.0
+        if self.k_scale is not None:
+            self.k_scale[row] = 1.0
+        rows = list(self.budget.rows) if isinstance(self.budget, RowBudgets) else [self.budget] * self.batch
+        rows[row] = budget
+        self.budget = RowBudgets(tuple(rows))
+        self._row_counts = tuple(torch.tensor([getattr(r, n) for r in rows], dtype=torch.long)
+                                 for n in ("recent", "budget"))
+        if isinstance(self.generator, KeyedDraws) and draw_key is not None:
+            self.generator.keys[row] = KeyedDraws([draw_key]).keys[0]
 
     def _stored(self, rows: Tensor, key_scale: Tensor | None = None, batch_rows: slice = slice(None)) -> Tensor:
         """K or V rows in the cache's stored form (keys divided by their channel scale first: pass it). Rows

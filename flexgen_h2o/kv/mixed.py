@@ -48,6 +48,14 @@ class SplitKVCache:
                                  token_pos[src], first_row=a - lo, unpadded=unpadded,
                                  key_scale=None if key_scale is None else key_scale[src])
 
+    def reset_row(self, row: int, budget, draw_key: int | None = None) -> None:
+        """Free sequence `row`'s slots for a new prompt (KVCache.reset_row), in whichever part holds it."""
+        for lo, hi, cache in self.parts:
+            if lo <= row < hi:
+                cache.reset_row(row - lo, budget, draw_key)
+                return
+        raise IndexError(f"row {row} is not in this cache")
+
     def snapshot(self) -> tuple[Tensor, ...]:
         """Every slot of every part as host tensors (k, v, score, pos), pos -1 for an empty slot, and a compressed
         cache's per-channel key scale (b, g, 1, d) after them: what commit_prefill needs to rebuild this prompt's

@@ -69,14 +69,30 @@ class Plan:
                           keep_all=False)
 
     @classmethod
+    def for_refill(cls, model: ModelConfig, offload: OffloadPolicy, eviction: EvictionConfig,
+                   prompt_lens: Sequence[int], gen_lens: Sequence[int], *, device_type: str,
+                   compute_itemsize: int) -> "Plan":
+        """The plan of a continuously refilled job: one block of min(block size, prompts) rows that every prompt
+        passes through, each row sized for the job's widest budget (any prompt may take any row), the prompt
+        workspace for its longest prompt, and the rule from every prompt's own budget. Rows start with the widest
+        budget; a row takes its prompt's own when the prompt joins (KVCache.reset_row)."""
+        # each prompt's budget as if it ran alone (for h2o-port too: a refilled row has no block to share)
+        every = RowBudgets(tuple(eviction.resolve(n, g) for n, g in zip(prompt_lens, gen_lens)))
+        widest = max(every.rows, key=lambda b: b.capacity)
+        rows = min(offload.validate().block_size, len(prompt_lens))
+        return cls._build(model, offload.validate(), eviction, RowBudgets.uniform(widest, rows), max(prompt_lens),
+                          max(gen_lens), device_type, compute_itemsize, False, rule=policy_for(eviction, every).name)
+
+    @classmethod
     def _build(cls, model: ModelConfig, offload: OffloadPolicy, eviction: EvictionConfig, budgets: RowBudgets,
-               prompt_len: int, gen_len: int, device_type: str, itemsize: int, keep_all: bool) -> "Plan":
+               prompt_len: int, gen_len: int, device_type: str, itemsize: int, keep_all: bool,
+               rule: str | None = None) -> "Plan":
         n, gbs = len(budgets), offload.gpu_batch_size
         batches = tuple(BatchPlan(lo, min(n, lo + gbs),
                                   tuple(split_by_fraction(min(n, lo + gbs) - lo, offload.tier_fractions("cache"))),
                                   tuple(split_by_fraction(min(n, lo + gbs) - lo, offload.tier_fractions("act"))))
                         for lo in range(0, n, gbs))
-        policy = eviction.policy if keep_all else policy_for(eviction, budgets).name
+        policy = rule or (eviction.policy if keep_all else policy_for(eviction, budgets).name)
         rows = offload.prefill_rows(min(gbs, n), prompt_len, device_type)
         score_block = (ops.score_block_bytes(rows, model.n_heads, prompt_len, StepContext.query_chunk, device_type)
                        if get_policy(policy).needs_scores else 0)

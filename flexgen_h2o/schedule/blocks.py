@@ -84,11 +84,13 @@ class Job:
 
 
 def plan_job(model: Any, eviction: Any, block_size: int, lens: Sequence[int], max_new: Sequence[int],
-             label: Callable[[int], str], *, bucket: bool = True) -> Job:
-    """Check every prompt against `model`'s context window and `eviction`'s budgets, and cut the blocks."""
+             label: Callable[[int], str], *, bucket: bool = True, refill: bool = False) -> Job:
+    """Check every prompt against `model`'s context window and `eviction`'s budgets, and cut the blocks. refill:
+    the job runs continuously refilled (schedule/refill.py), where each prompt's budget is its own, as alone."""
     check_context(model.max_seq_len, eviction.position_rolling, lens, max_new, label, model.name)
     blocks = plan_blocks(lens, block_size, max_new, bucket=bucket)
-    return Job(list(lens), list(max_new), blocks, check_budgets(eviction, blocks, lens, max_new, label))
+    alone = [[i] for i in range(len(lens))] if refill else blocks
+    return Job(list(lens), list(max_new), blocks, check_budgets(eviction, alone, lens, max_new, label))
 
 
 def padding_tokens(blocks: Sequence[Sequence[int]], lens: Sequence[int]) -> int:
@@ -124,6 +126,60 @@ class Progress:
     def close(self) -> None:
         self.prefill.close()
         self.decode.close()
+
+
+class RefillProgress:
+    """tqdm bars for a refilled job (schedule/refill.py): prompts finished, and tokens generated with tokens/s
+    (its total the job's max_new_tokens, lowered as prompts stop early)."""
+
+    def __init__(self, enabled: bool, n_prompts: int, new_tokens: int):
+        from tqdm import tqdm
+        kw = dict(dynamic_ncols=True, disable=not enabled, leave=True)
+        self.prompts = tqdm(total=n_prompts, desc="prompts", unit="prompt", position=0, **kw)
+        self.decode = tqdm(total=new_tokens, desc="decode ", unit="tok", unit_scale=True, position=1, **kw)
+
+    def tokens(self, n: int) -> None:
+        self.decode.update(n)
+
+    def finished(self, generated: int, budgeted: int) -> None:
+        """One prompt done after `generated` of its `budgeted` tokens."""
+        self.prompts.update(1)
+        self.decode.total -= budgeted - generated
+        self.decode.refresh()
+
+    def close(self) -> None:
+        self.prompts.close()
+        self.decode.close()
+
+
+def run_refill(engine: Any, prompt_ids: Sequence[Sequence[int]], gen: GenerationConfig, max_new: Sequence[int],
+               order: Sequence[int], *, progress: bool = False, seeds: Sequence[int] | None = None,
+               share: float | None = None) -> Iterator[BlockResult]:
+    """The prompts `order` names, in that order, through one continuously refilled block (Engine.generate_refill);
+    yields the prompts that finished together as one BlockResult (caller's indices), as soon as they are done.
+    Its metrics are the job's, on the last result only."""
+    order = list(order)
+    bars = RefillProgress(progress, len(order), sum(max_new[i] for i in order))
+    try:
+        run = engine.generate_refill([prompt_ids[i] for i in order], gen, [max_new[i] for i in order],
+                                     seeds=[seeds[i] if seeds is not None else i for i in order], share=share,
+                                     on_tokens=bars.tokens)
+        for done in run:
+            for f in done:
+                bars.finished(len(f.token_ids), max_new[order[f.index]])
+            yield BlockResult([order[f.index] for f in done], [f.token_ids for f in done], [f.text for f in done],
+                              [f.finish_reason for f in done], {})
+    finally:
+        bars.close()
+
+
+def refill_totals(metrics: dict, lens: Sequence[int], order: Sequence[int]) -> Counter:
+    """A refilled job's metrics in add_metrics' terms, plus its joins and how busy its rows were."""
+    total: Counter = Counter({k: metrics[k] for k in ("prefill_s", "decode_s", "generated_tokens", "decode_steps")})
+    total.update(padded_prompt_tokens=metrics["prompt_tokens"], prompt_tokens=sum(lens[i] for i in order),
+                 blocks=1, joins=metrics["joins"])
+    total["row_occupancy"] = metrics["busy_row_steps"] / max(1, metrics["row_steps"])
+    return total
 
 
 @dataclass

@@ -35,6 +35,13 @@ class BatchState:
     activations: Any = None              # where the hidden state rests between layers
     next_ids: Tensor | None = None       # (b,) ids sampled at the last token step
     ctx: Any = None                      # (token, StepContext) built once per token step, shared by its layers
+    # continuous refill: the token step at which each row's prompt ran (None: step 0 for every row)
+    first_step: Tensor | None = None
+
+    def decode_pos(self, token: int) -> Tensor:
+        """(b,) original position of the token each row feeds at step `token` (its first is real_len)."""
+        start = 0 if self.first_step is None else self.first_step
+        return self.real_len + (token - 1) - start
 
 
 @dataclass
@@ -171,7 +178,7 @@ class BlockExecutor:
 
     def _new_rank(self, b: BatchState, token: int) -> Tensor:
         # the new token ranks after every kept token: min(tokens before it, its budget) of them survive
-        return torch.minimum(b.real_len + token - 1, b.kept_max)
+        return torch.minimum(b.decode_pos(token), b.kept_max)
 
     def _load_hidden(self, token: int, group: int, batch: int) -> Tensor:
         b = self.batches[batch]
@@ -187,7 +194,7 @@ class BlockExecutor:
             return StepContext(positions.to(p.device), b.token_valid.to(p.device), p.compute_dtype,
                                want_scores=p.needs_scores, keys_pre_rope=p.rolling, score_reduce=p.score_reduce,
                                unpadded=bool(b.token_valid.all()), kernels=p.kernels)
-        true_pos = b.real_len + token - 1
+        true_pos = b.decode_pos(token)
         pos = self._new_rank(b, token) if p.rolling else true_pos
         valid = torch.ones(len(true_pos), 1, dtype=torch.bool)
         return StepContext(pos.view(-1, 1).to(p.device), valid.to(p.device), p.compute_dtype,
@@ -210,7 +217,7 @@ class BlockExecutor:
                 layer = self.p.layers[l]
                 out = layer.forward(x, weights[l], views.get(l), ctx)
                 if layer.kind == "attn":
-                    updates[l] = (views[l], out, b.real_len + token - 1)
+                    updates[l] = (views[l], out, b.decode_pos(token))
                 x = out.hidden
             if updates:
                 self.store_buf[group][batch].store(updates)
