@@ -235,7 +235,7 @@ def generate_file(llm: Any, requests: list[Request], pending: list[Request], ids
     for block in blocks:
         recs = {i: record(pending[i], text, toks, reason, len(ids[i]), model=llm.config.name)
                 for i, toks, text, reason in zip(block.indices, block.token_ids, block.texts, block.finish_reasons)}
-        if not getattr(llm, "refill", False):
+        if not llm.refill:
             results.append(recs.values())
             continue
         held.update(recs)
@@ -245,7 +245,5 @@ def generate_file(llm: Any, requests: list[Request], pending: list[Request], ids
             next_out += 1
         if run:
             results.append(run)
-    if held:                                         # cannot happen: every pending id finishes
-        results.append(held[i] for i in sorted(held))
-    results.finalize(requests)
+    results.finalize(requests)                       # raises if any id were still held (none is: all finish)
     return dict(llm.last_metrics)

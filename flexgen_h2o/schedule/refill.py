@@ -119,7 +119,7 @@ class RefillRun:
         self.sampler = Sampler(self.gen, list(seeds) if seeds is not None else list(range(n)))
         self.stops = StopTracker(n, self.gen, engine.model.eos_id, engine.decode, self.max_new)
         self.metrics = {"prefill_s": 0.0, "decode_s": 0.0, "prompt_tokens": 0, "generated_tokens": 0,
-                        "decode_steps": 0, "joins": 0, "busy_row_steps": 0, "row_steps": 0, "step_times_s": []}
+                        "decode_steps": 0, "joins": 0, "busy_row_steps": 0, "row_steps": 0}
 
     # --- setup ---
 
@@ -270,7 +270,6 @@ class RefillRun:
                               self.e.offload.overlap, first_token=first).run()
         self.metrics["decode_s"] += time.perf_counter() - t0
         self.metrics["decode_steps"] += len(times)
-        self.metrics["step_times_s"] += [b - a for a, b in zip([t0] + times, times)]
 
     def _sampled(self, k: int, rows: list[int], seqs: Sequence[int | None], logits: torch.Tensor,
                  token: int | None = None) -> None:
@@ -295,6 +294,5 @@ class RefillRun:
                 if token is not None:
                     self._just_freed.append((k, r))
         if token is not None:                # free rows hold position 1 (their tokens are never read)
-            for r, s in enumerate(self.row_seq[k]):
-                if s is None:
-                    main.real_len[r], main.first_step[r] = 1, token
+            free = torch.tensor([s is None for s in self.row_seq[k]])
+            main.real_len[free], main.first_step[free] = 1, token
