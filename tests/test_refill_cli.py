@@ -9,7 +9,7 @@ import signal
 
 from tests.test_cli import tiny  # noqa: F401  (the converted tiny checkpoint and its CLI environment)
 from tests.test_cli_invariance import ROWS, tokens_by_id
-from tests.tiny_checkpoint import kill_once_written, run_cli
+from tests.tiny_checkpoint import kill_at_line, run_cli
 
 # answers of different lengths, so rows free up at different steps
 LINES = [dict(r, max_new_tokens=4 + (i * 11) % 37) for i, r in enumerate(ROWS)]
@@ -27,17 +27,16 @@ def test_killed_refilled_job_resumes_in_order_without_loss_or_duplicates(tiny, t
     args = [*common, "--output", str(out), "--gpu-batch-size", "3", "--num-gpu-batches", "2"]
     done, kills = 0, 0
     rng = random.Random(35)
-    while done < len(LINES) - 2:
-        status = kill_once_written(args, out, env, tmp_path / "log", lines=done + rng.randint(1, 3))
-        written = [json.loads(line)["id"] for line in out.read_text().splitlines()]
-        if status != -signal.SIGKILL:        # it finished before the kill: the file is final, in input order
-            assert status == 0 and written == IDS, (tmp_path / "log").read_text()[-2000:]
-            break
+    while done < len(LINES) - 3:            # kill points in output lines, each before or after its append
+        target = done + rng.randint(1, 3)
+        status = kill_at_line(args, env, tmp_path / "log", target, before=rng.random() < 0.5)
+        assert status == -signal.SIGKILL, (tmp_path / "log").read_text()[-2000:]
         kills += 1
+        written = [json.loads(line)["id"] for line in out.read_text().splitlines()] if out.exists() else []
         assert written == IDS[:len(written)], written     # a prefix of the input: nothing out of order or twice
         assert not list(tmp_path.glob(".out.jsonl.*.tmp"))
         done = len(written)
-    assert kills >= 2
+    assert kills >= 3
     rerun = run_cli(args, env)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     assert ("join passes" in rerun.stdout) == (done < len(LINES)), rerun.stdout

@@ -70,3 +70,33 @@ def kill_once_written(args: list[str], out: Path, env: dict[str, str], log: Path
             time.sleep(0.01)
         proc.send_signal(signal.SIGKILL)
         return proc.wait(30)
+
+
+# Runs the CLI with ResultsFile.append wrapped: the append that would bring this run's file to `lines` lines SIGKILLs
+# the process, before its write (that block's answers are lost and must be recomputed) or after it (fsync'd).
+# A kill point in lines, not in time, so a job that bursts its held answers out at once cannot finish first.
+_KILL_AT_LINE = """
+import os, runpy, signal, sys
+from flexgen_h2o.frontends import jsonl
+target, before = int(sys.argv[1]), sys.argv[2] == "before"
+plain = jsonl.ResultsFile.append
+def append(self, records):
+    recs = list(records)
+    have = self.path.read_bytes().count(b"\\n") if self.path.exists() else 0
+    if have + len(recs) >= target and before:
+        os.kill(os.getpid(), signal.SIGKILL)
+    plain(self, recs)
+    if have + len(recs) >= target:
+        os.kill(os.getpid(), signal.SIGKILL)
+jsonl.ResultsFile.append = append
+sys.argv = ["flexgen_h2o.run", *sys.argv[3:]]
+runpy.run_module("flexgen_h2o.run", run_name="__main__")
+"""
+
+
+def kill_at_line(args: list[str], env: dict[str, str], log: Path, lines: int, before: bool) -> int:
+    """Run `python -m flexgen_h2o.run args`, SIGKILLed by itself at the append that brings the output to `lines`
+    lines (before or after that write). Returns its exit status (-SIGKILL when it was killed)."""
+    with open(log, "w") as f:
+        return subprocess.run([sys.executable, "-c", _KILL_AT_LINE, str(lines), "before" if before else "after",
+                               *args], env=env, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, timeout=300).returncode
