@@ -85,6 +85,22 @@ def test_freed_slots_are_never_read(kernel):
     assert torch.equal(dirty[0], clean[0]) and torch.equal(dirty[1], clean[1])
 
 
+def test_a_column_reads_only_up_to_its_own_extent(kernel):
+    """A row in a window sized for a longer batch-mate (or a refilled row packed from slot 0 again) has masked slots
+    past its last valid one: its output and mass are bitwise what the window cut at its extent gives, whatever the
+    slots past it hold, and the mass there is exactly 0. (The window's width used to change the key blocks and
+    softmax tails a column's sums fell in.)"""
+    q, k, v, valid, slot, k_new, v_new = _step(3, 9, 3, 29, 64, 29, seed=3)
+    wide = 29 + 38
+    k_wide = torch.cat([k, torch.full((3, 3, 38, 64), float("nan")).half()], 2)
+    v_wide = torch.cat([v, torch.full((3, 3, 38, 64), float("inf")).half()], 2)
+    valid_wide = torch.cat([valid, torch.zeros(3, 3, 38, dtype=torch.bool)], 2)
+    narrow = kernel.narrow_decode_attention(q, k, v, valid, slot, k_new, v_new, 0.3, want_scores=True)
+    got = kernel.narrow_decode_attention(q, k_wide, v_wide, valid_wide, slot, k_new, v_new, 0.3, want_scores=True)
+    assert got[1].shape[-1] == wide and torch.all(got[1][..., 29:] == 0)
+    assert torch.equal(got[0], narrow[0]) and torch.equal(got[1][..., :29], narrow[1])
+
+
 def test_kernel_is_the_same_on_one_thread_and_two(kernel):
     """Each (sequence, KV head) column is computed whole by one thread, so the split changes nothing."""
     args = _step(5, 9, 3, 100, 64, 128)

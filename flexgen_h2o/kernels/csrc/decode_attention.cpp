@@ -267,44 +267,50 @@ struct Problem {
   float* mass;                    // (b, g, s), or null
 };
 
-// the (sequence bi, KV head gi) column: r query heads over s slots, up to HEADS_AT_ONCE heads per pass over the
-// window. The new token's key and value are the unrounded fp32 rows (k_new, v_new), not its slot's stored copy
+// the (sequence bi, KV head gi) column: r query heads over its slots, up to HEADS_AT_ONCE heads per pass over the
+// window. The new token's key and value are the unrounded fp32 rows (k_new, v_new), not its slot's stored copy.
+// Only the column's own extent is read (up to its last valid slot or the new one): in a window sized for the
+// batch's longest row, or a refilled row packed from slot 0 again, the slots past it are masked, and skipping them
+// keeps a row's arithmetic independent of its batch-mates' lengths
 template <class Rows>
 void attend_column(const Problem& p, int64_t bi, int64_t gi, float* qs, float* probs) {
   const int64_t bg = bi * p.g + gi, s = p.s, d = p.d, r = p.r;
   const bool* valid = p.valid + bg * s;
   const int64_t new_slot = p.slot[bg];
+  int64_t e = s;
+  while (e > new_slot + 1 && !valid[e - 1]) --e;
   const float* q = p.q + bg * r * d;
   const float* k_new = p.k_new + bg * d;
   const float* v_new = p.v_new + bg * d;
   for (int64_t i = 0; i < r * d; ++i) qs[i] = q[i] * p.scale;
   const Rows keys(p.k + bi * p.kb + gi * p.kg, d, p.group_size);
   for (int64_t j0 = 0; j0 < r; j0 += HEADS_AT_ONCE)
-    head_logits(qs + j0 * d, std::min(HEADS_AT_ONCE, r - j0), keys, s, d, s, probs + j0 * s);
+    head_logits(qs + j0 * d, std::min(HEADS_AT_ONCE, r - j0), keys, e, d, s, probs + j0 * s);
   constexpr float masked = -std::numeric_limits<float>::infinity();
   for (int64_t j = 0; j < r; ++j) {
     float* line = probs + j * s;
-    for (int64_t i = 0; i < s; ++i)         // a masked slot's row may hold anything: its logit is overwritten
+    for (int64_t i = 0; i < e; ++i)         // a masked slot's row may hold anything: its logit is overwritten
       if (!valid[i]) line[i] = masked;
     float sum = 0.0f;
     for (int64_t c = 0; c < d; ++c) sum += qs[j * d + c] * k_new[c];
     line[new_slot] = sum;
-    softmax(line, s);                       // the new token is always valid: no line is all masked
+    softmax(line, e);                       // the new token is always valid: no line is all masked
   }
   float* out = p.out + bg * r * d;
   std::fill(out, out + r * d, 0.0f);
   const Rows values(p.v + bi * p.vb + gi * p.vg, d, p.group_size);
   for (int64_t j0 = 0; j0 < r; j0 += HEADS_AT_ONCE)
-    head_values(probs + j0 * s, std::min(HEADS_AT_ONCE, r - j0), s, values, s, d, new_slot, out + j0 * d);
+    head_values(probs + j0 * s, std::min(HEADS_AT_ONCE, r - j0), s, values, e, d, new_slot, out + j0 * d);
   for (int64_t j = 0; j < r; ++j)
     for (int64_t c = 0; c < d; ++c) out[j * d + c] += probs[j * s + new_slot] * v_new[c];
   if (p.mass != nullptr) {
     float* mass = p.mass + bg * s;
-    std::copy(probs, probs + s, mass);
+    std::copy(probs, probs + e, mass);
+    std::fill(mass + e, mass + s, 0.0f);
     for (int64_t j = 1; j < r; ++j)
-      for (int64_t i = 0; i < s; ++i) mass[i] += probs[j * s + i];
+      for (int64_t i = 0; i < e; ++i) mass[i] += probs[j * s + i];
     if (p.pool != 1.0f)
-      for (int64_t i = 0; i < s; ++i) mass[i] *= p.pool;
+      for (int64_t i = 0; i < e; ++i) mass[i] *= p.pool;
   }
 }
 
