@@ -211,6 +211,26 @@ def test_idle_gpu_batches_sit_out_and_joins_fill_busy_batches_first():
     assert m["row_steps"] == 2 * m["decode_steps"] and m["busy_row_steps"] == 19 + 5
 
 
+def test_free_rows_skip_the_linear_layers(monkeypatch):
+    """A decode step computes the projections, MLP and head over the rows holding a prompt only: once one of three
+    rows is free for good (nothing left to join), every linear layer sees two rows, and the tokens are unchanged."""
+    model = tiny_hf("llama-gqa")
+    prompts = random_prompts([9, 12, 7])
+    max_new = [2, 12, 12]
+    alone = [make_engine(model, offload=OffloadPolicy(kv_dtype="float32", gpu_batch_size=1))
+             .generate([p], greedy(n)).token_ids[0] for p, n in zip(prompts, max_new)]
+    engine = make_engine(model, offload=OffloadPolicy(kv_dtype="float32", gpu_batch_size=3))
+    seen: list[tuple[int, int]] = []
+    real = engine.kernels.linear
+    monkeypatch.setattr(engine.kernels, "linear", lambda x, w, b=None: seen.append(x.shape[:2]) or real(x, w, b))
+    got, _ = refilled(engine, prompts, greedy(12), max_new)
+    assert [got[i][0] for i in range(len(prompts))] == alone
+    decode = [rows for rows, tokens in seen if tokens == 1]      # (rows, tokens): a decode step has one token
+    # the join's three one-prompt groups (their heads), decode steps of 3 rows until prompt 0 ends, then of 2
+    k, m = decode.count(3), decode.count(2)
+    assert decode == [1] * 3 + [3] * k + [2] * m and m > 5 * k > 0, decode
+
+
 def test_join_groups_pad_little():
     from flexgen_h2o.schedule.refill import JOIN_PADDING, _similar_lengths
     items = [(n, r, r) for r, n in enumerate([10, 10, 11, 30, 31, 100])]

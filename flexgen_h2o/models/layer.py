@@ -56,6 +56,9 @@ class StepContext:
     query_chunk: int = 256       # prefill queries per chunk when scores are wanted (never a full s x s matrix)
     unpadded: bool = False       # no pads in any sequence: a prompt's mask is purely causal (decided on the host)
     kernels: TorchKernels = TORCH  # the math's kernels, resolved once per engine (flexgen_h2o.kernels.resolve)
+    # decode: the rows whose results are read (a refilled block's busy rows), None for every row; the linear
+    # layers skip the others, whose hidden states and KV writes are never read
+    live: Tensor | None = None
     # (id of the frequencies' tensor, dtype) -> (cos, sin) of these positions; rows() starts a fresh dict
     _rope: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
 
@@ -67,6 +70,17 @@ class StepContext:
         if key not in self._rope:
             self._rope[key] = (inv_freq, *rope_cos_sin(self.positions, inv_freq, dtype))   # holds the id's owner
         return self._rope[key][1:]
+
+    def take_live(self, x: Tensor) -> Tensor:
+        """x's live rows (dim 0), for the linear layers: on a CPU a free row costs as much as a busy one, so a
+        refilled block at a job's tail would otherwise compute its idle rows."""
+        return x if self.live is None else x.index_select(0, self.live)
+
+    def spread(self, part: Tensor, rows: int) -> Tensor:
+        """take_live's inverse: `part` back in a tensor of `rows` rows, zeros in the rows that are not live."""
+        if self.live is None:
+            return part
+        return part.new_zeros((rows, *part.shape[1:])).index_copy_(0, self.live, part)
 
     def rows(self, lo: int, hi: int) -> "StepContext":
         """The context of sequences [lo, hi) only (a prefill chunk): a chunk of an unpadded block is unpadded;

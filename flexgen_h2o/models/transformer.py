@@ -81,9 +81,10 @@ class AttentionLayer(_Base):
     def forward(self, x: Tensor, w: Mapping[str, Tensor], kv: KVView | None, ctx: StepContext) -> LayerOutput:
         cfg, kernels = self.cfg, ctx.kernels
         h = self._norm(x, w, self.norm, ctx) if cfg.pre_norm else x
-        q = ops.split_heads(self._proj(h, w, "q_proj", ctx), cfg.n_heads)     # (b, h, t, d)
-        k = ops.split_heads(self._proj(h, w, "k_proj", ctx), cfg.n_kv_heads)  # (b, g, t, d)
-        v = ops.split_heads(self._proj(h, w, "v_proj", ctx), cfg.n_kv_heads)  # (b, g, t, d)
+        hl, b = ctx.take_live(h), h.shape[0]    # a refilled block's free rows skip the projections
+        q = ops.split_heads(ctx.spread(self._proj(hl, w, "q_proj", ctx), b), cfg.n_heads)     # (b, h, t, d)
+        k = ops.split_heads(ctx.spread(self._proj(hl, w, "k_proj", ctx), b), cfg.n_kv_heads)  # (b, g, t, d)
+        v = ops.split_heads(ctx.spread(self._proj(hl, w, "v_proj", ctx), b), cfg.n_kv_heads)  # (b, g, t, d)
         k_store = k
         if self.inv_freq is not None:
             cos, sin = ctx.rope(self.inv_freq, q.dtype)                         # (b, t, d), once a step
@@ -135,10 +136,10 @@ class AttentionLayer(_Base):
     def _finish(self, x: Tensor, out: Tensor, w: Mapping[str, Tensor], k_store: Tensor, v: Tensor,
                 scores: Tensor | None, ctx: StepContext) -> LayerOutput:
         """Output projection and residual; only the attention output crosses back to x's device."""
-        out = out.to(x.device, x.dtype)
+        out = ctx.take_live(out.to(x.device, x.dtype))
         out = ctx.kernels.linear(ops.merge_heads(out), w[f"self_attn.{self.out_proj}.weight"],
                                  w.get(f"self_attn.{self.out_proj}.bias"))
-        x = x + out
+        x = x + ctx.spread(out, x.shape[0])
         if not self.cfg.pre_norm:
             x = self._norm(x, w, self.norm, ctx)
         return LayerOutput(hidden=x, k_new=k_store, v_new=v, scores=scores)
@@ -150,12 +151,12 @@ class MLPLayer(_Base):
 
     def forward(self, x: Tensor, w: Mapping[str, Tensor], kv: KVView | None, ctx: StepContext) -> LayerOutput:
         kernels = ctx.kernels
-        h = self._norm(x, w, self.norm, ctx) if self.cfg.pre_norm else x
+        h = ctx.take_live(self._norm(x, w, self.norm, ctx) if self.cfg.pre_norm else x)
         if self.cfg.activation == "silu":
             out = kernels.swiglu_mlp(h, w["mlp.gate_proj.weight"], w["mlp.up_proj.weight"], w["mlp.down_proj.weight"])
         else:
             out = kernels.relu_mlp(h, w["fc1.weight"], w.get("fc1.bias"), w["fc2.weight"], w.get("fc2.bias"))
-        x = x + out
+        x = x + ctx.spread(out, x.shape[0])
         if not self.cfg.pre_norm:
             x = self._norm(x, w, self.norm, ctx)
         return LayerOutput(hidden=x)
@@ -166,14 +167,15 @@ class HeadLayer(_Base):
     kind = "head"
 
     def forward(self, x: Tensor, w: Mapping[str, Tensor], kv: KVView | None, ctx: StepContext) -> LayerOutput:
-        x = x[:, -1:]                            # left padding puts every sequence's last token at the end
+        rows = x.shape[0]
+        x = ctx.take_live(x[:, -1:])             # left padding puts every sequence's last token at the end
         if self.cfg.final_norm:
             x = self._norm(x, w, self.norm, ctx)
         if "project_out.weight" in w:
             x = ctx.kernels.linear(x, w["project_out.weight"])
         # a resident tied table stays fp16: upcast by rows
         logits = ctx.kernels.linear(x, w["lm_head.weight"]).float()
-        return LayerOutput(hidden=logits[:, 0])
+        return LayerOutput(hidden=ctx.spread(logits[:, 0], rows))
 
 
 def all_specs(layers: list) -> list[WeightSpec]:

@@ -37,6 +37,7 @@ class BatchState:
     ctx: Any = None                      # (token, StepContext) built once per token step, shared by its layers
     # continuous refill: the token step at which each row's prompt ran (None: step 0 for every row)
     first_step: Tensor | None = None
+    live: Tensor | None = None           # continuous refill: the rows holding a prompt, when some are free
 
     def decode_pos(self, token: int) -> Tensor:
         """(b,) original position of the token each row feeds at step `token` (its first is real_len)."""
@@ -199,7 +200,7 @@ class BlockExecutor:
         valid = torch.ones(len(true_pos), 1, dtype=torch.bool)
         return StepContext(pos.view(-1, 1).to(p.device), valid.to(p.device), p.compute_dtype,
                            want_scores=p.needs_scores, keys_pre_rope=p.rolling, score_reduce=p.score_reduce,
-                           kernels=p.kernels)
+                           kernels=p.kernels, live=None if b.live is None else b.live.to(p.device))
 
     def _compute(self, token: int, group: int, batch: int) -> None:
         b = self.batches[batch]

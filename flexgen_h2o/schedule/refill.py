@@ -251,6 +251,9 @@ class RefillRun:
         # a GPU batch with no prompt left sits the phase out: at a job's tail whole batches go idle (joins fill the
         # busiest batches first), and their rows would otherwise be computed for nothing
         live = [k for k, rows in enumerate(self.row_seq) if any(s is not None for s in rows)]
+        for k in live:                       # and in a batch that runs, the free rows skip the linear layers
+            busy = [r for r, s in enumerate(self.row_seq[k]) if s is not None]
+            self.batches[k].live = None if len(busy) == len(self.row_seq[k]) else torch.tensor(busy)
 
         def on_logits(token: int, batch: int, logits: torch.Tensor) -> None:
             k = live[batch]
