@@ -285,8 +285,8 @@ def machine(path: Path | None, threads: int) -> dict[str, Any]:
 
     import torch
 
-    from benchmarks.machine import _cpu_model
-    return {"cheap": True, "date": datetime.date.today().isoformat(), "host": platform.node(), "cpu": _cpu_model(),
+    from flexgen_h2o.calibrate import cpu_model
+    return {"cheap": True, "date": datetime.date.today().isoformat(), "host": platform.node(), "cpu": cpu_model(),
             "cpus": os.cpu_count(), "threads": threads, "torch": torch.__version__}
 
 

@@ -24,27 +24,14 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")     # spin-waiting threads w
 import argparse  # noqa: E402
 import datetime  # noqa: E402
 import json  # noqa: E402
-import math  # noqa: E402
 import platform  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
-from typing import Any, Callable  # noqa: E402
+from typing import Any  # noqa: E402
+
+from flexgen_h2o.calibrate import best_time, cpu_model  # noqa: E402
 
 DECODE_ROWS = (1, 2, 4, 8, 16, 32, 64, 128)
-
-
-def _best(fn: Callable[[], Any], min_s: float, sync: Callable[[], None] = lambda: None) -> float:
-    """Best single-call time over repeated calls lasting at least min_s in all (first call discarded)."""
-    fn()
-    sync()
-    best, spent = math.inf, 0.0
-    while spent < min_s or best == math.inf:
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        dt = time.perf_counter() - t0
-        best, spent = min(best, dt), spent + dt
-    return best
 
 
 def measure_gemm(threads: int, smoke: bool) -> dict[str, Any]:
@@ -57,11 +44,11 @@ def measure_gemm(threads: int, smoke: bool) -> dict[str, Any]:
     for m in DECODE_ROWS:
         x = torch.randn(m, k)
         it = iter(range(1 << 62))
-        t = _best(lambda: x @ mats[next(it) % len(mats)], min_s)
+        t = best_time(lambda: x @ mats[next(it) % len(mats)], min_s)
         decode[str(m)] = 2 * m * k * n / t / 1e9
     pm = 512 if smoke else 2048
     a, b = torch.randn(pm, k), torch.randn(k, k)
-    prefill = 2 * pm * k * k / _best(lambda: a @ b, min_s) / 1e9
+    prefill = 2 * pm * k * k / best_time(lambda: a @ b, min_s) / 1e9
     return {"gemm_decode_GFLOPs": decode, "gemm_prefill_GFLOPs": prefill, "gemm_shape_kn": [k, n],
             "gemm_prefill_rows": pm}
 
@@ -72,8 +59,8 @@ def measure_memory(threads: int, smoke: bool) -> dict[str, float]:
     n = (64 if smoke else 256) << 20 >> 2
     src, dst = torch.randn(n), torch.empty(n)
     min_s = 0.05 if smoke else 0.4
-    t_copy = _best(lambda: dst.copy_(src), min_s)
-    t_read = _best(lambda: src.sum(), min_s)
+    t_copy = best_time(lambda: dst.copy_(src), min_s)
+    t_read = best_time(lambda: src.sum(), min_s)
     return {"memcpy_GBps": 2 * src.nbytes / t_copy / 1e9, "mem_read_GBps": src.nbytes / t_read / 1e9}
 
 
@@ -141,14 +128,14 @@ def measure_gpu(smoke: bool) -> dict[str, Any] | None:
     host = torch.empty(n, dtype=torch.uint8).pin_memory()
     dev = torch.empty(n, dtype=torch.uint8, device="cuda")
     sync = torch.cuda.synchronize
-    h2d = _best(lambda: dev.copy_(host, non_blocking=True), 0.2, sync)
-    d2h = _best(lambda: host.copy_(dev, non_blocking=True), 0.2, sync)
+    h2d = best_time(lambda: dev.copy_(host, non_blocking=True), 0.2, sync)
+    d2h = best_time(lambda: host.copy_(dev, non_blocking=True), 0.2, sync)
     other = torch.empty_like(dev)
-    d2d = _best(lambda: other.copy_(dev), 0.2, sync)
+    d2d = best_time(lambda: other.copy_(dev), 0.2, sync)
     # the compute side of a GPU roofline: an fp16 GEMM at a prefill-like shape (the engine computes in fp16)
     m = 2048 if smoke else 8192
     a, b = (torch.randn(m, m, dtype=torch.float16, device="cuda") for _ in range(2))
-    gemm = _best(lambda: a @ b, 0.2, sync)
+    gemm = best_time(lambda: a @ b, 0.2, sync)
     return {"name": torch.cuda.get_device_name(0), "h2d_GBps": n / h2d / 1e9, "d2h_GBps": n / d2h / 1e9,
             "device_read_GBps": n / d2d / 1e9, "gemm_fp16_TFLOPs": 2 * m ** 3 / gemm / 1e12,
             "memory_bytes": torch.cuda.get_device_properties(0).total_memory}
@@ -159,7 +146,7 @@ def measure(threads: int = 2, smoke: bool = False, disk_dir: Path | None = None)
     from flexgen_h2o.weights import store_root
     t0 = time.perf_counter()
     res: dict[str, Any] = {"date": datetime.date.today().isoformat(), "host": platform.node(),
-                           "cpu": _cpu_model(), "cpus": os.cpu_count(), "threads": threads,
+                           "cpu": cpu_model(), "cpus": os.cpu_count(), "threads": threads,
                            "torch": torch.__version__, "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY")}
     res.update(measure_gemm(threads, smoke))
     res.update(measure_memory(threads, smoke))
@@ -167,14 +154,6 @@ def measure(threads: int = 2, smoke: bool = False, disk_dir: Path | None = None)
     res["gpu"] = measure_gpu(smoke)
     res["measure_s"] = time.perf_counter() - t0
     return res
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor()
 
 
 # --- the roofline (pure arithmetic) ---

@@ -67,6 +67,17 @@ class OffloadPolicy:
                               f"got {len(percent)}")
         return cls(**dict(zip(PERCENT_FIELDS, (float(p) for p in percent))), **kw)
 
+    @classmethod
+    def auto(cls, model, *, prompt_len: int, gen_len: int, n_prompts: int, eviction=None, device: str | None = None,
+             offload_dir: str = "~/flexgen_offload_dir", base: "OffloadPolicy | None" = None,
+             calibrate: bool = False) -> "OffloadPolicy":
+        """The placement, GPU batch and compression the cost model predicts fastest for this job on this machine
+        (`--percent auto`; `flexgen_h2o.calibrate.auto_offload` also returns the prediction). model: a ModelConfig
+        or a preset name; eviction: the user's KV rule (default full). Raises PreflightError when nothing fits."""
+        from flexgen_h2o.calibrate import auto_offload   # the planner sits above config: imported when asked
+        return auto_offload(model, prompt_len=prompt_len, gen_len=gen_len, n_prompts=n_prompts, eviction=eviction,
+                            device=device, offload_dir=offload_dir, base=base or cls(), calibrate=calibrate)[0]
+
     def with_percent(self, percent: Sequence[float]) -> "OffloadPolicy":
         """This policy with another placement; every other field (batch, prefill rows, KV dtype, ...) kept."""
         return self.replace(**dict(zip(PERCENT_FIELDS, (float(p) for p in percent))))

@@ -25,7 +25,7 @@ from flexgen_h2o.config import ConfigError, OffloadPolicy  # noqa: E402
 from flexgen_h2o.frontends.jsonl import (OutputLock, ResultsFile, check_folder_writable,  # noqa: E402
                                          check_writable, read_requests)
 from flexgen_h2o.frontends.cli import (build_parser, check_flags, compression_bits, eviction_from_args,  # noqa: E402
-                                       log_file_name, run_sampling)
+                                       log_file_name, placement, run_sampling)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -75,7 +75,8 @@ def _run(args: argparse.Namespace) -> int:
     # --- cheap checks first: nothing heavy is imported and nothing is written until they pass ---
     mode = _mode(args)
     check_flags(args)
-    offload = OffloadPolicy.from_percent(args.percent, gpu_batch_size=args.gpu_batch_size,
+    percent, args.auto = placement(args)
+    offload = OffloadPolicy.from_percent(percent, gpu_batch_size=args.gpu_batch_size,
                                          num_gpu_batches=args.num_gpu_batches, overlap=args.overlap,
                                          prefill_batch_size=args.prefill_batch_size,
                                          uncached_disk_weights=args.uncached_disk_weights,
@@ -144,23 +145,37 @@ def _generate(args, mode, offload, eviction, gen_len, prompt_len, log_path, requ
         where = "--device cpu" if args.device else "no GPU found"
         raise ConfigError(f"--cpu-cache-compute applies when the compute device is a GPU, and here it is the CPU "
                           f"({where}); drop the flag")
-    # dummy weights homed on disk become a store on disk: write it only after the preflight said it fits
-    deferred = args.dummy_weights and offload.tier_fractions("weights")[2] > 0
+    # dummy weights homed on disk become a store on disk: write it only after the preflight said it fits (and
+    # after the search chose where they live)
+    deferred = args.dummy_weights and (args.auto is not None or offload.tier_fractions("weights")[2] > 0)
     loaded = None if deferred else _load(args)
     tok = fallback_tokenizer() if deferred else loaded.tokenizer
     texts, prompts, max_new, label = _prompts(args, mode, cfg, tok, offload, pending, prompt_len, gen_len)
     refill = mode != "benchmark" and not args.no_refill       # benchmark mode keeps FlexGen's synchronous blocks
     job = plan_job(cfg, eviction, offload.block_size, [len(p) for p in prompts], max_new, label, refill=refill)
-    est, checked = _preflight(args, cfg, offload, eviction, backend, deferred, job)
+    prediction = None
+    if args.auto:
+        offload, prediction = _auto(args, cfg, eviction, backend, offload, job, deferred)
+        if prediction is not None:        # the block may have changed: so may a benchmark's prompts and the job
+            texts, prompts, max_new, label = _prompts(args, mode, cfg, tok, offload, pending, prompt_len, gen_len)
+            job = plan_job(cfg, eviction, offload.block_size, [len(p) for p in prompts], max_new, label,
+                           refill=refill)
+    on_disk = args.dummy_weights and offload.tier_fractions("weights")[2] > 0
+    est, checked = _preflight(args, cfg, offload, eviction, backend, on_disk, job)
     if mode == "benchmark":
         from flexgen_h2o.frontends.benchmark import corpus_prompts, sizes_line
         prompts, source = corpus_prompts(tok, offload.block_size, prompt_len, cfg.vocab_size)
         print(f"prompts: {len(prompts)} x {prompt_len} tokens of {source}")
         print(sizes_line(cfg, est, len(prompts), prompt_len))
     print(summary_line(checked) if checked else "preflight: skipped (--skip-preflight)")
+    if prediction is None:               # a given placement: predicted too where this machine's rates are cached
+        from flexgen_h2o.frontends.auto import predict_if_calibrated
+        prediction = predict_if_calibrated(args, est, checked, len(prompts), backend)
+    elif checked:
+        prediction.peak_bytes = {c.resource: c.need for c in checked}
 
     if loaded is None:
-        loaded = _load(args, dummy_on_disk=True)
+        loaded = _load(args, dummy_on_disk=on_disk)
     llm = LLM.from_loaded(loaded, offload=offload, eviction=eviction, device=args.device,
                           offload_dir=args.offload_dir, preflight=False, progress=not args.no_progress,
                           refill=refill, refill_share=args.refill_share)
@@ -168,8 +183,32 @@ def _generate(args, mode, offload, eviction, gen_len, prompt_len, log_path, requ
         metrics = _run_mode(args, mode, llm, est, texts, prompts, job, gen_len, requests, pending, results)
     finally:
         llm.close()
+    if prediction is not None:
+        from flexgen_h2o.frontends.auto import report
+        print(report(prediction, metrics))
     _write_logs(args, metrics, log_path)
     return 0
+
+
+def _auto(args, cfg, eviction, backend, offload, job, deferred) -> tuple:
+    """--percent auto, or no --percent and the all-compute placement does not fit: the searched plan and its
+    prediction ((offload, None): the default placement fits, nothing searched)."""
+    from flexgen_h2o.formats import WEIGHT_FORMAT
+    from flexgen_h2o.frontends.auto import choose
+    from flexgen_h2o.planner import PreflightError, preflight
+    kw = dict(prompt_len=max(job.lens), gen_len=max(job.max_new))
+    if args.auto == "default":
+        try:
+            preflight(cfg, offload, eviction, backend=backend, n_seqs=min(offload.block_size, len(job.lens)),
+                      real_weights=not args.dummy_weights, **kw)
+            return offload, None
+        except PreflightError:
+            why = "no --percent given and everything on the compute device does not fit"
+    else:
+        why = "--percent auto"
+    store_bytes = WEIGHT_FORMAT.nbytes(cfg.n_params()) if args.dummy_weights else 0
+    return choose(args, cfg, eviction, backend, offload, n_prompts=len(job.lens), dummy_store_bytes=store_bytes,
+                  why=why, **kw)
 
 
 def _prompts(args, mode, cfg, tok, offload, pending, prompt_len, gen_len) -> tuple:

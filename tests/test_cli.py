@@ -178,7 +178,7 @@ def _errors(tmp_path, ckpt):
         (["--model", "no-such-model"], "error: unknown model 'no-such-model': use a preset"),
         (["--percent", "100", "0", "120", "0", "100", "0"], "error: --percent cache_gpu=120 is outside 0..100"),
         (["--percent", "60", "50", "100", "0", "100", "0"], "error: --percent for weights sums to 110 > 100"),
-        (["--percent", "100", "0", "100"], "error: argument --percent: expected 6 arguments"),
+        (["--percent", "100", "0", "100"], "error: --percent takes 6 numbers (W_GPU W_CPU"),
         (["--hh-ratio", "0"], "error: argument --hh-ratio: 0 is not in (0, 1]"),
         (["--hh-ratio", "1.5"], "error: argument --hh-ratio: 1.5 is not in (0, 1]"),
         (["--recent-ratio", "-0.1"], "error: argument --recent-ratio: -0.1 is not in (0, 1]"),

@@ -62,6 +62,10 @@ class Backend(ABC):
     def reset_peak_memory(self) -> None:
         """Start a new peak-memory window."""
 
+    def device_name(self) -> str | None:
+        """The compute device's name (a GPU's model); None on a CPU."""
+        return None
+
     def record_use(self, *tensors: object) -> None:
         """The work just enqueued on the current lane reads or writes these tensors: their device memory must
         not be handed to another stream before it completes (nothing to do on CPU; non-tensors are ignored)."""

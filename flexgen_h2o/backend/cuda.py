@@ -98,6 +98,9 @@ class CUDABackend(Backend):
     def reset_peak_memory(self) -> None:
         torch.cuda.reset_peak_memory_stats(self.compute_device)
 
+    def device_name(self) -> str:
+        return torch.cuda.get_device_name(self.compute_device)
+
     def bind_thread(self) -> None:
         # The current device is per thread; copy workers get it from here, never choose one themselves.
         torch.cuda.set_device(self.compute_device)

@@ -81,9 +81,12 @@ def build_parser() -> argparse.ArgumentParser:
     s = p.add_argument_group("placement and schedule")
     s.add_argument("--offload-dir", default="~/flexgen_offload_dir",
                    help="root for disk-tier files; each run uses its own subfolder, removed at exit")
-    s.add_argument("--percent", nargs=6, type=float, default=[100, 0, 100, 0, 100, 0],
-                   metavar=("W_GPU", "W_CPU", "CACHE_GPU", "CACHE_CPU", "ACT_GPU", "ACT_CPU"),
-                   help="placement percents (0..100); disk takes the rest of each pair")
+    s.add_argument("--percent", nargs="+", metavar="P",
+                   help="W_GPU W_CPU CACHE_GPU CACHE_CPU ACT_GPU ACT_CPU: placement percents (0..100), disk takes "
+                        "the rest of each pair; or `auto`: the placement, GPU batch and compression the cost model "
+                        "predicts fastest (default: 100 0 100 0 100 0, or auto when that does not fit)")
+    s.add_argument("--calibrate", action="store_true",
+                   help="measure this machine's rates for the cost model again (cached after the first auto run)")
     s.add_argument("--gpu-batch-size", type=positive, default=4, help="sequences per GPU batch")
     s.add_argument("--num-gpu-batches", type=positive, default=1, help="GPU batches per block")
     s.add_argument("--prefill-batch-size", type=positive,
@@ -102,8 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="batch and prompts modes: synchronous blocks (each waits for its longest answer) instead of "
                         "continuous refill, where a finished row takes the next prompt (benchmark mode never refills)")
     s.add_argument("--refill-share", type=share, default=None,
-                   help="refill once this share of the block's rows is free (default: one row when every weight "
-                        "is resident on the compute device, 0.25 when weights stream in)")
+                   help="refill once this share of the block's rows is free (default 0.25: fewer, fuller join "
+                        "passes; 0 joins at the first free row)")
     c = p.add_argument_group("compression (FlexGen's group-wise min-max quantization)")
     c.add_argument("--compress-weight", action="store_true",
                    help="store weight matrices as group-wise int4 (or --weight-bits 8): fewer bytes on every tier "
@@ -152,6 +155,23 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--metrics-json", help="write the run's metrics as JSON")
     o.add_argument("--no-progress", action="store_true", help="no tqdm bars")
     return p
+
+
+def placement(a: argparse.Namespace) -> tuple[list[float], str | None]:
+    """--percent as six numbers, and whether the search chooses ("auto": asked for; "default": no placement flag,
+    so the search takes over if the all-compute placement does not fit; None: the user's six numbers)."""
+    if a.percent is None:
+        return [100, 0, 100, 0, 100, 0], "default"
+    if a.percent == ["auto"]:
+        return [100, 0, 100, 0, 100, 0], "auto"
+    try:
+        numbers = [float(x) for x in a.percent]
+    except ValueError:
+        numbers = []
+    if len(numbers) != 6:
+        raise ValueError(f"--percent takes 6 numbers (W_GPU W_CPU CACHE_GPU CACHE_CPU ACT_GPU ACT_CPU) or `auto`, "
+                         f"got {' '.join(a.percent)}")
+    return numbers, None
 
 
 def check_flags(a: argparse.Namespace) -> None:

@@ -20,6 +20,7 @@ Imports: config, models, kv budgets and the placement rule only (level 4, LAYOUT
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -83,10 +84,13 @@ def plan_bytes(plan: Plan, *, dummy_store_bytes: int = 0, real_weights: bool = F
     model, offload, c = plan.model, plan.offload, plan.compute_itemsize
     est = Estimate(budget=plan.budgets.rows[0], n_seqs=plan.n_seqs, prompt_len=plan.prompt_len,
                    gen_len=plan.gen_len, plan=plan)
-    layers = build_layers(model)
-    _weights(est, layers, offload, c, plan.device_type)
+    tiers, est.store_bytes, staged, est.model_bytes = _weight_bytes(
+        model, offload.tier_fractions("weights"), offload.weight_format, c, plan.device_type, offload.overlap,
+        offload.sep_layer)
+    for tier, n in tiers:
+        est.add(tier, "weights", n)
+    est.add("compute", "workspace", staged)
     est.add("disk", "weights", dummy_store_bytes)
-    est.model_bytes = model_bytes(layers, offload.weight_format)
     for tier, n in plan.kv_bytes().items():
         est.add(tier, "kv", n)
     est.kv_bytes = sum(est.bytes[t]["kv"] for t in TIERS)
@@ -120,13 +124,26 @@ def plan_bytes(plan: Plan, *, dummy_store_bytes: int = 0, real_weights: bool = F
     return est
 
 
-def _weights(est: Estimate, layers: list, offload: OffloadPolicy, c: int, device_type: str) -> None:
+@functools.lru_cache(maxsize=512)
+def _weight_bytes(model: ModelConfig, fractions: tuple[float, float, float], fmt: StorageFormat, c: int,
+                  device_type: str, overlap: bool,
+                  sep_layer: bool) -> tuple[tuple[tuple[str, int], ...], int, int, int]:
+    """(weights per tier, store bytes, staging workspace, model bytes) of one weight placement; cached, as the
+    placement search asks for the same few placements at every batch size."""
+    est = Estimate()
+    layers = build_layers(model)
+    _weights(est, layers, fractions, fmt, overlap, sep_layer, c, device_type)
+    tiers = tuple((t, est.bytes[t]["weights"]) for t in TIERS if est.bytes[t]["weights"])
+    return tiers, est.store_bytes, est.bytes["compute"]["workspace"], model_bytes(layers, fmt)
+
+
+def _weights(est: Estimate, layers: list, fractions: tuple[float, float, float], fmt: StorageFormat, overlap: bool,
+             sep_layer: bool, c: int, device_type: str) -> None:
     """Homes by FlexGen's midpoint rule; staged copies of the two largest-staging schedule layers."""
     device, dtype = torch.device(device_type), torch.float32 if c == 4 else torch.float16
     on_cpu = device.type == "cpu"
-    fmt = offload.weight_format
     packed = packed_names(layers) if fmt.quantized else set()
-    home_of = weight_homes(layers, offload.tier_fractions("weights"), fmt)
+    home_of = weight_homes(layers, fractions, fmt)
     at_rest_bytes = lambda spec: stored_bytes(spec, fmt, packed)       # noqa: E731
     counted: set[str] = set()
     staged_per_layer: list[int] = []
@@ -154,10 +171,10 @@ def _weights(est: Estimate, layers: list, offload: OffloadPolicy, c: int, device
                 matrix = len(spec.shape) > 1
                 staged += 0 if (matrix and home == "host" and on_cpu) else spec.numel * (2 if matrix else c)
         staged_per_layer.append(staged)
-    groups = schedule_groups([layer.kind for layer in layers], offload.sep_layer)
+    groups = schedule_groups([layer.kind for layer in layers], sep_layer)
     per_group = sorted((sum(staged_per_layer[i] for i in g) for g in groups), reverse=True)
     # with overlap the next schedule layer is prefetched while the current one computes
-    est.add("compute", "workspace", sum(per_group[:2 if offload.overlap else 1]))
+    est.add("compute", "workspace", sum(per_group[:2 if overlap else 1]))
 
 
 # --- what glibc's malloc keeps resident beyond the live bytes (CPU runs) ---

@@ -1,0 +1,178 @@
+"""The cost model: a Plan's prefill and decode time on this machine, from the bytes each lane moves and the FLOPs
+each layer does, at the rates calibrate.py measured.
+
+One decode step of the zig-zag schedule visits every schedule layer once; within it, each GPU batch computes
+(its linear layers at its row count's rate, its attention over its own KV window, a fixed per-call cost) and the
+layer's weights for the next visit are read once for all the batches. With overlap the weight and KV lanes run on
+worker threads beside compute, so a layer takes the longest of the three; without it, their sum. A prompt pass
+is the same with each GPU batch's prompt rows (in prefill chunks) and the prompt's attention. What it does not
+model: a run's first pass over weights that are not in the page cache yet (every pass is predicted at the rate
+of the later ones: the page cache's when the disk-homed weights fit the free RAM, else the disk's), the page
+cache evicting weights under memory pressure, and the VM's drift (up to 1.6x an hour here).
+"""
+from __future__ import annotations
+
+import collections
+import functools
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from flexgen_h2o.formats import StorageFormat
+from flexgen_h2o.models import ModelConfig, build_layers, schedule_groups
+from flexgen_h2o.planner.plan import Plan
+from flexgen_h2o.weights.placement import is_lookup_table, packed_names, stored_bytes, weight_homes
+
+
+@dataclass
+class Prediction:
+    prefill_s: float                     # one block's prompt pass
+    decode_s: float                      # one block's decode steps (gen_len - 1 of them)
+    block_tokens: int                    # tokens one block generates
+    blocks: int = 1                      # blocks the job runs
+    limits: dict[str, str] = field(default_factory=dict)   # phase -> what bounds it (compute, weights, kv)
+    peak_bytes: dict[str, int] = field(default_factory=dict)   # predicted peak per resource (RAM, GPU, disk)
+
+    @property
+    def total_s(self) -> float:
+        return self.blocks * (self.prefill_s + self.decode_s)
+
+    @property
+    def total_tok_s(self) -> float:
+        return self.blocks * self.block_tokens / self.total_s if self.total_s > 0 else math.inf
+
+    @property
+    def decode_tok_s(self) -> float:
+        steps_tokens = self.block_tokens * (1 - 1 / max(1, self.block_tokens))
+        return steps_tokens / self.decode_s if self.decode_s > 0 else math.inf
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"prefill_s": self.prefill_s * self.blocks, "decode_s": self.decode_s * self.blocks,
+                "total_s": self.total_s, "total_tok_s": self.total_tok_s, "limits": self.limits,
+                "peak_bytes": self.peak_bytes}
+
+
+def _rate(pts: list[tuple[int, float]], rows: float) -> float:
+    """A measured rate at `rows`, interpolated in log(rows) between the measured (row count, rate) points, sorted
+    (flat beyond them)."""
+    if rows <= pts[0][0]:
+        return pts[0][1]
+    for (r0, v0), (r1, v1) in zip(pts, pts[1:]):
+        if rows <= r1:
+            f = math.log(rows / r0) / math.log(r1 / r0)
+            return v0 + f * (v1 - v0)
+    return pts[-1][1]
+
+
+@dataclass(frozen=True)
+class _Group:
+    flops_per_row: float                 # linear FLOPs per token row
+    attn: bool                           # holds an attention layer (reads KV)
+    disk_bytes: int                      # its weights' bytes homed on disk
+    host_bytes: int                      # ... in host memory (crosses the link on a GPU)
+    head: bool = False                   # the LM head: one row per sequence, at prefill too
+
+
+@functools.lru_cache(maxsize=512)
+def _groups(cfg: ModelConfig, fractions: tuple[float, float, float], fmt: StorageFormat,
+            sep_layer: bool) -> tuple[_Group, ...]:
+    """Each schedule layer's FLOPs per row and weight bytes by home (cached: the search asks for the same few
+    placements at every batch size)."""
+    layers = build_layers(cfg)
+    packed = packed_names(layers) if fmt.quantized else set()
+    homes = weight_homes(layers, fractions, fmt)
+    out = []
+    for group in schedule_groups([layer.kind for layer in layers], sep_layer):
+        flops, disk, host, attn, head = 0.0, 0, 0, False, False
+        for i in group:
+            layer = layers[i]
+            attn |= layer.kind == "attn"
+            head |= layer.kind == "head"
+            for spec in layer.weight_specs():
+                if len(spec.shape) == 2 and not is_lookup_table(layer, spec):
+                    flops += 2.0 * spec.numel
+                nbytes = stored_bytes(spec, fmt, packed)
+                if homes[spec.name] == "disk" and not is_lookup_table(layer, spec):
+                    disk += nbytes
+                elif homes[spec.name] == "host":
+                    host += nbytes
+        out.append(_Group(flops, attn, disk, host, head))
+    return tuple(out)
+
+
+def predict(plan: Plan, rates: dict[str, Any], *, n_prompts: int | None = None, free_ram: int | None = None,
+            peak_bytes: dict[str, int] | None = None) -> Prediction:
+    """Predicted times of one block of `plan` (and of the job: ceil(n_prompts / block) blocks). free_ram: RAM the
+    page cache can hold disk-homed weights in (None: assume they fit)."""
+    cfg, off = plan.model, plan.offload
+    gpu = rates.get("gpu") if plan.device_type == "cuda" else None
+    r = gpu or rates
+    fmt_w = off.weight_format.name if off.weight_format.quantized else "fp16"
+    linear = sorted((int(k), v) for k, v in (r["linear_GFLOPs"].get(fmt_w) or r["linear_GFLOPs"]["fp16"]).items())
+    kv_name = plan.kv_format.name if plan.kv_format.quantized else "fp16"
+    ns_slot = r.get(f"decode_ns_per_slot_{kv_name}", r["decode_ns_per_slot_fp16"]) * 1e-9
+    groups = _groups(cfg, off.tier_fractions("weights"), off.weight_format, off.sep_layer)
+    disk_weight_bytes = sum(g.disk_bytes for g in groups)
+    cached = (not off.uncached_disk_weights and (free_ram is None or disk_weight_bytes <= free_ram))
+    disk_again = rates["page_cache_read_GBps" if cached else "disk_read_GBps"] * 1e9
+    link = gpu["h2d_GBps"] * 1e9 if gpu else math.inf
+    mem = rates["mem_read_GBps"] * 1e9
+    slot_bytes = plan.slot_bytes() / max(1, cfg.n_kv_heads)        # one slot of one KV head, with score/pos
+    attn_flops_tok = 4 * cfg.n_heads * cfg.head_dim                   # QK^T and PV per query per key
+    prompt_rate = r["prompt_scored_GFLOPs" if plan.needs_scores else "prompt_plain_GFLOPs"] * 1e9
+    fixed_dec, fixed_pre = r["fixed_decode_s_per_layer"], r["fixed_prefill_s_per_layer"]
+    full = plan.policy == "full"
+    kv_fr = off.tier_fractions("cache")
+    # the decode window: a full cache's grows from the prompt (each column reads its own extent), a budget's is fixed
+    window = plan.prompt_len + plan.gen_len / 2 if full else plan.capacity
+    in_place = off.kv_read_in_place(plan.device_type, plan.eviction.position_rolling, off.gpu_batch_size)
+    n_attn = max(1, sum(g.attn for g in groups))
+    sizes = collections.Counter(b.size for b in plan.batches)        # GPU batches by row count
+
+    def overlap(*lanes: float) -> float:
+        return max(lanes) if off.overlap else sum(lanes)
+
+    # --- one decode step ---
+    step, bound = 0.0, {"compute": 0.0, "weights": 0.0, "kv": 0.0}
+    for g in groups:
+        compute = io_kv = 0.0
+        for rows, n in sizes.items():
+            compute += n * (g.flops_per_row * rows / (_rate(linear, rows) * 1e9) + fixed_dec)
+            if g.attn:
+                slots = n * rows * cfg.n_kv_heads * window * cfg.n_layers / n_attn
+                compute += slots * ns_slot
+                if not in_place:                 # a staged copy of the window (split, disk, or rolling cache)
+                    compute += slots * cfg.head_dim * 2 * 4 / (rates["memcpy_GBps"] * 1e9)
+                off_compute = kv_fr[1] + kv_fr[2] if gpu else kv_fr[2]
+                io_kv += slots * slot_bytes * off_compute / (link if gpu else disk_again)
+        io_w = g.disk_bytes / disk_again + (g.disk_bytes + g.host_bytes) / link
+        if not gpu and g.disk_bytes and cached:
+            compute += g.disk_bytes / mem        # a page-cache read is a copy the compute cores make
+        step += overlap(compute, io_w, io_kv)
+        for k, v in (("compute", compute), ("weights", io_w), ("kv", io_kv)):
+            bound[k] += v
+
+    # --- the prompt pass ---
+    prefill, pre_bound = 0.0, {"compute": 0.0, "weights": 0.0}
+    chunk_rows = plan.prefill_rows * plan.prompt_len
+    for g in groups:
+        compute = 0.0
+        for rows, n in sizes.items():
+            chunks = math.ceil(rows / plan.prefill_rows)
+            tokens = rows if g.head else rows * plan.prompt_len
+            rate_rows = plan.prefill_rows if g.head else chunk_rows
+            compute += n * (g.flops_per_row * tokens / (_rate(linear, rate_rows) * 1e9) + fixed_pre * chunks)
+            if g.attn:
+                per_layer = rows * attn_flops_tok * plan.prompt_len ** 2 / 2
+                compute += n * per_layer * cfg.n_layers / n_attn / prompt_rate
+        io_w = g.disk_bytes / disk_again + (g.disk_bytes + g.host_bytes) / link
+        if not gpu and g.disk_bytes and cached:
+            compute += g.disk_bytes / mem
+        prefill += overlap(compute, io_w)
+        pre_bound["compute"] += compute
+        pre_bound["weights"] += io_w
+    steps = max(0, plan.gen_len - 1)
+    blocks = math.ceil((n_prompts or plan.n_seqs) / max(1, plan.offload.block_size))
+    return Prediction(prefill, step * steps, plan.n_seqs * plan.gen_len, blocks,
+                      {"prefill": max(pre_bound, key=pre_bound.__getitem__),
+                       "decode": max(bound, key=bound.__getitem__)}, dict(peak_bytes or {}))

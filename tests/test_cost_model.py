@@ -1,0 +1,135 @@
+"""The cost model (planner/cost.py), the placement search (planner/search.py) and the rates they use
+(calibrate.py), on hand-made rates so every expected value can be worked out by hand."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from flexgen_h2o.config import OffloadPolicy
+from flexgen_h2o.kv import EvictionConfig
+from flexgen_h2o.models import PRESETS
+from flexgen_h2o.planner.cost import _rate, predict
+from flexgen_h2o.planner.plan import Plan
+from flexgen_h2o.planner.preflight import Machine
+from flexgen_h2o.planner.search import search
+
+GIB = 1 << 30
+FLAT = {str(r): 10.0 for r in (1, 4, 16, 64, 256, 1024)}          # 10 GFLOP/s at every row count
+RATES = {
+    "linear_GFLOPs": {"fp16": FLAT, "int8-g64": FLAT, "int4-g64": FLAT},
+    "decode_ns_per_slot_fp16": 10.0, "decode_ns_per_slot_int8-g64": 10.0, "decode_ns_per_slot_int4-g64": 10.0,
+    "prompt_scored_GFLOPs": 10.0, "prompt_plain_GFLOPs": 10.0,
+    "mem_read_GBps": 10.0, "memcpy_GBps": 10.0,
+    "disk_read_GBps": 0.1, "disk_write_GBps": 0.1, "page_cache_read_GBps": 1.0,
+    "fixed_decode_s_per_layer": 0.0, "fixed_prefill_s_per_layer": 0.0, "gpu": None, "date": "test",
+}
+TINY = PRESETS["smollm2-135m"].replace(name="cost-tiny", n_layers=2, hidden_size=64, n_heads=4, n_kv_heads=2,
+                                       head_dim=16, ffn_size=128, vocab_size=256, tie_word_embeddings=False)
+
+
+def _plan(offload: OffloadPolicy, eviction: EvictionConfig | None = None, prompt: int = 16, gen: int = 5) -> Plan:
+    return Plan.for_shape(TINY, offload, eviction or EvictionConfig(policy="full"), prompt_len=prompt, gen_len=gen,
+                          device_type="cpu", compute_itemsize=4)
+
+
+def test_rate_interpolates_in_log_rows():
+    pts = [(1, 10.0), (4, 30.0), (16, 50.0)]
+    assert _rate(pts, 1) == 10.0 and _rate(pts, 0.5) == 10.0 and _rate(pts, 100) == 50.0
+    assert _rate(pts, 2) == pytest.approx(20.0) and _rate(pts, 8) == pytest.approx(40.0)
+
+
+def test_all_in_ram_decode_is_linear_flops_plus_attention_by_hand():
+    """Everything in RAM, full cache, one GPU batch of 2: a decode step is the matmul FLOPs at 10 GFLOP/s plus
+    10 ns per (sequence, KV head, slot) of the window, which grows from the prompt (16) by half the run (5 / 2)."""
+    plan = _plan(OffloadPolicy(gpu_batch_size=2))
+    p = predict(plan, RATES)
+    h, f, v, layers = 64, 128, 256, 2
+    per_row = layers * 2 * (h * 64 + 2 * h * 32 + 64 * h + 3 * h * f) + 2 * v * h
+    step = 2 * per_row / 10e9 + 2 * 2 * (16 + 2.5) * layers * 10e-9
+    assert p.decode_s == pytest.approx(4 * step, rel=1e-9)
+    assert p.limits["decode"] == "compute" and p.block_tokens == 10 and p.blocks == 1
+    assert p.total_tok_s == pytest.approx(10 / (p.prefill_s + p.decode_s))
+
+
+def test_disk_weights_cost_their_bytes_at_the_page_cache_or_the_disk_rate():
+    ram = predict(_plan(OffloadPolicy(gpu_batch_size=2)), RATES)
+    off = OffloadPolicy.from_percent([0, 0, 100, 0, 100, 0], gpu_batch_size=2)
+    cached = predict(_plan(off), RATES, free_ram=GIB)
+    cold = predict(_plan(off), RATES, free_ram=0)              # they do not fit the page cache: the disk's rate
+    assert ram.decode_s < cached.decode_s < cold.decode_s
+    assert cold.limits["decode"] == "weights"
+    no_overlap = predict(_plan(off.replace(overlap=False)), RATES, free_ram=0)
+    assert no_overlap.decode_s > cold.decode_s             # the lanes add up instead of overlapping
+
+
+def test_int4_weights_on_disk_read_about_a_quarter_of_the_bytes():
+    off = OffloadPolicy.from_percent([0, 0, 100, 0, 100, 0], gpu_batch_size=2)
+    fp16 = predict(_plan(off), RATES, free_ram=0)
+    int4 = predict(_plan(off.replace(weight_bits=4)), RATES, free_ram=0)
+    assert 0.2 < int4.decode_s / fp16.decode_s < 0.45          # 4.5 bits of 16 plus the fp16 vectors
+
+
+def test_an_h2o_budget_reads_a_fixed_window():
+    full = predict(_plan(OffloadPolicy(gpu_batch_size=2), prompt=200, gen=50), RATES)
+    h2o = predict(_plan(OffloadPolicy(gpu_batch_size=2), EvictionConfig(policy="h2o", hh_size=8, recent_size=8),
+                        prompt=200, gen=50), RATES)
+    assert h2o.decode_s < full.decode_s
+    assert predict(_plan(OffloadPolicy(gpu_batch_size=2)), RATES, n_prompts=5).blocks == 3
+
+
+def test_search_returns_fitting_plans_best_first_and_keeps_the_users_budget():
+    machine = Machine(ram_available=4 * GIB, ram_total=8 * GIB, process_rss=0)
+    ev = EvictionConfig(policy="h2o", hh_ratio=0.1)
+    found = search(TINY, ev, OffloadPolicy(), RATES, prompt_len=64, gen_len=8, n_prompts=16, device_type="cpu",
+                   machine=machine, compress=False)
+    assert found and all(all(c.ok for c in cand.checks) for cand in found)
+    speeds = [c.prediction.total_tok_s for c in found]
+    assert speeds == sorted(speeds, reverse=True)
+    best = found[0].offload
+    assert best.block_size <= 16 and best.weight_bits is None and best.kv_bits is None
+
+
+def test_search_moves_weights_to_disk_when_ram_is_short_and_refuses_when_nothing_fits():
+    big = PRESETS["opt-1.3b"]
+    small = Machine(ram_available=1 * GIB, ram_total=2 * GIB, process_rss=0)
+    found = search(big, EvictionConfig(policy="full"), OffloadPolicy(), RATES, prompt_len=32, gen_len=4, n_prompts=4,
+                   device_type="cpu", machine=small, compress=False)
+    assert found and found[0].offload.tier_fractions("weights")[2] > 0     # 2.6 GB of fp16 weights: some on disk
+    tiny = Machine(ram_available=1 << 20, ram_total=1 << 21, process_rss=0)
+    assert search(big, EvictionConfig(policy="full"), OffloadPolicy(), RATES, prompt_len=32, gen_len=4, n_prompts=4,
+                  device_type="cpu", machine=tiny, compress=False) == []
+
+
+def test_rates_are_measured_once_and_cached(tmp_path, monkeypatch):
+    from flexgen_h2o import calibrate
+    monkeypatch.setenv("FLEXGEN_H2O_HOME", str(tmp_path / "home"))
+    first = calibrate.rates(tmp_path / "off", smoke=True, say=lambda s: None)
+    for fmt in ("fp16", "int8-g64", "int4-g64"):
+        assert all(v > 0 and math.isfinite(v) for v in first["linear_GFLOPs"][fmt].values())
+        assert first[f"decode_ns_per_slot_{fmt}"] > 0
+    for key in ("mem_read_GBps", "disk_read_GBps", "page_cache_read_GBps", "fixed_decode_s_per_layer"):
+        assert first[key] > 0
+    path = calibrate.cache_path(tmp_path / "off")
+    assert json.loads(path.read_text()) == first
+    monkeypatch.setattr(calibrate, "measure", lambda *a, **k: pytest.fail("measured again"))
+    assert calibrate.rates(tmp_path / "off", say=lambda s: None) == first
+    assert not list((tmp_path / "off").glob("calibrate-*"))             # the disk probe's file is gone
+
+
+def test_the_api_chooses_from_cached_rates(tmp_path, monkeypatch):
+    """OffloadPolicy.auto: the search's best plan for this machine, from the cached rates (nothing measured)."""
+    from flexgen_h2o import calibrate
+    monkeypatch.setenv("FLEXGEN_H2O_HOME", str(tmp_path / "home"))
+    path = calibrate.cache_path(tmp_path / "off")
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps(RATES))
+    monkeypatch.setattr(calibrate, "measure", lambda *a, **k: pytest.fail("measured"))
+    ev = EvictionConfig(policy="h2o", hh_ratio=0.1)
+    got = OffloadPolicy.auto(TINY, prompt_len=64, gen_len=8, n_prompts=4, eviction=ev, device="cpu",
+                             offload_dir=str(tmp_path / "off"))
+    machine = Machine.probe()
+    want = search(TINY, ev, OffloadPolicy(), RATES, prompt_len=64, gen_len=8, n_prompts=4, device_type="cpu",
+                  machine=machine, offload_root=tmp_path / "off", keep=1)[0].offload
+    assert got == want and got.block_size <= 4
