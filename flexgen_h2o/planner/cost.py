@@ -41,11 +41,6 @@ class Prediction:
     def total_tok_s(self) -> float:
         return self.blocks * self.block_tokens / self.total_s if self.total_s > 0 else math.inf
 
-    @property
-    def decode_tok_s(self) -> float:
-        steps_tokens = self.block_tokens * (1 - 1 / max(1, self.block_tokens))
-        return steps_tokens / self.decode_s if self.decode_s > 0 else math.inf
-
     def as_dict(self) -> dict[str, Any]:
         return {"prefill_s": self.prefill_s * self.blocks, "decode_s": self.decode_s * self.blocks,
                 "total_s": self.total_s, "total_tok_s": self.total_tok_s, "limits": self.limits,

@@ -1,8 +1,9 @@
 """`--percent auto`: the placement, batch and compression with the highest predicted throughput that fits.
 
-The space: weights, KV and resting activations split across the tiers on FlexGen's grid (on a CPU the compute
-and host tiers are the same RAM, so only the disk share of each is searched), the GPU batch size (powers of two
-and the largest that fits), the number of GPU batches, weight and KV compression (none, int8, int4) and, on a
+The space: weights and KV split across the tiers on FlexGen's grid (on a CPU the compute and host tiers are the
+same RAM, so only the disk share of each is searched; resting activations stay on the compute tier except in the
+all-on-disk last resort), the GPU batch size (powers of two up to the prompts, stopping at the first that does
+not fit), the number of GPU batches, weight and KV compression (none, int8, int4) and, on a
 GPU, attention where the KV lives. Every candidate is checked against every tier's capacity by the preflight's
 own arithmetic (RAM, GPU memory, disk free) and ranked by cost.predict. The eviction budget is the user's: it
 changes the output, so it is never searched.
@@ -43,8 +44,8 @@ def _placements(device_type: str) -> Iterator[tuple[float, ...]]:
             yield (100 - wd, 0, 100 - cd, 0, 100, 0)
         yield (0, 0, 0, 0, 0, 0)                    # everything on disk: the last resort of a tiny RAM
         return
-    # weights on the whole grid; the KV whole on one tier or halved between GPU and host (finer KV splits moved
-    # the prediction little and multiplied the search's time); activations on the GPU (they are small)
+    # weights on the whole grid; the KV whole on one tier or halved between GPU and host, activations on the GPU:
+    # a coarser space than FlexGen's, to keep the search to seconds (not measured on a GPU yet)
     for w_gpu in GPU_GRID:
         for w_cpu in (g for g in GPU_GRID if w_gpu + g <= 100):
             for c_gpu, c_cpu in GPU_CACHE:
