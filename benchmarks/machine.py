@@ -55,13 +55,10 @@ def measure_gemm(threads: int, smoke: bool) -> dict[str, Any]:
 
 def measure_memory(threads: int, smoke: bool) -> dict[str, float]:
     import torch
+
+    from flexgen_h2o.calibrate import measure_memory as probe
     torch.set_num_threads(threads)
-    n = (64 if smoke else 256) << 20 >> 2
-    src, dst = torch.randn(n), torch.empty(n)
-    min_s = 0.05 if smoke else 0.4
-    t_copy = best_time(lambda: dst.copy_(src), min_s)
-    t_read = best_time(lambda: src.sum(), min_s)
-    return {"memcpy_GBps": 2 * src.nbytes / t_copy / 1e9, "mem_read_GBps": src.nbytes / t_read / 1e9}
+    return probe(0.05 if smoke else 0.4, (64 if smoke else 256) << 20)
 
 
 def proc_read_bytes() -> int:

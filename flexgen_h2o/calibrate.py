@@ -118,8 +118,9 @@ def measure_attention(kernels: Any, device: torch.device, dtype: torch.dtype, sy
     return out
 
 
-def measure_memory(min_s: float) -> dict[str, float]:
-    src = torch.randn((256 << 20) // 4)
+def measure_memory(min_s: float, nbytes: int = 256 << 20) -> dict[str, float]:
+    """Read (a sum) and copy (read + write counted) bandwidth over `nbytes` of fp32."""
+    src = torch.randn(nbytes // 4)
     dst = torch.empty_like(src)
     return {"mem_read_GBps": src.nbytes / best_time(lambda: src.sum(), min_s) / 1e9,
             "memcpy_GBps": 2 * src.nbytes / best_time(lambda: dst.copy_(src), min_s) / 1e9}
@@ -238,15 +239,21 @@ def cache_path(offload_root: Path) -> Path:
     return store_root() / "machine" / f"rates-{key}.json"
 
 
+def cached(offload_root: Path) -> dict[str, Any] | None:
+    """This machine's cached rates, or None (none yet, or a torn file)."""
+    try:
+        return json.loads(cache_path(offload_root).read_text())
+    except (OSError, ValueError):
+        return None
+
+
 def rates(offload_root: Path, *, refresh: bool = False, smoke: bool = False,
           say: Callable[[str], None] = print) -> dict[str, Any]:
     """This machine's rates: cached ones, or measured now (and cached) when there are none or refresh is set."""
+    found = None if refresh else cached(offload_root)
+    if found is not None:
+        return found
     path = cache_path(offload_root)
-    if path.exists() and not refresh:
-        try:
-            return json.loads(path.read_text())
-        except (OSError, ValueError):
-            pass                                   # a torn cache: measure again
     say(f"calibrating this machine's rates for the cost model (once; cached in {path}) ...")
     res = measure(offload_root, smoke)
     path.parent.mkdir(parents=True, exist_ok=True)

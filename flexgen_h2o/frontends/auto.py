@@ -3,7 +3,6 @@ chosen plan and its prediction printed before the run, the measurement beside it
 from __future__ import annotations
 
 import argparse
-import json
 import os
 from pathlib import Path
 from typing import Any
@@ -58,18 +57,11 @@ def choose(args: argparse.Namespace, cfg: ModelConfig, eviction: EvictionConfig,
 def predict_if_calibrated(args: argparse.Namespace, est: Any, checked: Any, n_prompts: int, backend: Any) -> Any:
     """The cost model's prediction of a run whose placement was given, when this machine's rates are cached
     (nothing is measured for it); else None."""
-    from flexgen_h2o.calibrate import cache_path
+    from flexgen_h2o.calibrate import cached
     from flexgen_h2o.planner.cost import predict
-    path = cache_path(Path(os.path.expanduser(args.offload_dir)))
-    if args.calibrate or not path.exists():
-        if not args.calibrate:
-            return None
-        rates = machine_rates(args)
-    else:
-        try:
-            rates = json.loads(path.read_text())
-        except (OSError, ValueError):
-            return None
+    rates = machine_rates(args) if args.calibrate else cached(Path(os.path.expanduser(args.offload_dir)))
+    if rates is None:
+        return None
     free = None if backend.is_cuda else psutil.virtual_memory().available
     return predict(est.plan, rates, n_prompts=n_prompts, free_ram=free,
                    peak_bytes={c.resource: c.need for c in checked or []})

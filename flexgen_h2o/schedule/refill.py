@@ -96,17 +96,12 @@ def _similar_lengths(items: list[tuple[int, int, int]]) -> list[list[tuple[int, 
 DEFAULT_SHARE = 0.25
 
 
-def default_share(engine: Any) -> float:
-    """The refill rule's default share of free rows (DEFAULT_SHARE), whatever the placement."""
-    return DEFAULT_SHARE
-
-
 class RefillRun:
     def __init__(self, engine: Any, prompts: Sequence[Sequence[int]], gen: GenerationConfig,
                  max_new: Sequence[int] | None, seeds: Sequence[int] | None, eviction: EvictionConfig | None,
                  share: float | None = None, on_tokens: Callable[[int], None] | None = None):
         """prompts join in the given order. seeds: each prompt's sampling key (default its index). share: the
-        refill rule's free share of rows (default_share). on_tokens(n): n more tokens were generated."""
+        refill rule's free share of rows (default DEFAULT_SHARE). on_tokens(n): n more tokens were generated."""
         self.e, self.prompts = engine, [list(p) for p in prompts]
         self.gen = gen.validate()
         n = len(self.prompts)
@@ -122,7 +117,7 @@ class RefillRun:
                     raise ConfigError(f"prompt {i} ({len(p)}) + new tokens ({self.max_new[i]}) exceed the context "
                                       f"window ({engine.model.max_seq_len}) of {engine.model.name}; shorten it or "
                                       "use --position-rolling (Llama)")
-        self.share = default_share(engine) if share is None else share
+        self.share = DEFAULT_SHARE if share is None else share
         self.on_tokens = on_tokens
         self.sampler = Sampler(self.gen, list(seeds) if seeds is not None else list(range(n)))
         self.stops = StopTracker(n, self.gen, engine.model.eos_id, engine.decode, self.max_new)
