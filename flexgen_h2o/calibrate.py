@@ -53,20 +53,62 @@ def best_time(fn: Callable[[], Any], min_s: float, sync: Callable[[], None] = la
     return best
 
 
-def _weights(fmt_name: str, device: torch.device) -> list[Any]:
-    """Weight matrices in a storage format as the engine stages them: fp16 tensors or PackedMatrix rows."""
+def median_time(fn: Callable[[], Any], min_s: float, sync: Callable[[], None] = lambda: None) -> float:
+    """Median single-call time over at least 5 calls lasting min_s in all (after a warm-up call): what a run
+    meets, where the best of back-to-back calls would over-rate it."""
+    fn()
+    sync()
+    times: list[float] = []
+    while sum(times) < min_s or len(times) < 5:
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
+def _packed(w: torch.Tensor, fmt_name: str, device: torch.device) -> Any:
+    """A matrix as the engine stages it in a storage format: an fp16 tensor or a PackedMatrix."""
     from flexgen_h2o.formats import storage_format
     from flexgen_h2o.quant import PackedMatrix
     fmt = storage_format(fmt_name)
-    n = max(2, LLC_BYTES // fmt.nbytes(LINEAR_K * LINEAR_N, LINEAR_K) + 1)
-    out = []
-    for i in range(n):
-        w = torch.randn(LINEAR_N, LINEAR_K, generator=torch.Generator().manual_seed(i)) * 0.02
-        if fmt.quantized:
-            out.append(PackedMatrix(fmt.pack(w).to(device), LINEAR_K, fmt.quant_for(LINEAR_K)))
-        else:
-            out.append(w.to(device, torch.float16))
+    if fmt.quantized:
+        return PackedMatrix(fmt.pack(w).to(device), w.shape[1], fmt.quant_for(w.shape[1]))
+    return w.to(device, torch.float16)
+
+
+def measure_model_linear(cfg: Any, fmt_name: str, kernels: Any, device: torch.device, dtype: torch.dtype,
+                         sync: Callable[[], None], min_s: float) -> dict[str, float]:
+    """GFLOP/s of one transformer block's matrices (the model's own input widths, planner/cost.probe_shapes) in
+    one weight format at decode-step rows, called in sequence as a layer calls them, copies rotated past the
+    last-level cache, median call: the generic matrix's rate over-rated a run's decode 1.2-2.2x
+    (benchmarks/studies/cost_model_check.py)."""
+    from flexgen_h2o.planner.cost import PROBE_ROWS, probe_shapes
+    shapes = probe_shapes(cfg)
+    gen = torch.Generator().manual_seed(0)
+    one = [(torch.randn(n, k, generator=gen) * 0.02) for n, k in shapes]
+    block = [_packed(w, fmt_name, device) for w in one]
+    nbytes = sum(w.rows.nbytes if hasattr(w, "rows") else w.nbytes for w in block)
+    copies = [block] + [[_packed(w, fmt_name, device) for w in one] for _ in range(LLC_BYTES // max(1, nbytes))]
+    flops = sum(2 * n * k for n, k in shapes)
+    out = {}
+    for rows in PROBE_ROWS:
+        xs = {k: torch.randn(rows, k, device=device, dtype=dtype) for _, k in shapes}
+        it = iter(range(1 << 62))
+
+        def layer() -> None:
+            for w in copies[next(it) % len(copies)]:
+                kernels.linear(xs[w.shape[1]], w)
+        out[str(rows)] = rows * flops / median_time(layer, min_s, sync) / 1e9
     return out
+
+
+def _weights(fmt_name: str, device: torch.device) -> list[Any]:
+    """Weight matrices in a storage format as the engine stages them: fp16 tensors or PackedMatrix rows."""
+    from flexgen_h2o.formats import storage_format
+    n = max(2, LLC_BYTES // storage_format(fmt_name).nbytes(LINEAR_K * LINEAR_N, LINEAR_K) + 1)
+    return [_packed(torch.randn(LINEAR_N, LINEAR_K, generator=torch.Generator().manual_seed(i)) * 0.02, fmt_name,
+                    device) for i in range(n)]
 
 
 def measure_linear(kernels: Any, device: torch.device, dtype: torch.dtype, sync: Callable[[], None],
@@ -247,21 +289,52 @@ def cached(offload_root: Path) -> dict[str, Any] | None:
         return None
 
 
-def rates(offload_root: Path, *, refresh: bool = False, smoke: bool = False,
-          say: Callable[[str], None] = print) -> dict[str, Any]:
-    """This machine's rates: cached ones, or measured now (and cached) when there are none or refresh is set."""
-    found = None if refresh else cached(offload_root)
-    if found is not None:
-        return found
-    path = cache_path(offload_root)
-    say(f"calibrating this machine's rates for the cost model (once; cached in {path}) ...")
-    res = measure(offload_root, smoke)
+def _write(path: Path, res: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_text(json.dumps(res, indent=1) + "\n")
     os.replace(tmp, path)
-    say(f"calibrated in {res['measure_s']:.0f} s")
+
+
+def rates(offload_root: Path, *, refresh: bool = False, smoke: bool = False, say: Callable[[str], None] = print,
+          model: Any = None, formats: tuple[str, ...] = WEIGHT_FORMATS) -> dict[str, Any]:
+    """This machine's rates: cached ones, or measured now (and cached) when there are none or refresh is set.
+    model: a ModelConfig whose own matrices are timed too (once per shape and weight format, then cached)."""
+    path = cache_path(offload_root)
+    res = None if refresh else cached(offload_root)
+    if res is None:
+        say(f"calibrating this machine's rates for the cost model (once; cached in {path}) ...")
+        res = measure(offload_root, smoke)
+        _write(path, res)
+        say(f"calibrated in {res['measure_s']:.0f} s")
+    if model is not None and add_model(res, model, formats, smoke, say):
+        _write(path, res)
     return res
+
+
+def add_model(res: dict[str, Any], model: Any, formats: tuple[str, ...], smoke: bool = False,
+              say: Callable[[str], None] = print) -> bool:
+    """Time `model`'s own matrices in each format not timed yet (into res, on the GPU too when there is one);
+    True when something was measured."""
+    from flexgen_h2o.kernels import resolve
+    from flexgen_h2o.planner.cost import probe_key
+    min_s = 0.02 if smoke else 0.15
+    sides = [(res, resolve(), torch.device("cpu"), torch.float32, lambda: None)]
+    if res.get("gpu"):
+        from flexgen_h2o.backend import get_backend
+        backend = get_backend()
+        sides.append((res["gpu"], resolve(load=False), backend.compute_device, torch.float16, backend.synchronize))
+    did = False
+    for side, kernels, device, dtype, sync in sides:
+        table = side.setdefault("model_linear_GFLOPs", {})
+        for name in formats:
+            key = probe_key(model, name)
+            if key not in table:
+                if not did:
+                    say(f"timing {model.name}'s own matrices for the cost model (once per shape; cached) ...")
+                table[key] = measure_model_linear(model, name, kernels, device, dtype, sync, min_s)
+                did = True
+    return did
 
 
 def cpu_model() -> str:
@@ -286,7 +359,7 @@ def auto_offload(model: Any, *, prompt_len: int, gen_len: int, n_prompts: int, e
     backend = get_backend(device)
     root = Path(os.path.expanduser(offload_dir))
     found = search(cfg, eviction or EvictionConfig(policy="full"), base or OffloadPolicy(),
-                   rates(root, refresh=calibrate, say=lambda s: None), prompt_len=prompt_len, gen_len=gen_len,
+                   rates(root, refresh=calibrate, say=lambda s: None, model=cfg), prompt_len=prompt_len, gen_len=gen_len,
                    n_prompts=n_prompts, device_type="cuda" if backend.is_cuda else "cpu",
                    machine=Machine.probe(backend), offload_root=root, keep=1)
     if not found:

@@ -14,9 +14,9 @@ from typing import Any, Callable
 import numpy as np
 
 from flexgen_h2o.models import ModelConfig, all_specs, build_layers, resolve_model
-from flexgen_h2o.weights import (DummyStore, EMBEDDED_MODEL, convert_checkpoint,
+from flexgen_h2o.weights import (DummyStore, EMBEDDED_MODEL, WeightStoreError, convert_checkpoint,
                                  default_store_path, download_and_convert, ensure_embedded_store, open_store,
-                                 write_dummy_store)
+                                 read_manifest, write_dummy_store)
 
 
 @dataclass
@@ -42,6 +42,15 @@ def fallback_tokenizer() -> Any | None:
     return load_tokenizer(store) if (store / "manifest.json").is_file() else None
 
 
+def _current_dummy(store: Path) -> bool:
+    """A dummy store this version's generator wrote (an older one holds other values: written again)."""
+    from flexgen_h2o.weights.dummy import SOURCE
+    try:
+        return read_manifest(store).get("source") == SOURCE.format(seed=0)
+    except (OSError, ValueError, WeightStoreError):
+        return False
+
+
 def load_model(model: str, *, path: str | None = None, dummy_weights: bool = False, dummy_on_disk: bool = False,
                progress: bool = True) -> LoadedModel:
     """dummy_on_disk: materialise the dummy weights as a real store once (cached), so a disk placement
@@ -52,7 +61,7 @@ def load_model(model: str, *, path: str | None = None, dummy_weights: bool = Fal
         return LoadedModel(cfg, DummyStore(specs).read, fallback_tokenizer(), None)
     if dummy_weights:
         store = Path(path).expanduser() if path else default_store_path(cfg.name + "-dummy")
-        if not (store / "manifest.json").is_file():
+        if not _current_dummy(store):
             store = write_dummy_store(cfg, store, progress=progress)
         reader = open_store(store, specs)
         return LoadedModel(cfg, reader.read, fallback_tokenizer(), store, reader.locate)

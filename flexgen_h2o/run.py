@@ -155,7 +155,9 @@ def _generate(args, mode, offload, eviction, gen_len, prompt_len, log_path, requ
     job = plan_job(cfg, eviction, offload.block_size, [len(p) for p in prompts], max_new, label, refill=refill)
     prediction = None
     if args.auto:
-        offload, prediction = _auto(args, cfg, eviction, backend, offload, job, deferred)
+        # a benchmark's --cut-gen-len runs fewer steps and reports the full length: the plan is for the full one
+        offload, prediction = _auto(args, cfg, eviction, backend, offload, job, gen_len if mode == "benchmark"
+                                    else max(job.max_new))
         if prediction is not None:        # the block may have changed: so may a benchmark's prompts and the job
             texts, prompts, max_new, label = _prompts(args, mode, cfg, tok, offload, pending, prompt_len, gen_len)
             job = plan_job(cfg, eviction, offload.block_size, [len(p) for p in prompts], max_new, label,
@@ -190,13 +192,13 @@ def _generate(args, mode, offload, eviction, gen_len, prompt_len, log_path, requ
     return 0
 
 
-def _auto(args, cfg, eviction, backend, offload, job, deferred) -> tuple:
+def _auto(args, cfg, eviction, backend, offload, job, gen_len) -> tuple:
     """--percent auto, or no --percent and the all-compute placement does not fit: the searched plan and its
     prediction ((offload, None): the default placement fits, nothing searched)."""
     from flexgen_h2o.formats import WEIGHT_FORMAT
     from flexgen_h2o.frontends.auto import choose
     from flexgen_h2o.planner import PreflightError, preflight
-    kw = dict(prompt_len=max(job.lens), gen_len=max(job.max_new))
+    kw = dict(prompt_len=max(job.lens), gen_len=gen_len)
     if args.auto == "default":
         try:
             preflight(cfg, offload, eviction, backend=backend, n_seqs=min(offload.block_size, len(job.lens)),

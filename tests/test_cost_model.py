@@ -10,7 +10,7 @@ import pytest
 from flexgen_h2o.config import OffloadPolicy
 from flexgen_h2o.kv import EvictionConfig
 from flexgen_h2o.models import PRESETS
-from flexgen_h2o.planner.cost import _rate, predict
+from flexgen_h2o.planner.cost import PROBE_ROWS, _rate, linear_points, predict, probe_key
 from flexgen_h2o.planner.plan import Plan
 from flexgen_h2o.planner.preflight import Machine
 from flexgen_h2o.planner.search import search
@@ -38,6 +38,38 @@ def test_rate_interpolates_in_log_rows():
     pts = [(1, 10.0), (4, 30.0), (16, 50.0)]
     assert _rate(pts, 1) == 10.0 and _rate(pts, 0.5) == 10.0 and _rate(pts, 100) == 50.0
     assert _rate(pts, 2) == pytest.approx(20.0) and _rate(pts, 8) == pytest.approx(40.0)
+
+
+def test_the_models_own_matrices_set_the_decode_rate_and_the_generic_one_the_prompts():
+    """A model's probe (its own matrices at decode rows) replaces the generic rate up to its largest row count;
+    above it (prompt chunks) the generic matrix's rate stays. Halving the probe's rate doubles a decode step's
+    linear time (no attention cost here: zero slots cost) and leaves the prompt pass alone."""
+    key = probe_key(TINY, "fp16")
+    slow = {**RATES, "decode_ns_per_slot_fp16": 0.0,
+            "model_linear_GFLOPs": {key: {str(r): 5.0 for r in PROBE_ROWS}, "fp16:1x1": {"1": 1e9}}}
+    pts = linear_points(slow, "fp16", TINY)
+    assert dict(pts) == {1: 5.0, 4: 5.0, 16: 5.0, 64: 5.0, 128: 5.0, 256: 10.0, 1024: 10.0}
+    assert linear_points(slow, "int4-g64", TINY) == sorted((int(k), v) for k, v in FLAT.items())
+    plan = _plan(OffloadPolicy(gpu_batch_size=2), prompt=200)
+    fast, half = predict(plan, {**RATES, "decode_ns_per_slot_fp16": 0.0}), predict(plan, slow)
+    assert half.decode_s == pytest.approx(2 * fast.decode_s, rel=1e-9)
+    # 400 prompt rows: the generic rate; only the head's 2 rows (a sliver of the FLOPs) at the probe's
+    assert fast.prefill_s < half.prefill_s < 1.02 * fast.prefill_s
+
+
+def test_a_models_matrices_are_timed_once_per_format_and_cached(tmp_path, monkeypatch):
+    from flexgen_h2o import calibrate
+    monkeypatch.setenv("FLEXGEN_H2O_HOME", str(tmp_path / "home"))
+    path = calibrate.cache_path(tmp_path / "off")
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps(RATES))
+    got = calibrate.rates(tmp_path / "off", smoke=True, say=lambda s: None, model=TINY, formats=("fp16", "int4-g64"))
+    table = got["model_linear_GFLOPs"]
+    assert sorted(table) == sorted(probe_key(TINY, f) for f in ("fp16", "int4-g64"))
+    assert all(set(v) == {str(r) for r in PROBE_ROWS} and min(v.values()) > 0 for v in table.values())
+    assert json.loads(path.read_text())["model_linear_GFLOPs"] == table
+    monkeypatch.setattr(calibrate, "measure_model_linear", lambda *a, **k: pytest.fail("measured again"))
+    assert calibrate.rates(tmp_path / "off", model=TINY, formats=("fp16",), say=lambda s: None) == got
 
 
 def test_all_in_ram_decode_is_linear_flops_plus_attention_by_hand():
@@ -124,8 +156,10 @@ def test_the_api_chooses_from_cached_rates(tmp_path, monkeypatch):
     monkeypatch.setenv("FLEXGEN_H2O_HOME", str(tmp_path / "home"))
     path = calibrate.cache_path(tmp_path / "off")
     path.parent.mkdir(parents=True)
-    path.write_text(json.dumps(RATES))
+    own = {probe_key(TINY, fmt): {str(r): 10.0 for r in PROBE_ROWS} for fmt in calibrate.WEIGHT_FORMATS}
+    path.write_text(json.dumps({**RATES, "model_linear_GFLOPs": own}))
     monkeypatch.setattr(calibrate, "measure", lambda *a, **k: pytest.fail("measured"))
+    monkeypatch.setattr(calibrate, "measure_model_linear", lambda *a, **k: pytest.fail("measured"))
     ev = EvictionConfig(policy="h2o", hh_ratio=0.1)
     got = OffloadPolicy.auto(TINY, prompt_len=64, gen_len=8, n_prompts=4, eviction=ev, device="cpu",
                              offload_dir=str(tmp_path / "off"))

@@ -16,10 +16,12 @@ from flexgen_h2o.models import ModelConfig
 SHOWN = 3          # runner-up plans printed under the chosen one
 
 
-def machine_rates(args: argparse.Namespace) -> dict[str, Any]:
-    from flexgen_h2o.calibrate import rates
+def machine_rates(args: argparse.Namespace, cfg: ModelConfig, formats: tuple[str, ...] | None = None
+                  ) -> dict[str, Any]:
+    """This machine's rates with cfg's own matrices timed (in `formats`; default all the search tries)."""
+    from flexgen_h2o.calibrate import WEIGHT_FORMATS, rates
     return rates(Path(os.path.expanduser(args.offload_dir)), refresh=args.calibrate,
-                 say=(lambda s: None) if args.no_progress else print)
+                 say=(lambda s: None) if args.no_progress else print, model=cfg, formats=formats or WEIGHT_FORMATS)
 
 
 def choose(args: argparse.Namespace, cfg: ModelConfig, eviction: EvictionConfig, backend: Any,
@@ -31,7 +33,7 @@ def choose(args: argparse.Namespace, cfg: ModelConfig, eviction: EvictionConfig,
     from flexgen_h2o.planner.search import describe, search
     root = os.path.expanduser(args.offload_dir)
     sweep_stale(root)                  # a killed run's folders would count against the free disk
-    rates = machine_rates(args)
+    rates = machine_rates(args, cfg)
     device_type = "cuda" if backend.is_cuda else "cpu"
     found = search(cfg, eviction, base, rates, prompt_len=prompt_len, gen_len=gen_len, n_prompts=n_prompts,
                    device_type=device_type, machine=Machine.probe(backend), offload_root=root,
@@ -59,9 +61,11 @@ def predict_if_calibrated(args: argparse.Namespace, est: Any, checked: Any, n_pr
     (nothing is measured for it); else None."""
     from flexgen_h2o.calibrate import cached
     from flexgen_h2o.planner.cost import predict
-    rates = machine_rates(args) if args.calibrate else cached(Path(os.path.expanduser(args.offload_dir)))
-    if rates is None:
+    off = est.plan.offload
+    if not args.calibrate and cached(Path(os.path.expanduser(args.offload_dir))) is None:
         return None
+    fmt = off.weight_format.name if off.weight_format.quantized else "fp16"
+    rates = machine_rates(args, est.plan.model, (fmt,))        # the run's own matrices timed once, if not yet
     free = None if backend.is_cuda else psutil.virtual_memory().available
     return predict(est.plan, rates, n_prompts=n_prompts, free_ram=free,
                    peak_bytes={c.resource: c.need for c in checked or []})

@@ -47,6 +47,36 @@ class Prediction:
                 "peak_bytes": self.peak_bytes}
 
 
+PROBE_ROWS = (1, 4, 16, 64, 128)         # decode-step rows a model's own matrices are timed at (calibrate.py)
+PROBE_MAX_ELEMENTS = 16 << 20            # a probed matrix keeps at most this many elements (rows cut, not inputs)
+
+
+def probe_shapes(cfg: ModelConfig) -> tuple[tuple[int, int], ...]:
+    """The (out, in) shapes of one transformer block's matrices as the linear probe times them: the model's own
+    input widths (what a memory-bound kernel's speed depends on), outputs cut to PROBE_MAX_ELEMENTS."""
+    out = []
+    for layer in build_layers(cfg):
+        if layer.kind in ("attn", "mlp") and not any(kind == layer.kind for kind, _ in out):
+            out += [(layer.kind, tuple(s.shape)) for s in layer.weight_specs() if len(s.shape) == 2]
+    return tuple((min(n, max(1, PROBE_MAX_ELEMENTS // k)), k) for _, (n, k) in out)
+
+
+def probe_key(cfg: ModelConfig, fmt_name: str) -> str:
+    """The cache key of a model's linear probe in one weight format: its shapes, not its name."""
+    return fmt_name + ":" + ",".join(f"{n}x{k}" for n, k in probe_shapes(cfg))
+
+
+def linear_points(rates: dict[str, Any], fmt_name: str, cfg: ModelConfig) -> list[tuple[int, float]]:
+    """(rows, GFLOP/s) of the linear layers: the model's own probe where it was measured (decode rows), the
+    generic matrix's above it (prompt chunks, compute-bound: shapes matter less there)."""
+    generic = rates["linear_GFLOPs"].get(fmt_name) or rates["linear_GFLOPs"]["fp16"]
+    own = rates.get("model_linear_GFLOPs", {}).get(probe_key(cfg, fmt_name), {})
+    top = max((int(k) for k in own), default=0)
+    pts = {int(k): v for k, v in generic.items() if int(k) > top}
+    pts.update({int(k): v for k, v in own.items()})
+    return sorted(pts.items())
+
+
 def _rate(pts: list[tuple[int, float]], rows: float) -> float:
     """A measured rate at `rows`, interpolated in log(rows) between the measured (row count, rate) points, sorted
     (flat beyond them)."""
@@ -103,7 +133,7 @@ def predict(plan: Plan, rates: dict[str, Any], *, n_prompts: int | None = None, 
     gpu = rates.get("gpu") if plan.device_type == "cuda" else None
     r = gpu or rates
     fmt_w = off.weight_format.name if off.weight_format.quantized else "fp16"
-    linear = sorted((int(k), v) for k, v in (r["linear_GFLOPs"].get(fmt_w) or r["linear_GFLOPs"]["fp16"]).items())
+    linear = linear_points(r, fmt_w, cfg)
     kv_name = plan.kv_format.name if plan.kv_format.quantized else "fp16"
     ns_slot = r.get(f"decode_ns_per_slot_{kv_name}", r["decode_ns_per_slot_fp16"]) * 1e-9
     groups = _groups(cfg, off.tier_fractions("weights"), off.weight_format, off.sep_layer)

@@ -1,6 +1,7 @@
 """Preflight: compare a run's per-tier estimate with this machine before anything is loaded.
 
-RAM comes from psutil (`available`: free plus reclaimable page cache), GPU memory from the backend, disk from
+RAM comes from psutil (`available`: free plus reclaimable page cache) capped by a container's memory cgroup
+(planner/cgroup.py), GPU memory from the backend, disk from
 the file systems of the offload dir and of a dummy store about to be written. A run that does not fit is
 refused with the numbers and the changes that would make it fit, so the OOM killer never gets a say.
 
@@ -21,6 +22,7 @@ import psutil
 from flexgen_h2o.config import ConfigError, OffloadPolicy
 from flexgen_h2o.kv import EvictionConfig
 from flexgen_h2o.models import ModelConfig
+from flexgen_h2o.planner.cgroup import cgroup_ram
 from flexgen_h2o.planner.memory import PARTS, Estimate, estimate
 
 MIB = 1 << 20
@@ -47,14 +49,18 @@ class Machine:
 
     @classmethod
     def probe(cls, backend=None) -> "Machine":
+        """This machine as this process sees it: psutil's RAM, capped by a container's memory cgroup."""
         vm = psutil.virtual_memory()
+        available, total = int(vm.available), int(vm.total)
+        limited = cgroup_ram()
+        if limited is not None:
+            total, available = min(total, limited[0]), min(available, limited[1])
         rss = psutil.Process().memory_info().rss
         if backend is None or not getattr(backend, "is_cuda", False):
-            return cls(int(vm.available), int(vm.total), process_rss=rss)
+            return cls(available, total, process_rss=rss)
         mem = backend.device_memory()
         # allocated-by-this-process only: other processes' use is not visible through the backend
-        return cls(int(vm.available), int(vm.total), mem["total_bytes"] - mem["current_bytes"], mem["total_bytes"],
-                   process_rss=rss)
+        return cls(available, total, mem["total_bytes"] - mem["current_bytes"], mem["total_bytes"], process_rss=rss)
 
 
 @dataclass
