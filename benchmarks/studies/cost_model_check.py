@@ -111,6 +111,11 @@ def main(argv: list[str] | None = None) -> int:
                    "configuration's row is its median-throughput round")
     a = p.parse_args(argv)
     a.out.mkdir(parents=True, exist_ok=True)
+    from flexgen_h2o.calibrate import rates
+    from flexgen_h2o.models import resolve_model
+    for model in sorted({GRID[n][GRID[n].index("--model") + 1] for n in a.only or GRID}):
+        # each model's own matrices timed here, before any timed run (a run would time them in its own process)
+        rates(Path(os.path.expanduser("~/flexgen_offload_dir")), model=resolve_model(model))
     runs: dict[str, list[dict]] = {}
     for rep in range(a.repeats):
         for name in a.only or GRID:

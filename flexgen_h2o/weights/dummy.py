@@ -51,12 +51,16 @@ def _key(name: str, seed: int) -> int:
 
 
 def dummy_rows(spec: WeightSpec, lo: int, hi: int, seed: int = 0) -> np.ndarray:
-    """Rows lo:hi of `spec`'s dummy tensor seen as (numel / last dim, last dim), fp16, shape (hi - lo, width)."""
+    """Rows lo:hi of `spec`'s dummy tensor seen as (numel / last dim, last dim), fp16, shape (hi - lo, width):
+    gathered straight into one numpy array (no second copy: a transient of a weight's size moved glibc's mmap
+    threshold and left OPT-1.3B's decode 0.5 GiB more heap, `--dummy-weights` runs of cost_model_check)."""
     width = spec.shape[-1] if spec.shape else 1
     if spec.init != "normal":
         return (np.ones if spec.init == "ones" else np.zeros)((hi - lo, width), dtype=DTYPE)
+    out = np.empty((hi - lo, width), dtype=DTYPE)
     starts = (_key(spec.name, seed) + torch.arange(lo, hi, dtype=torch.int64) * STRIDE) % POOL
-    return _windows(width).index_select(0, starts).numpy()
+    torch.index_select(_windows(width), 0, starts, out=torch.from_numpy(out))
+    return out
 
 
 def iter_dummy_chunks(spec: WeightSpec, seed: int = 0, chunk: int = _CHUNK) -> Iterator[np.ndarray]:
