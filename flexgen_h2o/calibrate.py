@@ -67,7 +67,7 @@ def median_time(fn: Callable[[], Any], min_s: float, sync: Callable[[], None] = 
     return sorted(times)[len(times) // 2]
 
 
-def _packed(w: torch.Tensor, fmt_name: str, device: torch.device) -> Any:
+def packed_weight(w: torch.Tensor, fmt_name: str, device: torch.device) -> Any:
     """A matrix as the engine stages it in a storage format: an fp16 tensor or a PackedMatrix."""
     from flexgen_h2o.formats import storage_format
     from flexgen_h2o.quant import PackedMatrix
@@ -77,37 +77,11 @@ def _packed(w: torch.Tensor, fmt_name: str, device: torch.device) -> Any:
     return w.to(device, torch.float16)
 
 
-def measure_model_linear(cfg: Any, fmt_name: str, kernels: Any, device: torch.device, dtype: torch.dtype,
-                         sync: Callable[[], None], min_s: float) -> dict[str, float]:
-    """GFLOP/s of one transformer block's matrices (the model's own input widths, planner/cost.probe_shapes) in
-    one weight format at decode-step rows, called in sequence as a layer calls them, copies rotated past the
-    last-level cache, median call: the generic matrix's rate over-rated a run's decode 1.2-2.2x
-    (benchmarks/studies/cost_model_check.py)."""
-    from flexgen_h2o.planner.cost import PROBE_ROWS, probe_shapes
-    shapes = probe_shapes(cfg)
-    gen = torch.Generator().manual_seed(0)
-    one = [(torch.randn(n, k, generator=gen) * 0.02) for n, k in shapes]
-    block = [_packed(w, fmt_name, device) for w in one]
-    nbytes = sum(w.rows.nbytes if hasattr(w, "rows") else w.nbytes for w in block)
-    copies = [block] + [[_packed(w, fmt_name, device) for w in one] for _ in range(LLC_BYTES // max(1, nbytes))]
-    flops = sum(2 * n * k for n, k in shapes)
-    out = {}
-    for rows in PROBE_ROWS:
-        xs = {k: torch.randn(rows, k, device=device, dtype=dtype) for _, k in shapes}
-        it = iter(range(1 << 62))
-
-        def layer() -> None:
-            for w in copies[next(it) % len(copies)]:
-                kernels.linear(xs[w.shape[1]], w)
-        out[str(rows)] = rows * flops / median_time(layer, min_s, sync) / 1e9
-    return out
-
-
 def _weights(fmt_name: str, device: torch.device) -> list[Any]:
     """Weight matrices in a storage format as the engine stages them: fp16 tensors or PackedMatrix rows."""
     from flexgen_h2o.formats import storage_format
     n = max(2, LLC_BYTES // storage_format(fmt_name).nbytes(LINEAR_K * LINEAR_N, LINEAR_K) + 1)
-    return [_packed(torch.randn(LINEAR_N, LINEAR_K, generator=torch.Generator().manual_seed(i)) * 0.02, fmt_name,
+    return [packed_weight(torch.randn(LINEAR_N, LINEAR_K, generator=torch.Generator().manual_seed(i)) * 0.02, fmt_name,
                     device) for i in range(n)]
 
 
@@ -314,11 +288,13 @@ def rates(offload_root: Path, *, refresh: bool = False, smoke: bool = False, say
 
 def add_model(res: dict[str, Any], model: Any, formats: tuple[str, ...], smoke: bool = False,
               say: Callable[[str], None] = print) -> bool:
-    """Time `model`'s own matrices in each format not timed yet (into res, on the GPU too when there is one);
-    True when something was measured."""
+    """Time `model` itself in each weight format not timed yet (model_probe.py: its matrices, and a block's decode
+    step through the engine), into res, on the GPU too when there is one; True when something was measured."""
     from flexgen_h2o.kernels import resolve
-    from flexgen_h2o.planner.cost import probe_key
+    from flexgen_h2o.model_probe import measure_block_decode, measure_matrices
+    from flexgen_h2o.planner.cost import PROBE_ROWS, probe_key
     min_s = 0.02 if smoke else 0.15
+    rows = PROBE_ROWS[:3] if smoke else PROBE_ROWS
     sides = [(res, resolve(), torch.device("cpu"), torch.float32, lambda: None)]
     if res.get("gpu"):
         from flexgen_h2o.backend import get_backend
@@ -326,14 +302,17 @@ def add_model(res: dict[str, Any], model: Any, formats: tuple[str, ...], smoke: 
         sides.append((res["gpu"], resolve(load=False), backend.compute_device, torch.float16, backend.synchronize))
     did = False
     for side, kernels, device, dtype, sync in sides:
-        table = side.setdefault("model_linear_GFLOPs", {})
+        matrices = side.setdefault("model_linear_GFLOPs", {})
+        blocks = side.setdefault("model_block_decode_s", {})
         for name in formats:
             key = probe_key(model, name)
-            if key not in table:
-                if not did:
-                    say(f"timing {model.name}'s own matrices for the cost model (once per shape; cached) ...")
-                table[key] = measure_model_linear(model, name, kernels, device, dtype, sync, min_s)
-                did = True
+            if key in matrices and key in blocks:
+                continue
+            if not did:
+                say(f"timing {model.name} itself for the cost model (once per shape and weight format; cached) ...")
+            did = True
+            matrices[key] = measure_matrices(model, name, kernels, device, dtype, sync, min_s)
+            blocks[key] = measure_block_decode(model, name, rows, str(device), say)
     return did
 
 

@@ -109,6 +109,12 @@ def test_the_planner_counts_packed_bytes():
     assert int4.model_bytes < table + 0.3 * (plain.model_bytes - table)
     assert int8.model_bytes < table + 0.55 * (plain.model_bytes - table)
     assert int4.store_bytes == int4.model_bytes < 0.45 * plain.store_bytes      # every weight homed on disk
+    # a dummy store about to be written: its fp16 files and, compressed, the packed copy converted beside them
+    kw = dict(prompt_len=32, gen_len=8, dummy_store_bytes=plain.model_bytes)
+    off = OffloadPolicy(gpu_batch_size=4, weights_gpu_pct=0, weights_cpu_pct=0)
+    disk_plain, disk_int4 = (estimate(cfg, off.replace(weight_bits=b), ev, **kw).bytes["disk"]["weights"]
+                             for b in (None, 4))
+    assert disk_int4 - disk_plain == int4.model_bytes
 
 
 def test_linear_sends_few_rows_to_the_kernel_and_many_to_the_gemm(monkeypatch):

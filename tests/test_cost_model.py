@@ -10,7 +10,7 @@ import pytest
 from flexgen_h2o.config import OffloadPolicy
 from flexgen_h2o.kv import EvictionConfig
 from flexgen_h2o.models import PRESETS
-from flexgen_h2o.planner.cost import PROBE_ROWS, _rate, linear_points, predict, probe_key
+from flexgen_h2o.planner.cost import PROBE_ROWS, PROBE_WINDOW, _rate, linear_points, predict, probe_key
 from flexgen_h2o.planner.plan import Plan
 from flexgen_h2o.planner.preflight import Machine
 from flexgen_h2o.planner.search import search
@@ -57,6 +57,21 @@ def test_the_models_own_matrices_set_the_decode_rate_and_the_generic_one_the_pro
     assert fast.prefill_s < half.prefill_s < 1.02 * fast.prefill_s
 
 
+def test_a_probed_block_prices_the_decode_step_and_attention_past_its_window():
+    """With the model's own block timed (model_probe.py), a decode step is that time per block at the batch's
+    rows (interpolated in log rows, in proportion beyond the largest) plus the head's FLOPs at the linear rate;
+    the attention slots inside the probe's window are in the block's time, those beyond it are added."""
+    blocks = {str(r): 1e-3 * r for r in (1, 4, 16)}
+    rates = {**RATES, "model_block_decode_s": {probe_key(TINY, "fp16"): blocks}}
+    head = 2 * 256 * 64 / 10e9                                     # per row: the untied head at 10 GFLOP/s
+    for rows, block_s in ((4, 4e-3), (8, 8e-3), (32, 32e-3)):
+        p = predict(_plan(OffloadPolicy(gpu_batch_size=rows)), rates)            # window 16 + 2.5 < PROBE_WINDOW
+        assert p.decode_s == pytest.approx(4 * (2 * block_s + rows * head), rel=1e-9), rows
+    long = predict(_plan(OffloadPolicy(gpu_batch_size=4), prompt=100, gen=5), rates)
+    beyond = 4 * 2 * (100 + 2.5 - PROBE_WINDOW) * 2 * 10e-9       # rows x KV heads x slots past it x layers
+    assert long.decode_s == pytest.approx(4 * (2 * 4e-3 + 4 * head + beyond), rel=1e-9)
+
+
 def test_a_models_matrices_are_timed_once_per_format_and_cached(tmp_path, monkeypatch):
     from flexgen_h2o import calibrate
     monkeypatch.setenv("FLEXGEN_H2O_HOME", str(tmp_path / "home"))
@@ -64,11 +79,14 @@ def test_a_models_matrices_are_timed_once_per_format_and_cached(tmp_path, monkey
     path.parent.mkdir(parents=True)
     path.write_text(json.dumps(RATES))
     got = calibrate.rates(tmp_path / "off", smoke=True, say=lambda s: None, model=TINY, formats=("fp16", "int4-g64"))
-    table = got["model_linear_GFLOPs"]
-    assert sorted(table) == sorted(probe_key(TINY, f) for f in ("fp16", "int4-g64"))
+    table, blocks = got["model_linear_GFLOPs"], got["model_block_decode_s"]
+    assert sorted(table) == sorted(blocks) == sorted(probe_key(TINY, f) for f in ("fp16", "int4-g64"))
     assert all(set(v) == {str(r) for r in PROBE_ROWS} and min(v.values()) > 0 for v in table.values())
-    assert json.loads(path.read_text())["model_linear_GFLOPs"] == table
-    monkeypatch.setattr(calibrate, "measure_model_linear", lambda *a, **k: pytest.fail("measured again"))
+    assert all(set(v) == {"1", "4", "16"} and min(v.values()) > 0 for v in blocks.values())   # smoke: 3 counts
+    assert json.loads(path.read_text())["model_block_decode_s"] == blocks
+    import flexgen_h2o.model_probe as probe
+    monkeypatch.setattr(probe, "measure_matrices", lambda *a, **k: pytest.fail("measured again"))
+    monkeypatch.setattr(probe, "measure_block_decode", lambda *a, **k: pytest.fail("measured again"))
     assert calibrate.rates(tmp_path / "off", model=TINY, formats=("fp16",), say=lambda s: None) == got
 
 
@@ -157,13 +175,16 @@ def test_the_api_chooses_from_cached_rates(tmp_path, monkeypatch):
     path = calibrate.cache_path(tmp_path / "off")
     path.parent.mkdir(parents=True)
     own = {probe_key(TINY, fmt): {str(r): 10.0 for r in PROBE_ROWS} for fmt in calibrate.WEIGHT_FORMATS}
-    path.write_text(json.dumps({**RATES, "model_linear_GFLOPs": own}))
+    block = {key: {str(r): 1e-4 * r for r in PROBE_ROWS} for key in own}
+    path.write_text(json.dumps({**RATES, "model_linear_GFLOPs": own, "model_block_decode_s": block}))
     monkeypatch.setattr(calibrate, "measure", lambda *a, **k: pytest.fail("measured"))
-    monkeypatch.setattr(calibrate, "measure_model_linear", lambda *a, **k: pytest.fail("measured"))
+    import flexgen_h2o.model_probe as probe
+    monkeypatch.setattr(probe, "measure_matrices", lambda *a, **k: pytest.fail("measured"))
+    monkeypatch.setattr(probe, "measure_block_decode", lambda *a, **k: pytest.fail("measured"))
     ev = EvictionConfig(policy="h2o", hh_ratio=0.1)
     got = OffloadPolicy.auto(TINY, prompt_len=64, gen_len=8, n_prompts=4, eviction=ev, device="cpu",
                              offload_dir=str(tmp_path / "off"))
     machine = Machine.probe()
-    want = search(TINY, ev, OffloadPolicy(), RATES, prompt_len=64, gen_len=8, n_prompts=4, device_type="cpu",
+    want = search(TINY, ev, OffloadPolicy(), json.loads(path.read_text()), prompt_len=64, gen_len=8, n_prompts=4, device_type="cpu",
                   machine=machine, offload_root=tmp_path / "off", keep=1)[0].offload
     assert got == want and got.block_size <= 4

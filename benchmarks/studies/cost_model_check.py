@@ -2,8 +2,7 @@
 run's prediction (printed and in its metrics JSON, from this machine's cached rates) beside its measured total
 throughput and peak RSS.
 
-    python -m flexgen_h2o.calibrate                      # once: the rates the predictions use
-    python -m benchmarks.studies.cost_model_check --out benchmarks/results/cost-37 [--only NAME ...] [--repeats 2]
+    python -m benchmarks.studies.cost_model_check --calibrate --out benchmarks/results/cost-37 [--only NAME ...]
 
 Target: predicted / measured total tok/s within 0.75-1.33 for every configuration, measured peak RSS <= the
 predicted peak x 1.1. Configurations run one after another, the grid --repeats times over (rounds interleaved, so
@@ -107,15 +106,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--only", nargs="+", choices=sorted(GRID), help="these configurations only")
     p.add_argument("--timeout", type=float, default=900)
+    p.add_argument("--calibrate", action="store_true", help="measure the machine's rates again first")
     p.add_argument("--repeats", type=int, default=1, help="rounds over the grid, interleaved (the VM drifts): each "
                    "configuration's row is its median-throughput round")
     a = p.parse_args(argv)
     a.out.mkdir(parents=True, exist_ok=True)
     from flexgen_h2o.calibrate import rates
     from flexgen_h2o.models import resolve_model
+    root = Path(os.path.expanduser("~/flexgen_offload_dir"))
+    if a.calibrate:                   # the machine's rates of now: this VM's speed drifts up to 1.6x in an hour
+        rates(root, refresh=True)
     for model in sorted({GRID[n][GRID[n].index("--model") + 1] for n in a.only or GRID}):
-        # each model's own matrices timed here, before any timed run (a run would time them in its own process)
-        rates(Path(os.path.expanduser("~/flexgen_offload_dir")), model=resolve_model(model))
+        # each model timed itself here, before any timed run (a run would time it in its own process)
+        rates(root, model=resolve_model(model))
     runs: dict[str, list[dict]] = {}
     for rep in range(a.repeats):
         for name in a.only or GRID:

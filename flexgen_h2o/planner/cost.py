@@ -48,6 +48,8 @@ class Prediction:
 
 
 PROBE_ROWS = (1, 4, 16, 64, 128)         # decode-step rows a model's own matrices are timed at (calibrate.py)
+PROBE_PROMPT = 16                        # model_probe.py's prompt; its decode window, about PROBE_PROMPT + 4 slots,
+PROBE_WINDOW = PROBE_PROMPT + 4          # is inside its block times: the cost model adds only the slots beyond
 PROBE_MAX_ELEMENTS = 16 << 20            # a probed matrix keeps at most this many elements (rows cut, not inputs)
 
 
@@ -77,6 +79,26 @@ def linear_points(rates: dict[str, Any], fmt_name: str, cfg: ModelConfig) -> lis
     return sorted(pts.items())
 
 
+def block_points(rates: dict[str, Any], fmt_name: str, cfg: ModelConfig) -> list[tuple[int, float]]:
+    """(rows, seconds) a transformer block adds to a decode step, timed on the model itself (model_probe.py);
+    empty when it was not."""
+    own = rates.get("model_block_decode_s", {}).get(probe_key(cfg, fmt_name), {})
+    return sorted((int(k), v) for k, v in own.items())
+
+
+def _block_s(pts: list[tuple[int, float]], rows: float) -> float:
+    """A block's decode seconds at `rows`: linear in rows between the probe's row counts (a step's time is about
+    affine in its rows), in proportion to the rows beyond the largest (compute-bound there), the smallest's below."""
+    if rows > pts[-1][0]:
+        return pts[-1][1] * rows / pts[-1][0]
+    if rows <= pts[0][0]:
+        return pts[0][1]
+    for (r0, v0), (r1, v1) in zip(pts, pts[1:]):
+        if rows <= r1:
+            return v0 + (rows - r0) / (r1 - r0) * (v1 - v0)
+    return pts[-1][1]
+
+
 def _rate(pts: list[tuple[int, float]], rows: float) -> float:
     """A measured rate at `rows`, interpolated in log(rows) between the measured (row count, rate) points, sorted
     (flat beyond them)."""
@@ -96,6 +118,7 @@ class _Group:
     disk_bytes: int                      # its weights' bytes homed on disk
     host_bytes: int                      # ... in host memory (crosses the link on a GPU)
     head: bool = False                   # the LM head: one row per sequence, at prefill too
+    block: bool = False                  # holds a transformer block's attention or MLP (probed as a whole)
 
 
 @functools.lru_cache(maxsize=512)
@@ -108,11 +131,12 @@ def _groups(cfg: ModelConfig, fractions: tuple[float, float, float], fmt: Storag
     homes = weight_homes(layers, fractions, fmt)
     out = []
     for group in schedule_groups([layer.kind for layer in layers], sep_layer):
-        flops, disk, host, attn, head = 0.0, 0, 0, False, False
+        flops, disk, host, attn, head, block = 0.0, 0, 0, False, False, False
         for i in group:
             layer = layers[i]
             attn |= layer.kind == "attn"
             head |= layer.kind == "head"
+            block |= layer.kind in ("attn", "mlp")
             for spec in layer.weight_specs():
                 if len(spec.shape) == 2 and not is_lookup_table(layer, spec):
                     flops += 2.0 * spec.numel
@@ -121,7 +145,7 @@ def _groups(cfg: ModelConfig, fractions: tuple[float, float, float], fmt: Storag
                     disk += nbytes
                 elif homes[spec.name] == "host":
                     host += nbytes
-        out.append(_Group(flops, attn, disk, host, head))
+        out.append(_Group(flops, attn, disk, host, head, block))
     return tuple(out)
 
 
@@ -152,6 +176,8 @@ def predict(plan: Plan, rates: dict[str, Any], *, n_prompts: int | None = None, 
     window = plan.prompt_len + plan.gen_len / 2 if full else plan.capacity
     in_place = off.kv_read_in_place(plan.device_type, plan.eviction.position_rolling, off.gpu_batch_size)
     n_attn = max(1, sum(g.attn for g in groups))
+    probed = block_points(r, fmt_w, cfg)
+    block_flops = sum(g.flops_per_row for g in groups if g.block) / max(1, cfg.n_layers)
     sizes = collections.Counter(b.size for b in plan.batches)        # GPU batches by row count
 
     def overlap(*lanes: float) -> float:
@@ -162,10 +188,14 @@ def predict(plan: Plan, rates: dict[str, Any], *, n_prompts: int | None = None, 
     for g in groups:
         compute = io_kv = 0.0
         for rows, n in sizes.items():
-            compute += n * (g.flops_per_row * rows / (_rate(linear, rows) * 1e9) + fixed_dec)
+            if probed and g.block:     # the model's own block, its share by FLOPs; attention past its window
+                compute += n * _block_s(probed, rows) * g.flops_per_row / block_flops
+            else:
+                compute += n * (g.flops_per_row * rows / (_rate(linear, rows) * 1e9) + fixed_dec)
             if g.attn:
                 slots = n * rows * cfg.n_kv_heads * window * cfg.n_layers / n_attn
-                compute += slots * ns_slot
+                beyond = max(0.0, window - PROBE_WINDOW) / window if probed else 1.0
+                compute += slots * ns_slot * beyond
                 if not in_place:                 # a staged copy of the window (split, disk, or rolling cache)
                     compute += slots * cfg.head_dim * 2 * 4 / (rates["memcpy_GBps"] * 1e9)
                 off_compute = kv_fr[1] + kv_fr[2] if gpu else kv_fr[2]

@@ -91,6 +91,8 @@ def plan_bytes(plan: Plan, *, dummy_store_bytes: int = 0, real_weights: bool = F
         est.add(tier, "weights", n)
     est.add("compute", "workspace", staged)
     est.add("disk", "weights", dummy_store_bytes)
+    if dummy_store_bytes and offload.weight_format.quantized:
+        est.add("disk", "weights", est.model_bytes)     # the packed copy converted beside the store (<fmt>/)
     for tier, n in plan.kv_bytes().items():
         est.add(tier, "kv", n)
     est.kv_bytes = sum(est.bytes[t]["kv"] for t in TIERS)

@@ -1,0 +1,89 @@
+"""A model's own decode cost, timed once per model shape and weight format (the cost model's decode rates).
+
+Machine rates on synthetic shapes (calibrate.py) predicted a run's decode steps 1.2-2.2x too fast
+(`benchmarks/studies/cost_model_check.py`, 2026-11-29): what a real layer does between its matrix products
+(norms, rotary, the KV write and its scores, the gathers of live rows, dispatch) is no FLOP count, and a model's
+matrices run at their own speed. So the probe runs the real engine on the model itself cut to 1 and to 3
+transformer blocks (its own widths, heads, MLP and weight format, a 512-token vocabulary), all in RAM, at each
+decode row count, and takes the difference: seconds per block per decode step, with everything but the window's
+attention in it (the probe's window is a 16-token prompt; the cost model adds the slots beyond it). Median step.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+import torch
+
+from flexgen_h2o.planner.cost import PROBE_PROMPT     # the cost model prices the slots beyond its window
+
+PROBE_STEPS = 5                           # decode steps timed per run (after the first, which is dropped)
+PROBE_VOCAB = 512
+STOP_S = 0.3                              # row counts stop once a 1-block step takes this long (compute-bound
+                                          # there: the cost model scales the largest timed one by rows)
+
+
+def _engine(cfg: Any, blocks: int, fmt_name: str, rows: int, device: str) -> Any:
+    from flexgen_h2o.config import OffloadPolicy
+    from flexgen_h2o.engine import Engine
+    from flexgen_h2o.models import all_specs, build_layers
+    from flexgen_h2o.weights import DummyStore
+    small = cfg.replace(n_layers=blocks, vocab_size=min(cfg.vocab_size, PROBE_VOCAB))
+    bits = None if fmt_name == "fp16" else int(fmt_name[3])
+    return Engine(small, DummyStore(all_specs(build_layers(small))).read, device=device,
+                  offload=OffloadPolicy(gpu_batch_size=rows, weight_bits=bits))
+
+
+def _step_s(engine: Any, rows: int) -> float:
+    from flexgen_h2o.config import GenerationConfig
+    out = engine.generate([[5 + i % 7] * PROBE_PROMPT for i in range(rows)],
+                          GenerationConfig(max_new_tokens=PROBE_STEPS + 2, stop_at_eos=False))
+    steps = sorted(out.metrics["step_times_s"][1:])
+    return steps[len(steps) // 2]
+
+
+def measure_block_decode(cfg: Any, fmt_name: str, rows_list: tuple[int, ...], device: str = "cpu",
+                         say: Callable[[str], None] = lambda s: None) -> dict[str, float]:
+    """Seconds one transformer block (attention + MLP) adds to a decode step at each row count: the median step
+    of the 3-block model minus the 1-block model's, halved (row counts past STOP_S are not timed)."""
+    t0 = time.perf_counter()
+    times: dict[int, dict[int, float]] = {1: {}, 3: {}}
+    for blocks in (1, 3):
+        engine = _engine(cfg, blocks, fmt_name, max(rows_list), device)     # a block of fewer prompts: fewer rows
+        try:
+            for rows in rows_list if blocks == 1 else list(times[1]):
+                times[blocks][rows] = _step_s(engine, rows)
+                if blocks == 1 and times[1][rows] > STOP_S:
+                    break
+        finally:
+            engine.close()
+    out = {str(rows): max(1e-6, (times[3][rows] - times[1][rows]) / 2) for rows in times[3]}
+    say(f"  {cfg.name} {fmt_name}: a block's decode step timed at {len(rows_list)} row counts in "
+        f"{time.perf_counter() - t0:.0f} s")
+    return out
+
+
+def measure_matrices(cfg: Any, fmt_name: str, kernels: Any, device: torch.device, dtype: torch.dtype,
+                     sync: Callable[[], None], min_s: float) -> dict[str, float]:
+    """GFLOP/s of one transformer block's matrices (the model's own input widths, planner/cost.probe_shapes) in
+    one weight format at decode rows, called in sequence as a layer calls them, copies rotated past the
+    last-level cache, median call (the LM head and embeddings are priced at this rate)."""
+    from flexgen_h2o.calibrate import LLC_BYTES, median_time, packed_weight
+    from flexgen_h2o.planner.cost import PROBE_ROWS, probe_shapes
+    shapes = probe_shapes(cfg)
+    gen = torch.Generator().manual_seed(0)
+    one = [(torch.randn(n, k, generator=gen) * 0.02) for n, k in shapes]
+    block = [packed_weight(w, fmt_name, device) for w in one]
+    nbytes = sum(w.rows.nbytes if hasattr(w, "rows") else w.nbytes for w in block)
+    copies = [block] + [[packed_weight(w, fmt_name, device) for w in one] for _ in range(LLC_BYTES // max(1, nbytes))]
+    flops = sum(2 * n * k for n, k in shapes)
+    out = {}
+    for rows in PROBE_ROWS:
+        xs = {k: torch.randn(rows, k, device=device, dtype=dtype) for _, k in shapes}
+        it = iter(range(1 << 62))
+
+        def layer() -> None:
+            for w in copies[next(it) % len(copies)]:
+                kernels.linear(xs[w.shape[1]], w)
+        out[str(rows)] = rows * flops / median_time(layer, min_s, sync) / 1e9
+    return out
