@@ -291,7 +291,7 @@ def add_model(res: dict[str, Any], model: Any, formats: tuple[str, ...], smoke: 
     """Time `model` itself in each weight format not timed yet (model_probe.py: its matrices, and a block's decode
     step through the engine), into res, on the GPU too when there is one; True when something was measured."""
     from flexgen_h2o.kernels import resolve
-    from flexgen_h2o.model_probe import measure_block_decode, measure_matrices
+    from flexgen_h2o.model_probe import measure_block, measure_matrices
     from flexgen_h2o.planner.cost import PROBE_ROWS, probe_key
     min_s = 0.02 if smoke else 0.15
     rows = PROBE_ROWS[:3] if smoke else PROBE_ROWS
@@ -303,7 +303,7 @@ def add_model(res: dict[str, Any], model: Any, formats: tuple[str, ...], smoke: 
     did = False
     for side, kernels, device, dtype, sync in sides:
         matrices = side.setdefault("model_linear_GFLOPs", {})
-        blocks = side.setdefault("model_block_decode_s", {})
+        blocks = side.setdefault("model_block", {})
         for name in formats:
             key = probe_key(model, name)
             if key in matrices and key in blocks:
@@ -312,7 +312,7 @@ def add_model(res: dict[str, Any], model: Any, formats: tuple[str, ...], smoke: 
                 say(f"timing {model.name} itself for the cost model (once per shape and weight format; cached) ...")
             did = True
             matrices[key] = measure_matrices(model, name, kernels, device, dtype, sync, min_s)
-            blocks[key] = measure_block_decode(model, name, rows, str(device), say)
+            blocks[key] = measure_block(model, name, rows, str(device), say)
     return did
 
 

@@ -62,7 +62,7 @@ def test_a_probed_block_prices_the_decode_step_and_attention_past_its_window():
     rows (interpolated in log rows, in proportion beyond the largest) plus the head's FLOPs at the linear rate;
     the attention slots inside the probe's window are in the block's time, those beyond it are added."""
     blocks = {str(r): 1e-3 * r for r in (1, 4, 16)}
-    rates = {**RATES, "model_block_decode_s": {probe_key(TINY, "fp16"): blocks}}
+    rates = {**RATES, "model_block": {probe_key(TINY, "fp16"): {"decode_s": blocks}}}
     head = 2 * 256 * 64 / 10e9                                     # per row: the untied head at 10 GFLOP/s
     for rows, block_s in ((4, 4e-3), (8, 8e-3), (32, 32e-3)):
         p = predict(_plan(OffloadPolicy(gpu_batch_size=rows)), rates)            # window 16 + 2.5 < PROBE_WINDOW
@@ -72,6 +72,20 @@ def test_a_probed_block_prices_the_decode_step_and_attention_past_its_window():
     assert long.decode_s == pytest.approx(4 * (2 * 4e-3 + 4 * head + beyond), rel=1e-9)
 
 
+def test_a_probed_block_prices_the_prompt_pass_per_token_and_attention_past_256_tokens():
+    """The prompt pass: each block's measured seconds per prompt token, plus the causal attention over keys a
+    256-token prompt's did not have (fewer for a shorter prompt), plus the head at the linear rate."""
+    rates = {**RATES, "model_block": {probe_key(TINY, "fp16"): {"decode_s": {"1": 1.0},
+                                                                "prefill_s_per_token": 1e-4}}}
+    head = 2 * 256 * 64 / 10e9
+    attn_tok = 4 * 4 * 16 / 10e9                           # QK^T and PV per key per query, 4 heads of 16
+    for prompt in (100, 600):
+        p = predict(_plan(OffloadPolicy(gpu_batch_size=2), prompt=prompt), rates)
+        keys = prompt / 2 - 128
+        want = 2 * (2 * prompt * 1e-4 + 2 * prompt * attn_tok * keys) + 2 * head
+        assert p.prefill_s == pytest.approx(want, rel=1e-9), prompt
+
+
 def test_a_models_matrices_are_timed_once_per_format_and_cached(tmp_path, monkeypatch):
     from flexgen_h2o import calibrate
     monkeypatch.setenv("FLEXGEN_H2O_HOME", str(tmp_path / "home"))
@@ -79,14 +93,16 @@ def test_a_models_matrices_are_timed_once_per_format_and_cached(tmp_path, monkey
     path.parent.mkdir(parents=True)
     path.write_text(json.dumps(RATES))
     got = calibrate.rates(tmp_path / "off", smoke=True, say=lambda s: None, model=TINY, formats=("fp16", "int4-g64"))
-    table, blocks = got["model_linear_GFLOPs"], got["model_block_decode_s"]
+    table, blocks = got["model_linear_GFLOPs"], got["model_block"]
     assert sorted(table) == sorted(blocks) == sorted(probe_key(TINY, f) for f in ("fp16", "int4-g64"))
     assert all(set(v) == {str(r) for r in PROBE_ROWS} and min(v.values()) > 0 for v in table.values())
-    assert all(set(v) == {"1", "4", "16"} and min(v.values()) > 0 for v in blocks.values())   # smoke: 3 counts
-    assert json.loads(path.read_text())["model_block_decode_s"] == blocks
+    for v in blocks.values():                                   # smoke: 3 row counts; and the prompt pass
+        assert set(v["decode_s"]) == {"1", "4", "16"} and min(v["decode_s"].values()) > 0
+        assert v["prefill_s_per_token"] > 0
+    assert json.loads(path.read_text())["model_block"] == blocks
     import flexgen_h2o.model_probe as probe
     monkeypatch.setattr(probe, "measure_matrices", lambda *a, **k: pytest.fail("measured again"))
-    monkeypatch.setattr(probe, "measure_block_decode", lambda *a, **k: pytest.fail("measured again"))
+    monkeypatch.setattr(probe, "measure_block", lambda *a, **k: pytest.fail("measured again"))
     assert calibrate.rates(tmp_path / "off", model=TINY, formats=("fp16",), say=lambda s: None) == got
 
 
@@ -175,12 +191,12 @@ def test_the_api_chooses_from_cached_rates(tmp_path, monkeypatch):
     path = calibrate.cache_path(tmp_path / "off")
     path.parent.mkdir(parents=True)
     own = {probe_key(TINY, fmt): {str(r): 10.0 for r in PROBE_ROWS} for fmt in calibrate.WEIGHT_FORMATS}
-    block = {key: {str(r): 1e-4 * r for r in PROBE_ROWS} for key in own}
-    path.write_text(json.dumps({**RATES, "model_linear_GFLOPs": own, "model_block_decode_s": block}))
+    block = {key: {"decode_s": {str(r): 1e-4 * r for r in PROBE_ROWS}, "prefill_s_per_token": 1e-4} for key in own}
+    path.write_text(json.dumps({**RATES, "model_linear_GFLOPs": own, "model_block": block}))
     monkeypatch.setattr(calibrate, "measure", lambda *a, **k: pytest.fail("measured"))
     import flexgen_h2o.model_probe as probe
     monkeypatch.setattr(probe, "measure_matrices", lambda *a, **k: pytest.fail("measured"))
-    monkeypatch.setattr(probe, "measure_block_decode", lambda *a, **k: pytest.fail("measured"))
+    monkeypatch.setattr(probe, "measure_block", lambda *a, **k: pytest.fail("measured"))
     ev = EvictionConfig(policy="h2o", hh_ratio=0.1)
     got = OffloadPolicy.auto(TINY, prompt_len=64, gen_len=8, n_prompts=4, eviction=ev, device="cpu",
                              offload_dir=str(tmp_path / "off"))

@@ -50,6 +50,7 @@ class Prediction:
 PROBE_ROWS = (1, 4, 16, 64, 128)         # decode-step rows a model's own matrices are timed at (calibrate.py)
 PROBE_PROMPT = 16                        # model_probe.py's prompt; its decode window, about PROBE_PROMPT + 4 slots,
 PROBE_WINDOW = PROBE_PROMPT + 4          # is inside its block times: the cost model adds only the slots beyond
+PREFILL_TOKENS = 256                     # model_probe.py's prompt pass: attention over a 256-token prompt is in it
 PROBE_MAX_ELEMENTS = 16 << 20            # a probed matrix keeps at most this many elements (rows cut, not inputs)
 
 
@@ -82,8 +83,8 @@ def linear_points(rates: dict[str, Any], fmt_name: str, cfg: ModelConfig) -> lis
 def block_points(rates: dict[str, Any], fmt_name: str, cfg: ModelConfig) -> list[tuple[int, float]]:
     """(rows, seconds) a transformer block adds to a decode step, timed on the model itself (model_probe.py);
     empty when it was not."""
-    own = rates.get("model_block_decode_s", {}).get(probe_key(cfg, fmt_name), {})
-    return sorted((int(k), v) for k, v in own.items())
+    own = rates.get("model_block", {}).get(probe_key(cfg, fmt_name), {})
+    return sorted((int(k), v) for k, v in own.get("decode_s", {}).items())
 
 
 def _block_s(pts: list[tuple[int, float]], rows: float) -> float:
@@ -165,7 +166,6 @@ def predict(plan: Plan, rates: dict[str, Any], *, n_prompts: int | None = None, 
     cached = (not off.uncached_disk_weights and (free_ram is None or disk_weight_bytes <= free_ram))
     disk_again = rates["page_cache_read_GBps" if cached else "disk_read_GBps"] * 1e9
     link = gpu["h2d_GBps"] * 1e9 if gpu else math.inf
-    mem = rates["mem_read_GBps"] * 1e9
     slot_bytes = plan.slot_bytes() / max(1, cfg.n_kv_heads)        # one slot of one KV head, with score/pos
     attn_flops_tok = 4 * cfg.n_heads * cfg.head_dim                   # QK^T and PV per query per key
     prompt_rate = r["prompt_scored_GFLOPs" if plan.needs_scores else "prompt_plain_GFLOPs"] * 1e9
@@ -177,6 +177,7 @@ def predict(plan: Plan, rates: dict[str, Any], *, n_prompts: int | None = None, 
     in_place = off.kv_read_in_place(plan.device_type, plan.eviction.position_rolling, off.gpu_batch_size)
     n_attn = max(1, sum(g.attn for g in groups))
     probed = block_points(r, fmt_w, cfg)
+    probed_prefill = r.get("model_block", {}).get(probe_key(cfg, fmt_w), {}).get("prefill_s_per_token")
     block_flops = sum(g.flops_per_row for g in groups if g.block) / max(1, cfg.n_layers)
     sizes = collections.Counter(b.size for b in plan.batches)        # GPU batches by row count
 
@@ -202,7 +203,9 @@ def predict(plan: Plan, rates: dict[str, Any], *, n_prompts: int | None = None, 
                 io_kv += slots * slot_bytes * off_compute / (link if gpu else disk_again)
         io_w = g.disk_bytes / disk_again + (g.disk_bytes + g.host_bytes) / link
         if not gpu and g.disk_bytes and cached:
-            compute += g.disk_bytes / mem        # a page-cache read is a copy the compute cores make
+            # a page-cache read is a copy the compute cores make, at the page-cache read's rate: SmolLM2's
+            # 0.27 GB of weights cost a decode step 0.13 s over all-in-RAM, 0.02 s at the memory's rate
+            compute += g.disk_bytes / disk_again
         step += overlap(compute, io_w, io_kv)
         for k, v in (("compute", compute), ("weights", io_w), ("kv", io_kv)):
             bound[k] += v
@@ -216,13 +219,18 @@ def predict(plan: Plan, rates: dict[str, Any], *, n_prompts: int | None = None, 
             chunks = math.ceil(rows / plan.prefill_rows)
             tokens = rows if g.head else rows * plan.prompt_len
             rate_rows = plan.prefill_rows if g.head else chunk_rows
-            compute += n * (g.flops_per_row * tokens / (_rate(linear, rate_rows) * 1e9) + fixed_pre * chunks)
+            if probed_prefill and g.block:     # the model's own block: its share, attention past 256 tokens
+                compute += n * tokens * probed_prefill * g.flops_per_row / block_flops
+                keys = plan.prompt_len / 2 - PREFILL_TOKENS / 2      # mean keys per query beyond the probe's
+            else:
+                compute += n * (g.flops_per_row * tokens / (_rate(linear, rate_rows) * 1e9) + fixed_pre * chunks)
+                keys = plan.prompt_len / 2
             if g.attn:
-                per_layer = rows * attn_flops_tok * plan.prompt_len ** 2 / 2
+                per_layer = rows * plan.prompt_len * attn_flops_tok * keys
                 compute += n * per_layer * cfg.n_layers / n_attn / prompt_rate
         io_w = g.disk_bytes / disk_again + (g.disk_bytes + g.host_bytes) / link
         if not gpu and g.disk_bytes and cached:
-            compute += g.disk_bytes / mem
+            compute += g.disk_bytes / disk_again
         prefill += overlap(compute, io_w)
         pre_bound["compute"] += compute
         pre_bound["weights"] += io_w

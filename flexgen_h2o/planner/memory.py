@@ -29,7 +29,7 @@ from flexgen_h2o.config import OffloadPolicy
 from flexgen_h2o.formats import StorageFormat
 from flexgen_h2o.kernels import onednn_may_run
 from flexgen_h2o.kv import Budget, EvictionConfig
-from flexgen_h2o.models import KVSpec, ModelConfig, build_layers, schedule_groups
+from flexgen_h2o.models import KVSpec, ModelConfig, all_specs, build_layers, schedule_groups
 from flexgen_h2o.planner.plan import Plan
 from flexgen_h2o.weights.placement import (is_lookup_table, model_bytes, packed_names, resident_dtype,
                                            stored_bytes, weight_homes)
@@ -120,7 +120,7 @@ def plan_bytes(plan: Plan, *, dummy_store_bytes: int = 0, real_weights: bool = F
         # (the previous block's caches are dropped before a block allocates: Engine._generate_block)
         rows, tokens = plan.prefill_rows, plan.prompt_len
         est.beyond_tiers = allocator_bytes(model, rows, tokens, c, plan.score_block, heap_live,
-                                           loader_scratch=0 if real_weights else LOADER_SCRATCH)
+                                           loader_scratch=0 if real_weights else _dummy_scratch(model))
         if onednn_may_run(rows * tokens):
             est.beyond_tiers["oneDNN"] = ONEDNN_BYTES
     return est
@@ -191,9 +191,16 @@ MMAP_CEILING = 32 << 20
 # ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 (CI's kind of CPU); 16 x 512 +9 MiB.
 ONEDNN_BYTES = 32 << 20
 # The heap's free top goes back to the OS only beyond the trim threshold, which glibc keeps at twice the mmap
-# threshold: up to twice the largest heap-served block freed so far stays resident. Dummy weights are drawn
-# through a 16 MiB fp32 scratch (weights/dummy.py), so after loading them the threshold is at least that.
+# threshold: up to twice the largest heap-served block freed so far stays resident. Each dummy tensor is
+# gathered into an array of its own size (weights/dummy.py) and freed once placed, so after loading them the
+# threshold is at least the largest one under the ceiling (at least 16 MiB counted: the older generator's scratch).
 LOADER_SCRATCH = 16 << 20
+
+
+@functools.lru_cache(maxsize=64)
+def _dummy_scratch(model: ModelConfig) -> int:
+    sizes = [2 * s.numel for s in all_specs(build_layers(model)) if 2 * s.numel < MMAP_CEILING]
+    return max([LOADER_SCRATCH] + sizes)
 # Heap holes: freed blocks between live ones, resident but reused only by blocks that fit. Not derivable from
 # the shapes: measured (2026-11-27, glibc 2.36; docs/architecture.md "Memory accounting") as the peak RSS beyond
 # every other term, 0-0.17 of the heap-served bytes live at the prompt pass's peak, the most on OPT shapes, and
