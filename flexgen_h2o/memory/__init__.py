@@ -7,11 +7,13 @@ Level 1 of the import rules (LAYOUT.md §8.3): imports only torch, numpy, the st
 from .holder import HolderStateError, ValueHolder
 from .offload_dir import DiskSpaceError, OffloadDir, OffloadDirError, check_space
 from .tensor import TieredTensor
-from .tier import ComputeTier, DiskFullError, DiskTier, HostTier, Tier, TierFullError, drop_file_cache
+from .tier import (ComputeTier, DiskFullError, DiskTier, HostTier, Tier, TierFullError, drop_file_cache,
+                   release_free_heap)
 from .transfer import Transfer
 
 __all__ = [
     "ComputeTier", "DiskFullError", "DiskSpaceError", "DiskTier", "HolderStateError", "HostTier", "OffloadDir",
     "OffloadDirError", "Tier", "TierFullError", "TieredTensor", "Transfer", "ValueHolder", "check_space",
     "drop_file_cache",
+    "release_free_heap",
 ]

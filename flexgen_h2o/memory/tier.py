@@ -186,6 +186,15 @@ def _fallocate(path: str, nbytes: int) -> None:
         os.close(fd)
 
 
+def release_free_heap() -> None:
+    """glibc's malloc_trim(0): free heap pages go back to the OS wherever they lie (elsewhere: nothing)."""
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def drop_file_cache(path: str | os.PathLike) -> int:
     """Flush a file and ask the kernel to drop its cached pages, so the next read is cold; returns its size.
     Needs no root, unlike /proc/sys/vm/drop_caches; pages a live mapping still holds stay resident."""

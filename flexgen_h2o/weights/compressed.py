@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from flexgen_h2o.formats import StorageFormat
+from flexgen_h2o.memory import release_free_heap
 from flexgen_h2o.weights.placement import packed_names
 
 MANIFEST = "manifest.json"
@@ -106,7 +107,11 @@ def compressed_weights(layers: list, read: Read, locate: Locate | None, fmt: Sto
         # packed when placed and not kept here: the placement holds the only copy (a cache here held every
         # matrix twice: OPT-1.3B int8 from dummy weights peaked 3.57 GiB, 2.17 predicted, cost_model_check)
         def read_packed(name: str) -> np.ndarray:
-            return pack_matrix(read(name), fmt) if name in packed else read(name)
+            if name not in packed:
+                return read(name)
+            out = pack_matrix(read(name), fmt)
+            release_free_heap()       # the packing's freed blocks would pile up in the heap until placement ends
+            return out
         return read_packed, locate, packed
     folder = store / fmt.name
     _remove_leftovers(folder.parent, folder.name)

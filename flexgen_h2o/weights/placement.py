@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from flexgen_h2o.formats import WEIGHT_FORMAT, StorageFormat
+from flexgen_h2o.memory import release_free_heap
 from flexgen_h2o.models.layer import WeightSpec
 from flexgen_h2o.quant import PackedMatrix
 from flexgen_h2o.weights.staging import RowLookup, StagingPool, file_rows, host_rows, read_file_range
@@ -151,6 +152,9 @@ class WeightPlacement:
                 else:
                     self._disk[spec.name] = array
                     self.resident_bytes["disk"] += array.nbytes
+        # placing (packing, drawing dummy weights) left freed blocks between live ones: hand their pages back, or
+        # they stay in the RSS (OPT-1.3B int8 dummy weights: 0.7 GiB beyond the placed bytes)
+        release_free_heap()
 
     def stored_shape(self, spec: WeightSpec) -> tuple[int, ...]:
         """The shape a weight is held in: its packed rows (n, row_width(k)) for a packed matrix."""
