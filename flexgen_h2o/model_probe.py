@@ -5,9 +5,9 @@ Machine rates on synthetic shapes (calibrate.py) predicted a run's decode steps 
 (norms, rotary, the KV write and its scores, the gathers of live rows, dispatch) is no FLOP count, and a model's
 matrices run at their own speed. So the probe runs the real engine on the model itself cut to 1 and to 3
 transformer blocks (its own widths, heads, MLP and weight format, a 512-token vocabulary), all in RAM, at each
-decode row count and for one 256-token prompt pass, and takes the difference: seconds per block per decode step
-(the window's attention beyond a 16-token prompt is the cost model's to add) and per prompt token (the
-attention beyond a 256-token prompt's, likewise). Median step.
+decode row count, and takes the difference: seconds per block per decode step (the window's attention beyond
+its 16-token prompt is the cost model's to add). Median step. The prompt pass stays on the machine rates: timed
+on one short prompt the probe's GEMMs ran at far fewer rows than a run's prefill chunks.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import torch
 
-from flexgen_h2o.planner.cost import PREFILL_TOKENS, PROBE_PROMPT   # the cost model prices what is beyond these
+from flexgen_h2o.planner.cost import PROBE_PROMPT     # the cost model prices the slots beyond its window
 
 PROBE_STEPS = 5                           # decode steps timed per run (after the first, which is dropped)
 PROBE_VOCAB = 512
@@ -43,36 +43,23 @@ def _step_s(engine: Any, rows: int) -> float:
     return steps[len(steps) // 2]
 
 
-def _prefill_s(engine: Any) -> float:
-    from flexgen_h2o.config import GenerationConfig
-    prompt = [[5 + i % 11 for i in range(PREFILL_TOKENS)]]
-    runs = []
-    while len(runs) < 3 and sum(runs) < 3 * STOP_S:      # one run where a prompt pass is long, else 3
-        runs.append(engine.generate(prompt, GenerationConfig(max_new_tokens=1, stop_at_eos=False)).metrics["prefill_s"])
-    return sorted(runs)[(len(runs) - 1) // 2]
-
-
 def measure_block(cfg: Any, fmt_name: str, rows_list: tuple[int, ...], device: str = "cpu",
                   say: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
-    """What one transformer block (attention + MLP) adds: to a decode step at each row count ("decode_s"; row
-    counts past STOP_S are not timed) and to a prompt pass per token of a PREFILL_TOKENS-token prompt
-    ("prefill_s_per_token"): the 3-block model's median minus the 1-block model's, halved."""
+    """What one transformer block (attention + MLP) adds to a decode step at each row count ("decode_s"; row
+    counts past STOP_S are not timed): the 3-block model's median step minus the 1-block model's, halved."""
     t0 = time.perf_counter()
     times: dict[int, dict[int, float]] = {1: {}, 3: {}}
-    prefill: dict[int, float] = {}
     for blocks in (1, 3):
         engine = _engine(cfg, blocks, fmt_name, max(rows_list), device)     # a block of fewer prompts: fewer rows
         try:
-            prefill[blocks] = _prefill_s(engine)
             for rows in rows_list if blocks == 1 else list(times[1]):
                 times[blocks][rows] = _step_s(engine, rows)
                 if blocks == 1 and times[1][rows] > STOP_S:
                     break
         finally:
             engine.close()
-    out = {"decode_s": {str(rows): max(1e-6, (times[3][rows] - times[1][rows]) / 2) for rows in times[3]},
-           "prefill_s_per_token": max(1e-9, (prefill[3] - prefill[1]) / 2 / PREFILL_TOKENS)}
-    say(f"  {cfg.name} {fmt_name}: a block's prompt pass and decode step ({len(times[3])} row counts) timed in "
+    out = {"decode_s": {str(rows): max(1e-6, (times[3][rows] - times[1][rows]) / 2) for rows in times[3]}}
+    say(f"  {cfg.name} {fmt_name}: a block's decode step ({len(times[3])} row counts) timed in "
         f"{time.perf_counter() - t0:.0f} s")
     return out
 

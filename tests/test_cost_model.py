@@ -72,20 +72,6 @@ def test_a_probed_block_prices_the_decode_step_and_attention_past_its_window():
     assert long.decode_s == pytest.approx(4 * (2 * 4e-3 + 4 * head + beyond), rel=1e-9)
 
 
-def test_a_probed_block_prices_the_prompt_pass_per_token_and_attention_past_256_tokens():
-    """The prompt pass: each block's measured seconds per prompt token, plus the causal attention over keys a
-    256-token prompt's did not have (fewer for a shorter prompt), plus the head at the linear rate."""
-    rates = {**RATES, "model_block": {probe_key(TINY, "fp16"): {"decode_s": {"1": 1.0},
-                                                                "prefill_s_per_token": 1e-4}}}
-    head = 2 * 256 * 64 / 10e9
-    attn_tok = 4 * 4 * 16 / 10e9                           # QK^T and PV per key per query, 4 heads of 16
-    for prompt in (100, 600):
-        p = predict(_plan(OffloadPolicy(gpu_batch_size=2), prompt=prompt), rates)
-        keys = prompt / 2 - 128
-        want = 2 * (2 * prompt * 1e-4 + 2 * prompt * attn_tok * keys) + 2 * head
-        assert p.prefill_s == pytest.approx(want, rel=1e-9), prompt
-
-
 def test_a_models_matrices_are_timed_once_per_format_and_cached(tmp_path, monkeypatch):
     from flexgen_h2o import calibrate
     monkeypatch.setenv("FLEXGEN_H2O_HOME", str(tmp_path / "home"))
@@ -96,9 +82,8 @@ def test_a_models_matrices_are_timed_once_per_format_and_cached(tmp_path, monkey
     table, blocks = got["model_linear_GFLOPs"], got["model_block"]
     assert sorted(table) == sorted(blocks) == sorted(probe_key(TINY, f) for f in ("fp16", "int4-g64"))
     assert all(set(v) == {str(r) for r in PROBE_ROWS} and min(v.values()) > 0 for v in table.values())
-    for v in blocks.values():                                   # smoke: 3 row counts; and the prompt pass
+    for v in blocks.values():                                   # smoke: 3 row counts
         assert set(v["decode_s"]) == {"1", "4", "16"} and min(v["decode_s"].values()) > 0
-        assert v["prefill_s_per_token"] > 0
     assert json.loads(path.read_text())["model_block"] == blocks
     import flexgen_h2o.model_probe as probe
     monkeypatch.setattr(probe, "measure_matrices", lambda *a, **k: pytest.fail("measured again"))
@@ -191,7 +176,7 @@ def test_the_api_chooses_from_cached_rates(tmp_path, monkeypatch):
     path = calibrate.cache_path(tmp_path / "off")
     path.parent.mkdir(parents=True)
     own = {probe_key(TINY, fmt): {str(r): 10.0 for r in PROBE_ROWS} for fmt in calibrate.WEIGHT_FORMATS}
-    block = {key: {"decode_s": {str(r): 1e-4 * r for r in PROBE_ROWS}, "prefill_s_per_token": 1e-4} for key in own}
+    block = {key: {"decode_s": {str(r): 1e-4 * r for r in PROBE_ROWS}} for key in own}
     path.write_text(json.dumps({**RATES, "model_linear_GFLOPs": own, "model_block": block}))
     monkeypatch.setattr(calibrate, "measure", lambda *a, **k: pytest.fail("measured"))
     import flexgen_h2o.model_probe as probe

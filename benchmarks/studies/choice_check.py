@@ -8,7 +8,8 @@ best measured throughput.
 The sweep: for each weight/KV compression choice (none, int8 or int4 weights, int8 or int4 KV) the plan the search
 ranks first with it, plus the largest block that fits uncompressed (FlexGen's rule of thumb): a handful of
 structurally different plans, not every point of the space (a run takes minutes here). Needs root (cgroup v1 or
-v2 memory controller) and a quiet machine; decode is projected from --cut-gen-len steps, as FlexGen's benchmark.
+v2 memory controller) and a quiet machine; decode is projected from --cut-gen-len steps, as FlexGen's benchmark,
+and no run warms up (each pays its first touches alike). Blocks are kept small (4-8) so a run takes minutes.
 """
 from __future__ import annotations
 
@@ -28,12 +29,12 @@ GIB = 1 << 30
 
 # name: (RAM budget GiB, block bound (--gpu-batch-size), run flags)
 WORKLOADS: dict[str, tuple[float, int, list[str]]] = {
-    "smol-s2048+512-2gib": (2.0, 16, ["--model", "smollm2-135m", "--prompt-len", "2048", "--gen-len", "512",
-                                      "--cut-gen-len", "8"]),
-    "opt1.3b-disk512+512-3gib": (3.0, 8, ["--model", "opt-1.3b", "--dummy-weights", "--prompt-len", "512",
-                                          "--gen-len", "512", "--cut-gen-len", "8"]),
-    "opt6.7b-s128+64-6gib": (6.0, 8, ["--model", "opt-6.7b", "--dummy-weights", "--prompt-len", "128",
-                                      "--gen-len", "64", "--cut-gen-len", "6"]),
+    "smol-s2048+512-2gib": (2.0, 8, ["--model", "smollm2-135m", "--prompt-len", "2048", "--gen-len", "512",
+                                     "--cut-gen-len", "8"]),
+    "opt1.3b-disk512+512-3gib": (3.0, 4, ["--model", "opt-1.3b", "--dummy-weights", "--prompt-len", "512",
+                                          "--gen-len", "512", "--cut-gen-len", "6"]),
+    "opt6.7b-s64+32-6gib": (6.0, 4, ["--model", "opt-6.7b", "--dummy-weights", "--prompt-len", "64",
+                                     "--gen-len", "32", "--cut-gen-len", "4"]),
 }
 SWEEP_BITS = ((None, None), (8, None), (4, None), (None, 8), (None, 4))
 
@@ -116,8 +117,8 @@ def sweep(cands: list[dict]) -> list[dict]:
 def run(cmd: list[str], group: MemoryCgroup, folder: Path, timeout: float) -> dict:
     folder.mkdir(parents=True, exist_ok=True)
     metrics = folder / "metrics.json"
-    cmd = [sys.executable, "-m", "flexgen_h2o.run", *cmd, "--metrics-json", str(metrics), "--no-progress",
-           "--offload-dir", str(folder.parent / "offload")]
+    cmd = [sys.executable, "-m", "flexgen_h2o.run", *cmd, "--no-warmup", "--metrics-json", str(metrics),
+           "--no-progress", "--offload-dir", str(folder.parent / "offload")]
     t0 = time.perf_counter()
     with open(folder / "log.txt", "w") as log:
         try:
@@ -126,7 +127,7 @@ def run(cmd: list[str], group: MemoryCgroup, folder: Path, timeout: float) -> di
             rc = proc.returncode
         except subprocess.TimeoutExpired:
             rc = "timeout"
-    row = {"command": "python -m flexgen_h2o.run " + " ".join(cmd[3:-5]), "rc": rc, "wall_s": time.perf_counter() - t0}
+    row = {"command": "python -m flexgen_h2o.run " + " ".join(cmd[3:-6]), "rc": rc, "wall_s": time.perf_counter() - t0}
     if rc == 0 and metrics.exists():
         m = json.loads(metrics.read_text())
         chosen = [ln.split("chosen:", 1)[1].split(":")[0].strip() for ln in (folder / "log.txt").read_text()

@@ -50,7 +50,6 @@ class Prediction:
 PROBE_ROWS = (1, 4, 16, 64, 128)         # decode-step rows a model's own matrices are timed at (calibrate.py)
 PROBE_PROMPT = 16                        # model_probe.py's prompt; its decode window, about PROBE_PROMPT + 4 slots,
 PROBE_WINDOW = PROBE_PROMPT + 4          # is inside its block times: the cost model adds only the slots beyond
-PREFILL_TOKENS = 256                     # model_probe.py's prompt pass: attention over a 256-token prompt is in it
 PROBE_MAX_ELEMENTS = 16 << 20            # a probed matrix keeps at most this many elements (rows cut, not inputs)
 
 
@@ -177,7 +176,6 @@ def predict(plan: Plan, rates: dict[str, Any], *, n_prompts: int | None = None, 
     in_place = off.kv_read_in_place(plan.device_type, plan.eviction.position_rolling, off.gpu_batch_size)
     n_attn = max(1, sum(g.attn for g in groups))
     probed = block_points(r, fmt_w, cfg)
-    probed_prefill = r.get("model_block", {}).get(probe_key(cfg, fmt_w), {}).get("prefill_s_per_token")
     block_flops = sum(g.flops_per_row for g in groups if g.block) / max(1, cfg.n_layers)
     sizes = collections.Counter(b.size for b in plan.batches)        # GPU batches by row count
 
@@ -219,14 +217,11 @@ def predict(plan: Plan, rates: dict[str, Any], *, n_prompts: int | None = None, 
             chunks = math.ceil(rows / plan.prefill_rows)
             tokens = rows if g.head else rows * plan.prompt_len
             rate_rows = plan.prefill_rows if g.head else chunk_rows
-            if probed_prefill and g.block:     # the model's own block: its share, attention past 256 tokens
-                compute += n * tokens * probed_prefill * g.flops_per_row / block_flops
-                keys = plan.prompt_len / 2 - PREFILL_TOKENS / 2      # mean keys per query beyond the probe's
-            else:
-                compute += n * (g.flops_per_row * tokens / (_rate(linear, rate_rows) * 1e9) + fixed_pre * chunks)
-                keys = plan.prompt_len / 2
+            # the prompt pass stays on the machine rates: a probe's one 256-token prompt ran its GEMMs at 256
+            # rows, a run's chunks at thousands, and over-priced SmolLM2's prompt passes 2.4x (cost_model_check)
+            compute += n * (g.flops_per_row * tokens / (_rate(linear, rate_rows) * 1e9) + fixed_pre * chunks)
             if g.attn:
-                per_layer = rows * plan.prompt_len * attn_flops_tok * keys
+                per_layer = rows * attn_flops_tok * plan.prompt_len ** 2 / 2
                 compute += n * per_layer * cfg.n_layers / n_attn / prompt_rate
         io_w = g.disk_bytes / disk_again + (g.disk_bytes + g.host_bytes) / link
         if not gpu and g.disk_bytes and cached:
