@@ -189,3 +189,17 @@ def test_the_api_chooses_from_cached_rates(tmp_path, monkeypatch):
     want = search(TINY, ev, OffloadPolicy(), json.loads(path.read_text()), prompt_len=64, gen_len=8, n_prompts=4, device_type="cpu",
                   machine=machine, offload_root=tmp_path / "off", keep=1)[0].offload
     assert got == want and got.block_size <= 4
+
+
+def test_compression_is_chosen_only_for_a_clear_gain():
+    """Compression changes the output: at equal rates (no gain) the search keeps fp16; where fp16 weights must
+    stream from a slow disk and packed ones fit in RAM, packing wins by far more than the margin."""
+    ev = EvictionConfig(policy="h2o", hh_ratio=0.1)
+    roomy = Machine(ram_available=4 * GIB, ram_total=8 * GIB, process_rss=0)
+    best = search(TINY, ev, OffloadPolicy(), RATES, prompt_len=64, gen_len=8, n_prompts=4, device_type="cpu",
+                  machine=roomy)[0]
+    assert best.offload.weight_bits is None and best.offload.kv_bits is None
+    slow = {**RATES, "page_cache_read_GBps": 0.01, "disk_read_GBps": 0.01}
+    found = search(PRESETS["opt-1.3b"], ev, OffloadPolicy(), slow, prompt_len=32, gen_len=4, n_prompts=4,
+                   device_type="cpu", machine=Machine(ram_available=int(1.5 * GIB), ram_total=2 * GIB, process_rss=0))
+    assert found[0].offload.weight_bits in (4, 8) and found[0].offload.tier_fractions("weights")[2] == 0

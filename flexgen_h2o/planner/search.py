@@ -5,7 +5,8 @@ same RAM, so only the disk share of each is searched; resting activations stay o
 all-on-disk last resort), the GPU batch size (powers of two up to the prompts, stopping at the first that does
 not fit), the number of GPU batches, weight and KV compression (none, int8, int4) and, on a
 GPU, attention where the KV lives. Every candidate is checked against every tier's capacity by the preflight's
-own arithmetic (RAM, GPU memory, disk free) and ranked by cost.predict. The eviction budget is the user's: it
+own arithmetic (RAM, GPU memory, disk free) and ranked by cost.predict, a compressed plan only ahead of an
+uncompressed one it beats by COMPRESSION_MARGIN. The eviction budget is the user's: it
 changes the output, so it is never searched.
 """
 from __future__ import annotations
@@ -29,6 +30,10 @@ GPU_GRID = (0, 20, 40, 60, 80, 100)               # FlexGen's grid, coarser: % o
 GPU_CACHE = ((100, 0), (50, 50), (0, 100), (0, 0))
 NUM_GPU_BATCHES = (1, 2, 4, 8)
 MAX_GPU_BATCH = 1024
+# compression changes the output (a little): a compressed plan must be predicted this much faster to be chosen
+# over an uncompressed one (the rates' own run-to-run noise is several %: SmolLM2's auto run chose int8 weights
+# for a 0.2 % predicted gain before this)
+COMPRESSION_MARGIN = 1.05
 
 
 @dataclass
@@ -96,7 +101,8 @@ def search(model: ModelConfig, eviction: EvictionConfig, base: OffloadPolicy, ra
                 pred = predict(est.plan, rates, n_prompts=n_prompts, free_ram=free_ram,
                                peak_bytes={r.resource: r.need for r in res})
                 found.append(Candidate(off, pred, res))
-    found.sort(key=lambda cand: -cand.prediction.total_tok_s)
+    found.sort(key=lambda cand: -cand.prediction.total_tok_s / (
+        COMPRESSION_MARGIN if cand.offload.weight_bits or cand.offload.kv_bits else 1.0))
     return found[:keep]
 
 
