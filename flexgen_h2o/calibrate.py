@@ -291,8 +291,9 @@ def add_model(res: dict[str, Any], model: Any, formats: tuple[str, ...], smoke: 
     """Time `model` itself in each weight format not timed yet (model_probe.py: its matrices, and a block's decode
     step through the engine), into res, on the GPU too when there is one; True when something was measured."""
     from flexgen_h2o.kernels import resolve
-    from flexgen_h2o.model_probe import measure_block, measure_matrices
+    from flexgen_h2o.model_probe import fits, measure_block, measure_matrices
     from flexgen_h2o.planner.cost import PROBE_ROWS, probe_key
+    from flexgen_h2o.planner.preflight import Machine
     min_s = 0.02 if smoke else 0.15
     rows = PROBE_ROWS[:3] if smoke else PROBE_ROWS
     sides = [(res, resolve(), torch.device("cpu"), torch.float32, lambda: None)]
@@ -312,7 +313,9 @@ def add_model(res: dict[str, Any], model: Any, formats: tuple[str, ...], smoke: 
                 say(f"timing {model.name} itself for the cost model (once per shape and weight format; cached) ...")
             did = True
             matrices[key] = measure_matrices(model, name, kernels, device, dtype, sync, min_s)
-            blocks[key] = measure_block(model, name, rows, str(device), say)
+            # a block too big to copy 4 times into half the RAM is priced from the machine rates instead
+            blocks[key] = (measure_block(model, name, rows, str(device), say)
+                           if fits(model, Machine.probe().ram_available) else {})
     return did
 
 
@@ -337,10 +340,11 @@ def auto_offload(model: Any, *, prompt_len: int, gen_len: int, n_prompts: int, e
     cfg = resolve_model(model) if isinstance(model, str) else model
     backend = get_backend(device)
     root = Path(os.path.expanduser(offload_dir))
-    found = search(cfg, eviction or EvictionConfig(policy="full"), base or OffloadPolicy(),
-                   rates(root, refresh=calibrate, say=lambda s: None, model=cfg), prompt_len=prompt_len, gen_len=gen_len,
-                   n_prompts=n_prompts, device_type="cuda" if backend.is_cuda else "cpu",
-                   machine=Machine.probe(backend), offload_root=root, keep=1)
+    measured = rates(root, refresh=calibrate, say=lambda s: None, model=cfg)
+    found = search(cfg, eviction or EvictionConfig(policy="full"), base or OffloadPolicy(), measured,
+                   prompt_len=prompt_len, gen_len=gen_len, n_prompts=n_prompts,
+                   device_type="cuda" if backend.is_cuda else "cpu", machine=Machine.probe(backend), offload_root=root,
+                   keep=1)
     if not found:
         raise PreflightError(f"{cfg.name} fits no placement the search tries for {n_prompts} prompt(s) of "
                              f"{prompt_len} + {gen_len} tokens on this machine")

@@ -24,6 +24,14 @@ STOP_S = 0.3                              # row counts stop once a 1-block step 
                                           # there: the cost model scales the largest timed one by rows)
 
 
+def fits(cfg: Any, ram_available: int) -> bool:
+    """Whether the probe's two engines (1 + 3 blocks, fp16) take at most half the RAM there is."""
+    from flexgen_h2o.models import build_layers
+    block = sum(2 * s.numel for layer in build_layers(cfg.replace(n_layers=1)) if layer.kind in ("attn", "mlp")
+                for s in layer.weight_specs())
+    return 4 * block <= ram_available // 2
+
+
 def _engine(cfg: Any, blocks: int, fmt_name: str, rows: int, device: str) -> Any:
     from flexgen_h2o.config import OffloadPolicy
     from flexgen_h2o.engine import Engine

@@ -141,8 +141,9 @@ def test_linear_sends_few_rows_to_the_kernel_and_many_to_the_gemm(monkeypatch):
 
 def test_weights_without_a_store_are_packed_as_placed_and_not_kept_twice():
     """Dummy weights have no store to convert: each matrix is packed when the placement reads it, and only the
-    placement holds it (numpy's peak while placing stays at one matrix's scratch). Keeping every packed matrix in a cache as well (as before) doubled the RAM: OPT-1.3B int8
-    from dummy weights peaked at 3.57 GiB against 2.17 predicted."""
+    placement holds it (numpy's peak while placing stays at one matrix's scratch). Keeping every packed matrix in
+    a cache as well (as before) doubled the RAM: OPT-1.3B int8 from dummy weights peaked at 3.57 GiB against 2.17
+    predicted."""
     import tracemalloc
 
     from flexgen_h2o.weights import DummyStore

@@ -186,8 +186,8 @@ def test_the_api_chooses_from_cached_rates(tmp_path, monkeypatch):
     got = OffloadPolicy.auto(TINY, prompt_len=64, gen_len=8, n_prompts=4, eviction=ev, device="cpu",
                              offload_dir=str(tmp_path / "off"))
     machine = Machine.probe()
-    want = search(TINY, ev, OffloadPolicy(), json.loads(path.read_text()), prompt_len=64, gen_len=8, n_prompts=4, device_type="cpu",
-                  machine=machine, offload_root=tmp_path / "off", keep=1)[0].offload
+    want = search(TINY, ev, OffloadPolicy(), json.loads(path.read_text()), prompt_len=64, gen_len=8, n_prompts=4,
+                  device_type="cpu", machine=machine, offload_root=tmp_path / "off", keep=1)[0].offload
     assert got == want and got.block_size <= 4
 
 

@@ -132,7 +132,8 @@ def run(cmd: list[str], group: MemoryCgroup, folder: Path, timeout: float) -> di
         m = json.loads(metrics.read_text())
         chosen = [ln.split("chosen:", 1)[1].split(":")[0].strip() for ln in (folder / "log.txt").read_text()
                   .splitlines() if ln.strip().startswith("chosen:")]
-        row.update(measured_tok_s=m["total_tok_s"], chosen=chosen[0] if chosen else None, peak_rss_bytes=m.get("peak_rss_bytes"),
+        row.update(measured_tok_s=m["total_tok_s"], chosen=chosen[0] if chosen else None,
+                   peak_rss_bytes=m.get("peak_rss_bytes"),
                    predicted_tok_s=(m.get("predicted") or {}).get("total_tok_s"),
                    plan={k: m.get(k) for k in ("gpu_batch_size", "num_gpu_batches")})
     return row
