@@ -79,5 +79,6 @@ def report(prediction: Any, metrics: dict) -> str:
     ram = prediction.peak_bytes.get("RAM")
     rss = metrics.get("peak_rss_bytes")
     mem = f"; peak RSS predicted {ram / 2**30:.2f} GiB, measured {rss / 2**30:.2f}" if ram and rss else ""
-    return (f"cost model: predicted {prediction.total_tok_s:.1f} tok/s, measured {measured:.1f} "
+    from flexgen_h2o.planner.search import tok_s
+    return (f"cost model: predicted {tok_s(prediction.total_tok_s)} tok/s, measured {tok_s(measured)} "
             f"(predicted / measured {ratio:.2f}){mem}")

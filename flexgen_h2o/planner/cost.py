@@ -2,8 +2,10 @@
 each layer does, at the rates calibrate.py measured.
 
 One decode step of the zig-zag schedule visits every schedule layer once; within it, each GPU batch computes
-(its linear layers at its row count's rate, its attention over its own KV window, a fixed per-call cost) and the
-layer's weights for the next visit are read once for all the batches. With overlap the weight and KV lanes run on
+(where the model was timed itself, model_probe.py: its block's measured step at the batch's rows plus the
+attention slots past the probe's window; else its linear layers at its row count's rate, its attention over its
+own KV window and a fixed per-call cost) and the layer's weights for the next visit are read once for all the
+batches. With overlap the weight and KV lanes run on
 worker threads beside compute, so a layer takes the longest of the three; without it, their sum. A prompt pass
 is the same with each GPU batch's prompt rows (in prefill chunks) and the prompt's attention. What it does not
 model: a run's first pass over weights that are not in the page cache yet (every pass is predicted at the rate

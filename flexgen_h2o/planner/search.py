@@ -106,6 +106,11 @@ def search(model: ModelConfig, eviction: EvictionConfig, base: OffloadPolicy, ra
     return found[:keep]
 
 
+def tok_s(x: float) -> str:
+    """A throughput for people: one decimal, or three significant digits below 10 (OPT-30B from disk: 0.0489)."""
+    return f"{x:.1f}" if x >= 10 else f"{x:.3g}"
+
+
 def describe(cand: Candidate) -> str:
     """One line: the flags of a candidate and its prediction."""
     off, p = cand.offload, cand.prediction
@@ -118,5 +123,5 @@ def describe(cand: Candidate) -> str:
     if off.cpu_cache_compute:
         flags += " --cpu-cache-compute"
     need = ", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in p.peak_bytes.items())
-    return (f"{flags}: predicted {p.total_tok_s:.1f} tok/s (prefill {p.prefill_s * p.blocks:.1f} s, decode "
+    return (f"{flags}: predicted {tok_s(p.total_tok_s)} tok/s (prefill {p.prefill_s * p.blocks:.1f} s, decode "
             f"{p.decode_s * p.blocks:.1f} s; {p.limits.get('decode', '?')}-bound decode) | {need}")
