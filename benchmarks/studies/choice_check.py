@@ -127,7 +127,8 @@ def run(cmd: list[str], group: MemoryCgroup, folder: Path, timeout: float) -> di
             rc = proc.returncode
         except subprocess.TimeoutExpired:
             rc = "timeout"
-    row = {"command": "python -m flexgen_h2o.run " + " ".join(cmd[3:-6]), "rc": rc, "wall_s": time.perf_counter() - t0}
+    row = {"command": "python -m flexgen_h2o.run " + " ".join(cmd[3:-6]), "rc": rc,
+           "wall_s": time.perf_counter() - t0}
     if rc == 0 and metrics.exists():
         m = json.loads(metrics.read_text())
         chosen = [ln.split("chosen:", 1)[1].split(":")[0].strip() for ln in (folder / "log.txt").read_text()
