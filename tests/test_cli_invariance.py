@@ -30,8 +30,9 @@ def killed_then_resumed(args: list[str], out, env, log) -> None:
     assert f"resuming {out}: {done} of {len(ROWS)} ids already done" in rerun.stdout
 
 
-@pytest.mark.parametrize("kv", [["--hh-ratio", "0.2"], ["--hh-ratio", "0.3", "--h2o-variant", "avg"],
-                                ["--policy", "random", "--hh-ratio", "0.2"]], ids=["h2o", "h2o-avg", "random"])
+# the h2o-avg variant's invariance is tests/test_batch_invariance.py's (engine level): one CLI run of 23 s less
+@pytest.mark.parametrize("kv", [["--hh-ratio", "0.2"], ["--policy", "random", "--hh-ratio", "0.2"]],
+                         ids=["h2o", "random"])
 def test_alone_batched_and_resumed_give_the_same_tokens(tiny, tmp_path, kv):
     ckpt, env = tiny
     inp = tmp_path / "in.jsonl"

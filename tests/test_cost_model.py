@@ -78,9 +78,9 @@ def test_a_models_matrices_are_timed_once_per_format_and_cached(tmp_path, monkey
     path = calibrate.cache_path(tmp_path / "off")
     path.parent.mkdir(parents=True)
     path.write_text(json.dumps(RATES))
-    got = calibrate.rates(tmp_path / "off", smoke=True, say=lambda s: None, model=TINY, formats=("fp16", "int4-g64"))
+    got = calibrate.rates(tmp_path / "off", smoke=True, say=lambda s: None, model=TINY, formats=("int4-g64",))
     table, blocks = got["model_linear_GFLOPs"], got["model_block"]
-    assert sorted(table) == sorted(blocks) == sorted(probe_key(TINY, f) for f in ("fp16", "int4-g64"))
+    assert sorted(table) == sorted(blocks) == [probe_key(TINY, "int4-g64")]
     assert all(set(v) == {str(r) for r in PROBE_ROWS} and min(v.values()) > 0 for v in table.values())
     for v in blocks.values():                                   # smoke: 3 row counts
         assert set(v["decode_s"]) == {"1", "4", "16"} and min(v["decode_s"].values()) > 0
@@ -88,7 +88,7 @@ def test_a_models_matrices_are_timed_once_per_format_and_cached(tmp_path, monkey
     import flexgen_h2o.model_probe as probe
     monkeypatch.setattr(probe, "measure_matrices", lambda *a, **k: pytest.fail("measured again"))
     monkeypatch.setattr(probe, "measure_block", lambda *a, **k: pytest.fail("measured again"))
-    assert calibrate.rates(tmp_path / "off", model=TINY, formats=("fp16",), say=lambda s: None) == got
+    assert calibrate.rates(tmp_path / "off", model=TINY, formats=("int4-g64",), say=lambda s: None) == got
 
 
 def test_all_in_ram_decode_is_linear_flops_plus_attention_by_hand():

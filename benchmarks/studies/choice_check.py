@@ -83,7 +83,7 @@ def list_candidates(name: str, dest: Path) -> None:
     from flexgen_h2o.planner.preflight import Machine
     from flexgen_h2o.planner.search import search
     _, bound, flags = WORKLOADS[name]
-    arg = dict(zip(flags[::2], flags[1::2]))
+    arg = {f: v for f, v in zip(flags, flags[1:] + [""]) if f.startswith("--") and not v.startswith("--")}
     cfg = resolve_model(arg["--model"])
     dummy = "--dummy-weights" in flags
     root = dest.parent / "offload"
