@@ -273,7 +273,7 @@ def _write(path: Path, res: dict[str, Any]) -> None:
 def rates(offload_root: Path, *, refresh: bool = False, smoke: bool = False, say: Callable[[str], None] = print,
           model: Any = None, formats: tuple[str, ...] = WEIGHT_FORMATS) -> dict[str, Any]:
     """This machine's rates: cached ones, or measured now (and cached) when there are none or refresh is set.
-    model: a ModelConfig whose own matrices are timed too (once per shape and weight format, then cached)."""
+    model: a ModelConfig timed itself too (add_model: once per shape and weight format, then cached)."""
     path = cache_path(offload_root)
     res = None if refresh else cached(offload_root)
     if res is None:

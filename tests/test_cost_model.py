@@ -110,6 +110,10 @@ def test_disk_weights_cost_their_bytes_at_the_page_cache_or_the_disk_rate():
     cached = predict(_plan(off), RATES, free_ram=GIB)
     cold = predict(_plan(off), RATES, free_ram=0)              # they do not fit the page cache: the disk's rate
     assert ram.decode_s < cached.decode_s < cold.decode_s
+    # a page-cache read is a copy the compute cores make, at the page-cache rate (1 GB/s here), added to compute
+    from flexgen_h2o.planner.cost import _groups
+    disk = sum(g.disk_bytes for g in _groups(TINY, off.tier_fractions("weights"), off.weight_format, off.sep_layer))
+    assert cached.decode_s == pytest.approx(ram.decode_s + 4 * disk / 1e9, rel=1e-9)
     assert cold.limits["decode"] == "weights"
     no_overlap = predict(_plan(off.replace(overlap=False)), RATES, free_ram=0)
     assert no_overlap.decode_s > cold.decode_s             # the lanes add up instead of overlapping

@@ -63,9 +63,9 @@ def predict_if_calibrated(args: argparse.Namespace, est: Any, checked: Any, n_pr
     from flexgen_h2o.planner.cost import predict
     off = est.plan.offload
     if not args.calibrate and cached(Path(os.path.expanduser(args.offload_dir))) is None:
-        return None
+        return None                    # (rates() reads the small cache file again: not worth threading through)
     fmt = off.weight_format.name if off.weight_format.quantized else "fp16"
-    rates = machine_rates(args, est.plan.model, (fmt,))        # the run's own matrices timed once, if not yet
+    rates = machine_rates(args, est.plan.model, (fmt,))        # the model timed itself once, if not yet
     free = None if backend.is_cuda else psutil.virtual_memory().available
     return predict(est.plan, rates, n_prompts=n_prompts, free_ram=free,
                    peak_bytes={c.resource: c.need for c in checked or []})
