@@ -36,7 +36,7 @@ LINEAR_K, LINEAR_N = 1024, 2816           # one weight matrix: 5.5 MiB in fp16
 LLC_BYTES = 64 << 20                      # rotate among more weight bytes than this
 DISK_PROBE_BYTES = 256 << 20
 WEIGHT_FORMATS = ("fp16", "int8-g64", "int4-g64")
-VERSION = 1                               # bump when what is measured changes: older caches are measured again
+VERSION = 2                               # bump when what is measured changes: older caches are measured again
 
 
 def best_time(fn: Callable[[], Any], min_s: float, sync: Callable[[], None] = lambda: None) -> float:
@@ -315,7 +315,7 @@ def add_model(res: dict[str, Any], model: Any, formats: tuple[str, ...], smoke: 
             matrices[key] = measure_matrices(model, name, kernels, device, dtype, sync, min_s)
             # a block too big to copy 4 times into half the RAM is priced from the machine rates instead
             blocks[key] = (measure_block(model, name, rows, str(device), say)
-                           if fits(model, Machine.probe().ram_available) else {})
+                           if fits(model, name, Machine.probe().ram_available) else {})
     return did
 
 

@@ -3,33 +3,47 @@
 Machine rates on synthetic shapes (calibrate.py) predicted a run's decode steps 1.2-2.2x too fast
 (`benchmarks/studies/cost_model_check.py`, 2026-11-29): what a real layer does between its matrix products
 (norms, rotary, the KV write and its scores, the gathers of live rows, dispatch) is no FLOP count, and a model's
-matrices run at their own speed. So the probe runs the real engine on the model itself cut to 1 and to 3
-transformer blocks (its own widths, heads, MLP and weight format, a 512-token vocabulary), all in RAM, at each
-decode row count, and takes the difference: seconds per block per decode step (the window's attention beyond
-its 16-token prompt is the cost model's to add). Median step. The prompt pass stays on the machine rates: timed
+matrices run at their own speed. So the probe runs the real engine on the model itself cut to 1 block and to
+3 or more (its own widths, heads, MLP and weight format, a 512-token vocabulary), all in RAM, at each decode row
+count, and takes the difference: seconds per block per decode step (the window's attention beyond its 16-token
+prompt is the cost model's to add). Median step. The larger cut holds more weight bytes than the last-level
+cache, as a whole model does: 3 of SmolLM2's blocks fit this VM's 36 MB L3 and timed its int4 decode 1.5x fast. The prompt pass stays on the machine rates: timed
 on one short prompt the probe's GEMMs ran at far fewer rows than a run's prefill chunks.
 """
 from __future__ import annotations
 
 import time
+import math
 from typing import Any, Callable
 
 import torch
 
 from flexgen_h2o.planner.cost import PROBE_PROMPT     # the cost model prices the slots beyond its window
 
-PROBE_STEPS = 5                           # decode steps timed per run (after the first, which is dropped)
+PROBE_STEPS = 8                           # decode steps timed per run (after the first, which is dropped)
 PROBE_VOCAB = 512
 STOP_S = 0.3                              # row counts stop once a 1-block step takes this long (compute-bound
                                           # there: the cost model scales the largest timed one by rows)
 
 
-def fits(cfg: Any, ram_available: int) -> bool:
-    """Whether the probe's two engines (1 + 3 blocks, fp16) take at most half the RAM there is."""
+def _block_params(cfg: Any) -> int:
     from flexgen_h2o.models import build_layers
-    block = sum(2 * s.numel for layer in build_layers(cfg.replace(n_layers=1)) if layer.kind in ("attn", "mlp")
-                for s in layer.weight_specs())
-    return 4 * block <= ram_available // 2
+    return sum(s.numel for layer in build_layers(cfg.replace(n_layers=1)) if layer.kind in ("attn", "mlp")
+               for s in layer.weight_specs())
+
+
+def probe_blocks(cfg: Any, fmt_name: str) -> int:
+    """Blocks of the probe's larger model: 3, or enough that their weights pass the last-level cache, at most
+    the model's own."""
+    from flexgen_h2o.calibrate import LLC_BYTES
+    from flexgen_h2o.formats import storage_format
+    per_block = storage_format(fmt_name).nbytes(_block_params(cfg))
+    return max(2, min(cfg.n_layers, max(3, 1 + math.ceil(LLC_BYTES / per_block))))
+
+
+def fits(cfg: Any, fmt_name: str, ram_available: int) -> bool:
+    """Whether the probe's two engines (1 + probe_blocks blocks, fp16 as loaded) take at most half the RAM."""
+    return (1 + probe_blocks(cfg, fmt_name)) * 2 * _block_params(cfg) <= ram_available // 2
 
 
 def _engine(cfg: Any, blocks: int, fmt_name: str, rows: int, device: str) -> Any:
@@ -54,10 +68,11 @@ def _step_s(engine: Any, rows: int) -> float:
 def measure_block(cfg: Any, fmt_name: str, rows_list: tuple[int, ...], device: str = "cpu",
                   say: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
     """What one transformer block (attention + MLP) adds to a decode step at each row count ("decode_s"; row
-    counts past STOP_S are not timed): the 3-block model's median step minus the 1-block model's, halved."""
+    counts past STOP_S are not timed): the larger cut's median step minus the 1-block model's, per extra block."""
     t0 = time.perf_counter()
-    times: dict[int, dict[int, float]] = {1: {}, 3: {}}
-    for blocks in (1, 3):
+    many = probe_blocks(cfg, fmt_name)
+    times: dict[int, dict[int, float]] = {1: {}, many: {}}
+    for blocks in (1, many):
         engine = _engine(cfg, blocks, fmt_name, max(rows_list), device)     # a block of fewer prompts: fewer rows
         try:
             for rows in rows_list if blocks == 1 else list(times[1]):
@@ -66,9 +81,10 @@ def measure_block(cfg: Any, fmt_name: str, rows_list: tuple[int, ...], device: s
                     break
         finally:
             engine.close()
-    out = {"decode_s": {str(rows): max(1e-6, (times[3][rows] - times[1][rows]) / 2) for rows in times[3]}}
-    say(f"  {cfg.name} {fmt_name}: a block's decode step ({len(times[3])} row counts) timed in "
-        f"{time.perf_counter() - t0:.0f} s")
+    out = {"decode_s": {str(rows): max(1e-6, (times[many][rows] - times[1][rows]) / (many - 1))
+                        for rows in times[many]}}
+    say(f"  {cfg.name} {fmt_name}: a block's decode step (1 vs {many} blocks, {len(times[many])} row counts) timed "
+        f"in {time.perf_counter() - t0:.0f} s")
     return out
 
 

@@ -172,7 +172,8 @@ def _generate(args, mode, offload, eviction, gen_len, prompt_len, log_path, requ
     print(summary_line(checked) if checked else "preflight: skipped (--skip-preflight)")
     if prediction is None:               # a given placement: predicted too where this machine's rates are cached
         from flexgen_h2o.frontends.auto import predict_if_calibrated
-        prediction = predict_if_calibrated(args, est, checked, len(prompts), backend)
+        prediction = predict_if_calibrated(args, est, checked, len(prompts),
+                                           gen_len if mode == "benchmark" else None)
     elif checked:
         prediction.peak_bytes = {c.resource: c.need for c in checked}
 

@@ -3,7 +3,7 @@ container gives a job; the planner reads the limit, planner/cgroup.py): the auto
 sweep of plans from the same space, each measured the same way; the auto plan should reach >= 0.9x the sweep's
 best measured throughput.
 
-    python -m benchmarks.studies.choice_check --out benchmarks/results/choice-37 [--only NAME ...]
+    python -m benchmarks.studies.choice_check --out benchmarks/results/choice-37 [--only NAME ...] [--repeats N]
 
 The sweep: for each weight/KV compression choice (none, int8 or int4 weights, int8 or int4 KV) the plan the search
 ranks first with it, plus the largest block that fits uncompressed (FlexGen's rule of thumb): a handful of
@@ -19,6 +19,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import argparse  # noqa: E402
 import json  # noqa: E402
+import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
@@ -140,7 +141,19 @@ def run(cmd: list[str], group: MemoryCgroup, folder: Path, timeout: float) -> di
     return row
 
 
-def study(name: str, out: Path, timeout: float) -> dict:
+def _median_row(runs: list[dict]) -> dict:
+    """A plan's row: its first run's fields, the median measured throughput over its runs, and every run."""
+    done = sorted(r["measured_tok_s"] for r in runs if "measured_tok_s" in r)
+    row = dict(next((r for r in runs if "measured_tok_s" in r), runs[0]))
+    if done:
+        row["measured_tok_s"] = statistics.median(done)
+    row["runs"] = runs
+    return row
+
+
+def study(name: str, out: Path, timeout: float, repeats: int = 1) -> dict:
+    """The auto plan and the sweep's, `repeats` rounds interleaved (auto, sweep 0, 1, ...; again), each plan's
+    median throughput compared."""
     budget, bound, flags = WORKLOADS[name]
     folder = out / name
     folder.mkdir(parents=True, exist_ok=True)
@@ -151,16 +164,20 @@ def study(name: str, out: Path, timeout: float) -> dict:
                         str(listing)], cwd=REPO, check=True, preexec_fn=group.join)
         cands = json.loads(listing.read_text())
         res = {"workload": name, "budget_gib": budget, "block_bound": bound, "flags": flags,
-               "candidates": len(cands), "sweep": []}
-        print(f"{name}: {len(cands)} fitting plans; auto ...", flush=True)
-        res["auto"] = run(flags + ["--percent", "auto", "--gpu-batch-size", str(bound)], group, folder / "auto",
-                          timeout)
-        print(f"  auto: {res['auto']}", flush=True)
-        for i, cand in enumerate(sweep(cands)):
-            row = run(flags + _flags(cand), group, folder / f"sweep-{i}", timeout)
-            row["candidate"] = cand
-            res["sweep"].append(row)
-            print(f"  sweep {i}: {row}", flush=True)
+               "candidates": len(cands), "repeats": repeats, "sweep": []}
+        print(f"{name}: {len(cands)} fitting plans", flush=True)
+        plans = [("auto", flags + ["--percent", "auto", "--gpu-batch-size", str(bound)], None)]
+        plans += [(f"sweep-{i}", flags + _flags(c), c) for i, c in enumerate(sweep(cands))]
+        runs: dict[str, list[dict]] = {label: [] for label, _, _ in plans}
+        for r in range(repeats):
+            for label, cmd, cand in plans:
+                row = run(cmd, group, folder / label / f"run-{r}", timeout)
+                if cand is not None:
+                    row["candidate"] = cand
+                runs[label].append(row)
+                print(f"  round {r} {label}: {row}", flush=True)
+            res["auto"] = _median_row(runs["auto"])
+            res["sweep"] = [_median_row(runs[label]) for label, _, _ in plans[1:]]
             (folder / "result.json").write_text(json.dumps(res, indent=1) + "\n")
         best = max((r.get("measured_tok_s", 0) for r in res["sweep"]), default=0)
         auto = res["auto"].get("measured_tok_s", 0)
@@ -190,6 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path)
     p.add_argument("--only", nargs="+", choices=sorted(WORKLOADS))
     p.add_argument("--timeout", type=float, default=1200)
+    p.add_argument("--repeats", type=int, default=1, help="rounds of every plan, interleaved (median compared)")
     p.add_argument("--list", choices=sorted(WORKLOADS), help=argparse.SUPPRESS)
     p.add_argument("--json", type=Path, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
@@ -199,7 +217,11 @@ def main(argv: list[str] | None = None) -> int:
     if a.out is None:
         p.error("--out is required")
     a.out.mkdir(parents=True, exist_ok=True)
-    results = [study(name, a.out, a.timeout) for name in a.only or WORKLOADS]
+    for name in a.only or WORKLOADS:
+        study(name, a.out, a.timeout, a.repeats)
+    # every workload studied in this folder so far (runs of separate invocations), in WORKLOADS' order
+    results = [json.loads((a.out / n / "result.json").read_text()) for n in WORKLOADS
+               if (a.out / n / "result.json").exists()]
     (a.out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
     text = table(results)
     (a.out / "results.md").write_text(text + "\n")

@@ -7,8 +7,6 @@ import os
 from pathlib import Path
 from typing import Any
 
-import psutil
-
 from flexgen_h2o.config import OffloadPolicy
 from flexgen_h2o.kv import EvictionConfig
 from flexgen_h2o.models import ModelConfig
@@ -56,18 +54,25 @@ def choose(args: argparse.Namespace, cfg: ModelConfig, eviction: EvictionConfig,
     return best.offload, best.prediction
 
 
-def predict_if_calibrated(args: argparse.Namespace, est: Any, checked: Any, n_prompts: int, backend: Any) -> Any:
+def predict_if_calibrated(args: argparse.Namespace, est: Any, checked: Any, n_prompts: int,
+                          gen_len: int | None = None) -> Any:
     """The cost model's prediction of a run whose placement was given, when this machine's rates are cached
-    (nothing is measured for it); else None."""
+    (nothing is measured for it); else None. gen_len: the length a benchmark reports (its --cut-gen-len steps
+    are projected to it), where the plan was made for the cut."""
     from flexgen_h2o.calibrate import cached
-    from flexgen_h2o.planner.cost import predict
-    off = est.plan.offload
+    from flexgen_h2o.planner.cost import page_cache_room, predict
+    from flexgen_h2o.planner.plan import Plan
+    plan = est.plan
     if not args.calibrate and cached(Path(os.path.expanduser(args.offload_dir))) is None:
         return None                    # (rates() reads the small cache file again: not worth threading through)
+    if gen_len and gen_len != plan.gen_len:
+        plan = Plan.for_shape(plan.model, plan.offload, plan.eviction, prompt_len=plan.prompt_len, gen_len=gen_len,
+                              n_seqs=plan.n_seqs, device_type=plan.device_type,
+                              compute_itemsize=plan.compute_itemsize)
+    off = plan.offload
     fmt = off.weight_format.name if off.weight_format.quantized else "fp16"
-    rates = machine_rates(args, est.plan.model, (fmt,))        # the model timed itself once, if not yet
-    free = None if backend.is_cuda else psutil.virtual_memory().available
-    return predict(est.plan, rates, n_prompts=n_prompts, free_ram=free,
+    rates = machine_rates(args, plan.model, (fmt,))        # the model timed itself once, if not yet
+    return predict(plan, rates, n_prompts=n_prompts, free_ram=page_cache_room(checked),
                    peak_bytes={c.resource: c.need for c in checked or []})
 
 

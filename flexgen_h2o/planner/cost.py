@@ -9,8 +9,13 @@ batches. With overlap the weight and KV lanes run on
 worker threads beside compute, so a layer takes the longest of the three; without it, their sum. A prompt pass
 is the same with each GPU batch's prompt rows (in prefill chunks) and the prompt's attention. What it does not
 model: a run's first pass over weights that are not in the page cache yet (every pass is predicted at the rate
-of the later ones: the page cache's when the disk-homed weights fit the free RAM, else the disk's), the page
-cache evicting weights under memory pressure, and the VM's drift (up to 1.6x an hour here).
+of the later ones), and the VM's drift (up to 1.6x an hour here).
+
+Disk-homed weights and KV (memmaps of the offload files) are read through the page cache. Where both fit the RAM
+the run leaves free (the machine's, or a container's limit, less the run's own peak), every read after the first
+is a copy at the page cache's rate that the compute cores make; where they do not, the cyclic pass over them
+defeats LRU and every read waits for the disk, and KV writes for the disk's write rate. Weights and KV share one
+disk (or, on a GPU, one link): their lanes add up.
 """
 from __future__ import annotations
 
@@ -151,10 +156,17 @@ def _groups(cfg: ModelConfig, fractions: tuple[float, float, float], fmt: Storag
     return tuple(out)
 
 
+def page_cache_room(checked: list[Any] | None) -> int | None:
+    """RAM the page cache keeps beside a run: the RAM check's available less the run's predicted peak (None: no
+    check, assume room)."""
+    ram = next((c for c in checked or [] if c.resource == "RAM"), None)
+    return None if ram is None else max(0, ram.available - ram.need)
+
+
 def predict(plan: Plan, rates: dict[str, Any], *, n_prompts: int | None = None, free_ram: int | None = None,
             peak_bytes: dict[str, int] | None = None) -> Prediction:
     """Predicted times of one block of `plan` (and of the job: ceil(n_prompts / block) blocks). free_ram: RAM the
-    page cache can hold disk-homed weights in (None: assume they fit)."""
+    page cache can hold disk-homed weights and KV in beside the run's own peak (None: assume they fit)."""
     cfg, off = plan.model, plan.offload
     gpu = rates.get("gpu") if plan.device_type == "cuda" else None
     r = gpu or rates
@@ -163,9 +175,12 @@ def predict(plan: Plan, rates: dict[str, Any], *, n_prompts: int | None = None, 
     kv_name = plan.kv_format.name if plan.kv_format.quantized else "fp16"
     ns_slot = r.get(f"decode_ns_per_slot_{kv_name}", r["decode_ns_per_slot_fp16"]) * 1e-9
     groups = _groups(cfg, off.tier_fractions("weights"), off.weight_format, off.sep_layer)
-    disk_weight_bytes = sum(g.disk_bytes for g in groups)
-    cached = (not off.uncached_disk_weights and (free_ram is None or disk_weight_bytes <= free_ram))
+    page_cached = 0 if off.uncached_disk_weights else sum(g.disk_bytes for g in groups)
+    kv_cached = free_ram is None or page_cached + plan.kv_bytes().get("disk", 0) <= free_ram
+    cached = not off.uncached_disk_weights and kv_cached
     disk_again = rates["page_cache_read_GBps" if cached else "disk_read_GBps"] * 1e9
+    kv_again = rates["page_cache_read_GBps" if kv_cached else "disk_read_GBps"] * 1e9
+    kv_write = rates["memcpy_GBps" if kv_cached else "disk_write_GBps"] * 1e9
     link = gpu["h2d_GBps"] * 1e9 if gpu else math.inf
     slot_bytes = plan.slot_bytes() / max(1, cfg.n_kv_heads)        # one slot of one KV head, with score/pos
     attn_flops_tok = 4 * cfg.n_heads * cfg.head_dim                   # QK^T and PV per query per key
@@ -199,22 +214,27 @@ def predict(plan: Plan, rates: dict[str, Any], *, n_prompts: int | None = None, 
                 compute += slots * ns_slot * beyond
                 if not in_place:                 # a staged copy of the window (split, disk, or rolling cache)
                     compute += slots * cfg.head_dim * 2 * 4 / (rates["memcpy_GBps"] * 1e9)
-                off_compute = kv_fr[1] + kv_fr[2] if gpu else kv_fr[2]
-                io_kv += slots * slot_bytes * off_compute / (link if gpu else disk_again)
+                if gpu:
+                    io_kv += slots * slot_bytes * (kv_fr[1] + kv_fr[2]) / link
+                elif kv_fr[2]:
+                    read = slots * slot_bytes * kv_fr[2] / kv_again
+                    new_slots = n * rows * cfg.n_kv_heads * cfg.n_layers / n_attn     # one per row and KV head
+                    io_kv += read + new_slots * slot_bytes * kv_fr[2] / kv_write
+                    compute += read if kv_cached else 0.0      # a page-cache read: a copy by the compute cores
         io_w = g.disk_bytes / disk_again + (g.disk_bytes + g.host_bytes) / link
         if not gpu and g.disk_bytes and cached:
             # a page-cache read is a copy the compute cores make, at the page-cache read's rate: SmolLM2's
             # 0.27 GB of weights cost a decode step 0.13 s over all-in-RAM, 0.02 s at the memory's rate
             compute += g.disk_bytes / disk_again
-        step += overlap(compute, io_w, io_kv)
+        step += overlap(compute, io_w + io_kv)
         for k, v in (("compute", compute), ("weights", io_w), ("kv", io_kv)):
             bound[k] += v
 
     # --- the prompt pass ---
-    prefill, pre_bound = 0.0, {"compute": 0.0, "weights": 0.0}
+    prefill, pre_bound = 0.0, {"compute": 0.0, "weights": 0.0, "kv": 0.0}
     chunk_rows = plan.prefill_rows * plan.prompt_len
     for g in groups:
-        compute = 0.0
+        compute = io_kv = 0.0
         for rows, n in sizes.items():
             chunks = math.ceil(rows / plan.prefill_rows)
             tokens = rows if g.head else rows * plan.prompt_len
@@ -225,12 +245,15 @@ def predict(plan: Plan, rates: dict[str, Any], *, n_prompts: int | None = None, 
             if g.attn:
                 per_layer = rows * attn_flops_tok * plan.prompt_len ** 2 / 2
                 compute += n * per_layer * cfg.n_layers / n_attn / prompt_rate
+                if not gpu:          # the prompt's KV written to its disk part
+                    written = n * rows * plan.prompt_len * cfg.n_kv_heads * cfg.n_layers / n_attn * slot_bytes
+                    io_kv += written * kv_fr[2] / kv_write
         io_w = g.disk_bytes / disk_again + (g.disk_bytes + g.host_bytes) / link
         if not gpu and g.disk_bytes and cached:
             compute += g.disk_bytes / disk_again
-        prefill += overlap(compute, io_w)
-        pre_bound["compute"] += compute
-        pre_bound["weights"] += io_w
+        prefill += overlap(compute, io_w + io_kv)
+        for k, v in (("compute", compute), ("weights", io_w), ("kv", io_kv)):
+            pre_bound[k] += v
     steps = max(0, plan.gen_len - 1)
     blocks = math.ceil((n_prompts or plan.n_seqs) / max(1, plan.offload.block_size))
     return Prediction(prefill, step * steps, plan.n_seqs * plan.gen_len, blocks,

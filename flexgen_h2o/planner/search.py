@@ -19,7 +19,7 @@ from typing import Any, Iterator
 from flexgen_h2o.config import ConfigError, OffloadPolicy
 from flexgen_h2o.kv import EvictionConfig
 from flexgen_h2o.models import ModelConfig
-from flexgen_h2o.planner.cost import Prediction, predict
+from flexgen_h2o.planner.cost import Prediction, page_cache_room, predict
 from flexgen_h2o.planner.memory import estimate
 from flexgen_h2o.planner.preflight import Check, Machine, checks
 
@@ -73,7 +73,6 @@ def search(model: ModelConfig, eviction: EvictionConfig, base: OffloadPolicy, ra
     """The `keep` best candidates that fit, best first (empty: nothing fits). `base` gives every field the search
     does not choose (KV dtype, overlap, group size, ...); n_prompts bounds the block."""
     c = 4 if device_type == "cpu" else 2
-    free_ram = machine.ram_available
     found: list[Candidate] = []
     weight_bits = BITS if compress else (base.weight_bits,)
     kv_bits = BITS if compress else (base.kv_bits,)
@@ -98,7 +97,7 @@ def search(model: ModelConfig, eviction: EvictionConfig, base: OffloadPolicy, ra
                 res = checks(est, machine, offload_root=offload_root, store_dir=store_dir)
                 if not all(r.ok for r in res):
                     break                        # a larger batch needs more of every tier
-                pred = predict(est.plan, rates, n_prompts=n_prompts, free_ram=free_ram,
+                pred = predict(est.plan, rates, n_prompts=n_prompts, free_ram=page_cache_room(res),
                                peak_bytes={r.resource: r.need for r in res})
                 found.append(Candidate(off, pred, res))
     found.sort(key=lambda cand: -cand.prediction.total_tok_s / (
