@@ -119,6 +119,29 @@ def test_disk_weights_cost_their_bytes_at_the_page_cache_or_the_disk_rate():
     assert no_overlap.decode_s > cold.decode_s             # the lanes add up instead of overlapping
 
 
+def test_disk_kv_is_served_by_the_page_cache_in_the_share_that_fits_beside_the_run():
+    """KV on disk: every byte a step reads is priced at the page cache's rate for the share of the disk-homed
+    bytes that fits the RAM left free, at the disk's for the rest (linear in that share: without overlap half the
+    room is the mean of all and none), and the prompt's KV is written at the disk's write rate beyond it."""
+    off = OffloadPolicy.from_percent([100, 0, 0, 0, 100, 0], gpu_batch_size=2, overlap=False)
+    demand = _plan(off).kv_bytes()["disk"]
+    roomy, half, none = (predict(_plan(off), RATES, free_ram=f) for f in (GIB, demand // 2, 0))
+    assert roomy.decode_s < half.decode_s < none.decode_s and roomy.prefill_s < none.prefill_s
+    assert half.decode_s == pytest.approx((roomy.decode_s + none.decode_s) / 2, rel=1e-6)
+    assert predict(_plan(off), RATES).decode_s == roomy.decode_s             # no limit known: all of it fits
+
+
+def test_weights_and_kv_on_disk_share_one_lane():
+    """Both on disk and nothing cached: the step waits for the weights' bytes and then the KV's: what the KV adds
+    over all-in-RAM comes on top of the weights-on-disk step (the longer of the two lanes would add nothing: the
+    weights' lane is the longer in every layer here)."""
+    both, weights, kv, ram = (predict(_plan(OffloadPolicy.from_percent(p, gpu_batch_size=2)), RATES, free_ram=0)
+                              for p in ([0, 0, 0, 0, 100, 0], [0, 0, 100, 0, 100, 0], [100, 0, 0, 0, 100, 0],
+                                        [100, 0, 100, 0, 100, 0]))
+    assert weights.limits["decode"] == "weights" and kv.limits["decode"] == "kv"
+    assert both.decode_s - weights.decode_s > kv.decode_s - ram.decode_s > 0
+
+
 def test_int4_weights_on_disk_read_about_a_quarter_of_the_bytes():
     off = OffloadPolicy.from_percent([0, 0, 100, 0, 100, 0], gpu_batch_size=2)
     fp16 = predict(_plan(off), RATES, free_ram=0)

@@ -11,11 +11,13 @@ is the same with each GPU batch's prompt rows (in prefill chunks) and the prompt
 model: a run's first pass over weights that are not in the page cache yet (every pass is predicted at the rate
 of the later ones), and the VM's drift (up to 1.6x an hour here).
 
-Disk-homed weights and KV (memmaps of the offload files) are read through the page cache. Where both fit the RAM
-the run leaves free (the machine's, or a container's limit, less the run's own peak), every read after the first
-is a copy at the page cache's rate that the compute cores make; where they do not, the cyclic pass over them
-defeats LRU and every read waits for the disk, and KV writes for the disk's write rate. Weights and KV share one
-disk (or, on a GPU, one link): their lanes add up.
+Disk-homed weights and KV (memmaps of the offload files) are read through the page cache. Of what a step passes
+over, the share that fits the RAM the run leaves free (the machine's, or a container's limit, less the run's own
+predicted peak) is served by the page cache, a copy at its rate that the compute cores make; the rest waits for
+the disk (Linux's refault detection keeps a cyclic pass's cached share resident rather than thrashing it: OPT-1.3B
+with 1.05 GB of disk weights beside 0.7 GB of room ran at 4.3 tok/s, 2.5 priced all from disk,
+benchmarks/results/choice-38), and KV writes at the disk's write rate. Weights and KV share one disk (or, on a
+GPU, one link): their lanes add up.
 """
 from __future__ import annotations
 
@@ -175,12 +177,14 @@ def predict(plan: Plan, rates: dict[str, Any], *, n_prompts: int | None = None, 
     kv_name = plan.kv_format.name if plan.kv_format.quantized else "fp16"
     ns_slot = r.get(f"decode_ns_per_slot_{kv_name}", r["decode_ns_per_slot_fp16"]) * 1e-9
     groups = _groups(cfg, off.tier_fractions("weights"), off.weight_format, off.sep_layer)
-    page_cached = 0 if off.uncached_disk_weights else sum(g.disk_bytes for g in groups)
-    kv_cached = free_ram is None or page_cached + plan.kv_bytes().get("disk", 0) <= free_ram
-    cached = not off.uncached_disk_weights and kv_cached
-    disk_again = rates["page_cache_read_GBps" if cached else "disk_read_GBps"] * 1e9
-    kv_again = rates["page_cache_read_GBps" if kv_cached else "disk_read_GBps"] * 1e9
-    kv_write = rates["memcpy_GBps" if kv_cached else "disk_write_GBps"] * 1e9
+    # the share of disk reads the page cache serves: what fits beside the run, of what it passes over each step
+    demand = (0 if off.uncached_disk_weights else sum(g.disk_bytes for g in groups)) + plan.kv_bytes().get("disk", 0)
+    hit = 1.0 if free_ram is None or demand <= free_ram else free_ram / demand
+    hit_w = 0.0 if off.uncached_disk_weights else hit
+    page_cache, disk_read = rates["page_cache_read_GBps"] * 1e9, rates["disk_read_GBps"] * 1e9
+    w_read = hit_w / page_cache + (1 - hit_w) / disk_read                  # seconds per disk byte read
+    kv_read = hit / page_cache + (1 - hit) / disk_read
+    kv_write = hit / (rates["memcpy_GBps"] * 1e9) + (1 - hit) / (rates["disk_write_GBps"] * 1e9)
     link = gpu["h2d_GBps"] * 1e9 if gpu else math.inf
     slot_bytes = plan.slot_bytes() / max(1, cfg.n_kv_heads)        # one slot of one KV head, with score/pos
     attn_flops_tok = 4 * cfg.n_heads * cfg.head_dim                   # QK^T and PV per query per key
@@ -217,15 +221,15 @@ def predict(plan: Plan, rates: dict[str, Any], *, n_prompts: int | None = None, 
                 if gpu:
                     io_kv += slots * slot_bytes * (kv_fr[1] + kv_fr[2]) / link
                 elif kv_fr[2]:
-                    read = slots * slot_bytes * kv_fr[2] / kv_again
+                    read = slots * slot_bytes * kv_fr[2]
                     new_slots = n * rows * cfg.n_kv_heads * cfg.n_layers / n_attn     # one per row and KV head
-                    io_kv += read + new_slots * slot_bytes * kv_fr[2] / kv_write
-                    compute += read if kv_cached else 0.0      # a page-cache read: a copy by the compute cores
-        io_w = g.disk_bytes / disk_again + (g.disk_bytes + g.host_bytes) / link
-        if not gpu and g.disk_bytes and cached:
+                    io_kv += read * kv_read + new_slots * slot_bytes * kv_fr[2] * kv_write
+                    compute += read * hit / page_cache         # a page-cache read: a copy by the compute cores
+        io_w = g.disk_bytes * w_read + (g.disk_bytes + g.host_bytes) / link
+        if not gpu:
             # a page-cache read is a copy the compute cores make, at the page-cache read's rate: SmolLM2's
             # 0.27 GB of weights cost a decode step 0.13 s over all-in-RAM, 0.02 s at the memory's rate
-            compute += g.disk_bytes / disk_again
+            compute += g.disk_bytes * hit_w / page_cache
         step += overlap(compute, io_w + io_kv)
         for k, v in (("compute", compute), ("weights", io_w), ("kv", io_kv)):
             bound[k] += v
@@ -247,10 +251,10 @@ def predict(plan: Plan, rates: dict[str, Any], *, n_prompts: int | None = None, 
                 compute += n * per_layer * cfg.n_layers / n_attn / prompt_rate
                 if not gpu:          # the prompt's KV written to its disk part
                     written = n * rows * plan.prompt_len * cfg.n_kv_heads * cfg.n_layers / n_attn * slot_bytes
-                    io_kv += written * kv_fr[2] / kv_write
-        io_w = g.disk_bytes / disk_again + (g.disk_bytes + g.host_bytes) / link
-        if not gpu and g.disk_bytes and cached:
-            compute += g.disk_bytes / disk_again
+                    io_kv += written * kv_fr[2] * kv_write
+        io_w = g.disk_bytes * w_read + (g.disk_bytes + g.host_bytes) / link
+        if not gpu:
+            compute += g.disk_bytes * hit_w / page_cache
         prefill += overlap(compute, io_w + io_kv)
         for k, v in (("compute", compute), ("weights", io_w), ("kv", io_kv)):
             pre_bound[k] += v
