@@ -5,9 +5,9 @@ same RAM, so only the disk share of each is searched; resting activations stay o
 all-on-disk last resort), the GPU batch size (powers of two up to the prompts, stopping at the first that does
 not fit), the number of GPU batches, weight and KV compression (none, int8, int4) and, on a
 GPU, attention where the KV lives. Every candidate is checked against every tier's capacity by the preflight's
-own arithmetic (RAM, GPU memory, disk free) and ranked by cost.predict, a compressed plan only ahead of an
-uncompressed one it beats by COMPRESSION_MARGIN. The eviction budget is the user's: it
-changes the output, so it is never searched.
+own arithmetic (RAM, GPU memory, disk free; RAM with RAM_HEADROOM to spare) and ranked by cost.predict, a
+compressed plan only ahead of an uncompressed one it beats by COMPRESSION_MARGIN. The eviction budget is the
+user's: it changes the output, so it is never searched.
 """
 from __future__ import annotations
 
@@ -34,6 +34,11 @@ MAX_GPU_BATCH = 1024
 # over an uncompressed one (the rates' own run-to-run noise is several %: SmolLM2's auto run chose int8 weights
 # for a 0.2 % predicted gain before this)
 COMPRESSION_MARGIN = 1.05
+# a plan's predicted peak RSS must leave this share of the RAM free: the prediction is good to a few % (RSS 2-4 %
+# over it in benchmarks/results/choice-38), and a plan at the edge of a memory limit runs at its reclaim cliff
+# (OPT-6.7B at 6.02 of 6.06 GiB was killed by the cgroup; OPT-1.3B plans at 3.00 of 3.08 ran at half their
+# prediction). The preflight of a given placement keeps no such margin: that is the user's call.
+RAM_HEADROOM = 0.05
 
 
 @dataclass
@@ -95,7 +100,8 @@ def search(model: ModelConfig, eviction: EvictionConfig, base: OffloadPolicy, ra
                 except (ConfigError, ValueError):
                     break
                 res = checks(est, machine, offload_root=offload_root, store_dir=store_dir)
-                if not all(r.ok for r in res):
+                if not all(r.ok for r in res) or any(r.resource == "RAM" and r.need > (1 - RAM_HEADROOM) * r.available
+                                                     for r in res):
                     break                        # a larger batch needs more of every tier
                 pred = predict(est.plan, rates, n_prompts=n_prompts, free_ram=page_cache_room(res),
                                peak_bytes={r.resource: r.need for r in res})
