@@ -7,13 +7,14 @@ matrices run at their own speed. So the probe runs the real engine on the model 
 3 or more (its own widths, heads, MLP and weight format, a 512-token vocabulary), all in RAM, at each decode row
 count, and takes the difference: seconds per block per decode step (the window's attention beyond its 16-token
 prompt is the cost model's to add). Median step. The larger cut holds more weight bytes than the last-level
-cache, as a whole model does: 3 of SmolLM2's blocks fit this VM's 36 MB L3 and timed its int4 decode 1.5x fast. The prompt pass stays on the machine rates: timed
-on one short prompt the probe's GEMMs ran at far fewer rows than a run's prefill chunks.
+cache, as a whole model does: 3 of SmolLM2's blocks fit this VM's 36 MB L3 and timed its int4 decode 1.5x fast.
+The prompt pass stays on the machine rates: timed on one short prompt the probe's GEMMs ran at far fewer rows
+than a run's prefill chunks.
 """
 from __future__ import annotations
 
-import time
 import math
+import time
 from typing import Any, Callable
 
 import torch

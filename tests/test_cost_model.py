@@ -175,10 +175,10 @@ def test_search_moves_weights_to_disk_when_ram_is_short_and_refuses_when_nothing
     found = search(big, EvictionConfig(policy="full"), OffloadPolicy(), RATES, prompt_len=32, gen_len=4, n_prompts=4,
                    device_type="cpu", machine=small, compress=False)
     assert found and found[0].offload.tier_fractions("weights")[2] > 0     # 2.6 GB of fp16 weights: some on disk
-    # every plan leaves 5 % of the RAM free: with 1300 MiB the preflight alone takes a plan at 99.7 % of it
+    # every plan leaves 4 % of the RAM free: with 1300 MiB the preflight alone takes a plan at 99.7 % of it
     edge = search(big, EvictionConfig(policy="full"), OffloadPolicy(), RATES, prompt_len=32, gen_len=4, n_prompts=4,
                   device_type="cpu", machine=Machine(1300 << 20, 2 * GIB), compress=False, keep=1000)
-    assert edge and all(c.need <= 0.95 * c.available for cand in edge for c in cand.checks if c.resource == "RAM")
+    assert edge and all(c.need <= 0.96 * c.available for cand in edge for c in cand.checks if c.resource == "RAM")
     tiny = Machine(ram_available=1 << 20, ram_total=1 << 21, process_rss=0)
     assert search(big, EvictionConfig(policy="full"), OffloadPolicy(), RATES, prompt_len=32, gen_len=4, n_prompts=4,
                   device_type="cpu", machine=tiny, compress=False) == []

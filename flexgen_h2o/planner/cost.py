@@ -5,8 +5,8 @@ One decode step of the zig-zag schedule visits every schedule layer once; within
 (where the model was timed itself, model_probe.py: its block's measured step at the batch's rows plus the
 attention slots past the probe's window; else its linear layers at its row count's rate, its attention over its
 own KV window and a fixed per-call cost) and the layer's weights for the next visit are read once for all the
-batches. With overlap the weight and KV lanes run on
-worker threads beside compute, so a layer takes the longest of the three; without it, their sum. A prompt pass
+batches. With overlap the reads (weights and KV, one lane: one disk, or one link) run on worker threads beside
+compute, so a layer takes the longer of the two; without it, their sum. A prompt pass
 is the same with each GPU batch's prompt rows (in prefill chunks) and the prompt's attention. What it does not
 model: a run's first pass over weights that are not in the page cache yet (every pass is predicted at the rate
 of the later ones), and the VM's drift (up to 1.6x an hour here).
@@ -14,10 +14,10 @@ of the later ones), and the VM's drift (up to 1.6x an hour here).
 Disk-homed weights and KV (memmaps of the offload files) are read through the page cache. Of what a step passes
 over, the share that fits the RAM the run leaves free (the machine's, or a container's limit, less the run's own
 predicted peak) is served by the page cache, a copy at its rate that the compute cores make; the rest waits for
-the disk (Linux's refault detection keeps a cyclic pass's cached share resident rather than thrashing it: OPT-1.3B
-with 1.05 GB of disk weights beside 0.7 GB of room ran at 4.3 tok/s, 2.5 priced all from disk,
-benchmarks/results/choice-38), and KV writes at the disk's write rate. Weights and KV share one disk (or, on a
-GPU, one link): their lanes add up.
+the disk (Linux's refault detection keeps a cyclic pass's cached share resident rather than thrashing it: in a
+3 GiB cgroup OPT-1.3B with 1.05 GB of disk weights beside 0.7 GB of room ran at 4.3 tok/s where all-from-disk
+priced 2.5; `python -m benchmarks.studies.choice_check --only opt1.3b-disk512+512-3gib`), and KV writes at the
+disk's write rate.
 """
 from __future__ import annotations
 
