@@ -301,7 +301,7 @@ def add_model(res: dict[str, Any], model: Any, formats: tuple[str, ...], smoke: 
         from flexgen_h2o.backend import get_backend
         backend = get_backend()
         sides.append((res["gpu"], resolve(load=False), backend.compute_device, torch.float16, backend.synchronize))
-    did = False
+    did, ram = False, Machine.probe().ram_available
     for side, kernels, device, dtype, sync in sides:
         matrices = side.setdefault("model_linear_GFLOPs", {})
         blocks = side.setdefault("model_block", {})
@@ -313,9 +313,8 @@ def add_model(res: dict[str, Any], model: Any, formats: tuple[str, ...], smoke: 
                 say(f"timing {model.name} itself for the cost model (once per shape and weight format; cached) ...")
             did = True
             matrices[key] = measure_matrices(model, name, kernels, device, dtype, sync, min_s)
-            # a block too big to copy 4 times into half the RAM is priced from the machine rates instead
-            blocks[key] = (measure_block(model, name, rows, str(device), say)
-                           if fits(model, name, Machine.probe().ram_available) else {})
+            # a model whose probe copies (model_probe.fits) exceed half the RAM is priced from the machine rates
+            blocks[key] = measure_block(model, name, rows, str(device), say) if fits(model, name, ram) else {}
     return did
 
 

@@ -200,8 +200,8 @@ def test_rates_are_measured_once_and_cached(tmp_path, monkeypatch):
     assert not list((tmp_path / "off").glob("calibrate-*"))             # the disk probe's file is gone
 
 
-def test_the_api_chooses_from_cached_rates(tmp_path, monkeypatch):
-    """OffloadPolicy.auto: the search's best plan for this machine, from the cached rates (nothing measured)."""
+def _cached_rates(tmp_path, monkeypatch) -> dict:
+    """RATES with TINY probed in every format, cached for the offload folder tmp_path/off; measuring fails."""
     from flexgen_h2o import calibrate
     monkeypatch.setenv("FLEXGEN_H2O_HOME", str(tmp_path / "home"))
     path = calibrate.cache_path(tmp_path / "off")
@@ -213,11 +213,37 @@ def test_the_api_chooses_from_cached_rates(tmp_path, monkeypatch):
     import flexgen_h2o.model_probe as probe
     monkeypatch.setattr(probe, "measure_matrices", lambda *a, **k: pytest.fail("measured"))
     monkeypatch.setattr(probe, "measure_block", lambda *a, **k: pytest.fail("measured"))
+    return json.loads(path.read_text())
+
+
+def test_a_given_benchmark_plan_is_predicted_at_its_full_length_beside_the_runs_peak(tmp_path, monkeypatch):
+    """A benchmark with --cut-gen-len is planned for the cut and measured as projected to --gen-len: a given
+    placement is predicted at the full length, the page cache holding what the RAM check leaves beside the run."""
+    import argparse
+
+    from flexgen_h2o.frontends.auto import predict_if_calibrated
+    from flexgen_h2o.planner import estimate
+    from flexgen_h2o.planner.preflight import Check
+    rates = _cached_rates(tmp_path, monkeypatch)
+    off = OffloadPolicy.from_percent([100, 0, 0, 0, 100, 0], gpu_batch_size=2)
+    cut = estimate(TINY, off, EvictionConfig(policy="full"), prompt_len=16, gen_len=4, n_seqs=2)
+    checked = [Check("RAM", 100 << 20, (100 << 20) + 1000, {})]        # 1000 bytes left for the page cache
+    args = argparse.Namespace(calibrate=False, offload_dir=str(tmp_path / "off"), no_progress=True)
+    got = predict_if_calibrated(args, cut, checked, 2, gen_len=64)
+    want = predict(_plan(off, gen=64), rates, n_prompts=2, free_ram=1000)
+    assert (got.prefill_s, got.decode_s) == pytest.approx((want.prefill_s, want.decode_s), rel=1e-9)
+    assert got.decode_s > 10 * predict(cut.plan, rates, free_ram=1000).decode_s      # 63 steps, not 3
+    assert predict_if_calibrated(args, cut, checked, 2).decode_s == predict(cut.plan, rates, free_ram=1000).decode_s
+
+
+def test_the_api_chooses_from_cached_rates(tmp_path, monkeypatch):
+    """OffloadPolicy.auto: the search's best plan for this machine, from the cached rates (nothing measured)."""
+    rates = _cached_rates(tmp_path, monkeypatch)
     ev = EvictionConfig(policy="h2o", hh_ratio=0.1)
     got = OffloadPolicy.auto(TINY, prompt_len=64, gen_len=8, n_prompts=4, eviction=ev, device="cpu",
                              offload_dir=str(tmp_path / "off"))
     machine = Machine.probe()
-    want = search(TINY, ev, OffloadPolicy(), json.loads(path.read_text()), prompt_len=64, gen_len=8, n_prompts=4,
+    want = search(TINY, ev, OffloadPolicy(), rates, prompt_len=64, gen_len=8, n_prompts=4,
                   device_type="cpu", machine=machine, offload_root=tmp_path / "off", keep=1)[0].offload
     assert got == want and got.block_size <= 4
 

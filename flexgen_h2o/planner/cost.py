@@ -200,8 +200,17 @@ def predict(plan: Plan, rates: dict[str, Any], *, n_prompts: int | None = None, 
     block_flops = sum(g.flops_per_row for g in groups if g.block) / max(1, cfg.n_layers)
     sizes = collections.Counter(b.size for b in plan.batches)        # GPU batches by row count
 
-    def overlap(*lanes: float) -> float:
-        return max(lanes) if off.overlap else sum(lanes)
+    def layer_s(g: _Group, compute: float, io_kv: float, totals: dict[str, float]) -> float:
+        """A schedule layer's seconds: its weights' reads (once for all GPU batches) share the KV's lane, which
+        runs beside compute with overlap, else after it; each lane's time is added to `totals`."""
+        io_w = g.disk_bytes * w_read + (g.disk_bytes + g.host_bytes) / link
+        if not gpu:
+            # a page-cache read is a copy the compute cores make, at the page-cache read's rate: SmolLM2's
+            # 0.27 GB of weights cost a decode step 0.13 s over all-in-RAM, 0.02 s at the memory's rate
+            compute += g.disk_bytes * hit_w / page_cache
+        for k, v in (("compute", compute), ("weights", io_w), ("kv", io_kv)):
+            totals[k] += v
+        return max(compute, io_w + io_kv) if off.overlap else compute + (io_w + io_kv)
 
     # --- one decode step ---
     step, bound = 0.0, {"compute": 0.0, "weights": 0.0, "kv": 0.0}
@@ -225,14 +234,7 @@ def predict(plan: Plan, rates: dict[str, Any], *, n_prompts: int | None = None, 
                     new_slots = n * rows * cfg.n_kv_heads * cfg.n_layers / n_attn     # one per row and KV head
                     io_kv += read * kv_read + new_slots * slot_bytes * kv_fr[2] * kv_write
                     compute += read * hit / page_cache         # a page-cache read: a copy by the compute cores
-        io_w = g.disk_bytes * w_read + (g.disk_bytes + g.host_bytes) / link
-        if not gpu:
-            # a page-cache read is a copy the compute cores make, at the page-cache read's rate: SmolLM2's
-            # 0.27 GB of weights cost a decode step 0.13 s over all-in-RAM, 0.02 s at the memory's rate
-            compute += g.disk_bytes * hit_w / page_cache
-        step += overlap(compute, io_w + io_kv)
-        for k, v in (("compute", compute), ("weights", io_w), ("kv", io_kv)):
-            bound[k] += v
+        step += layer_s(g, compute, io_kv, bound)
 
     # --- the prompt pass ---
     prefill, pre_bound = 0.0, {"compute": 0.0, "weights": 0.0, "kv": 0.0}
@@ -252,12 +254,7 @@ def predict(plan: Plan, rates: dict[str, Any], *, n_prompts: int | None = None, 
                 if not gpu:          # the prompt's KV written to its disk part
                     written = n * rows * plan.prompt_len * cfg.n_kv_heads * cfg.n_layers / n_attn * slot_bytes
                     io_kv += written * kv_fr[2] * kv_write
-        io_w = g.disk_bytes * w_read + (g.disk_bytes + g.host_bytes) / link
-        if not gpu:
-            compute += g.disk_bytes * hit_w / page_cache
-        prefill += overlap(compute, io_w + io_kv)
-        for k, v in (("compute", compute), ("weights", io_w), ("kv", io_kv)):
-            pre_bound[k] += v
+        prefill += layer_s(g, compute, io_kv, pre_bound)
     steps = max(0, plan.gen_len - 1)
     blocks = math.ceil((n_prompts or plan.n_seqs) / max(1, plan.offload.block_size))
     return Prediction(prefill, step * steps, plan.n_seqs * plan.gen_len, blocks,

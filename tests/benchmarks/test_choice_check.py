@@ -1,5 +1,5 @@
 """The choice study's sweep (benchmarks/studies/choice_check.py): one plan per compression choice, the best the
-search ranks with it, and the largest uncompressed block, none twice."""
+search ranks with it, and the largest uncompressed block, none twice; a plan's figure is the median of its runs."""
 from __future__ import annotations
 
 from benchmarks.studies.choice_check import _flags, _median_row, sweep
