@@ -112,16 +112,18 @@ class LLM:
     @classmethod
     def from_loaded(cls, loaded: Any, *, offload: OffloadPolicy | None = None, eviction: EvictionConfig | None = None,
                     device: str | None = None, offload_dir: str | None = None, preflight: bool = True,
-                    progress: bool = False, refill: bool = True, refill_share: float | None = None) -> "LLM":
-        """Build around an already loaded model (`loader.load_model`); the CLI uses it after its own preflight."""
+                    progress: bool = False, refill: bool = True, refill_share: float | None = None,
+                    stage: tuple[int, int] | None = None) -> "LLM":
+        """Build around an already loaded model (`loader.load_model`); the CLI uses it after its own preflight.
+        stage: a pipeline stage's range of the flat layer list (Engine)."""
         self = cls.__new__(cls)
         self._setup(loaded, _offload(offload), _eviction(eviction), device, offload_dir, preflight, progress, refill,
-                    refill_share)
+                    refill_share, stage)
         return self
 
     def _setup(self, loaded: Any, offload: OffloadPolicy, eviction: EvictionConfig, device: str | None,
                offload_dir: str | None, preflight: bool, progress: bool, refill: bool,
-               refill_share: float | None) -> None:
+               refill_share: float | None, stage: tuple[int, int] | None = None) -> None:
         from flexgen_h2o.engine import Engine
         if refill_share is not None and not 0 <= refill_share <= 1:
             raise ConfigError(f"refill_share must be in [0, 1], got {refill_share}")
@@ -133,7 +135,8 @@ class LLM:
         decode = (lambda ids: loaded.tokenizer.decode(ids, skip_special_tokens=True)) if loaded.tokenizer else None
         # generate_blocks checks each prompt against the context window once (plan_job): the engine does not
         self.engine = Engine(loaded.config, loaded.read, offload=offload, eviction=eviction, device=device,
-                             offload_dir=self.offload_dir, decode=decode, locate=loaded.locate, check_context=False)
+                             offload_dir=self.offload_dir, decode=decode, locate=loaded.locate, check_context=False,
+                             stage=stage)
         self.last_metrics: dict = {}
 
     # --- generation ---

@@ -18,12 +18,13 @@ from torch import Tensor
 from flexgen_h2o.backend import get_backend
 from flexgen_h2o.config import ConfigError, GenerationConfig, GenerationResult, OffloadPolicy
 from flexgen_h2o.kv import EvictionConfig, RowBudgets, get_policy
-from flexgen_h2o.kv.cache import KVCache, StagingBuffers, gather_slots
+from flexgen_h2o.kv.cache import KVCache, StagingBuffers
 from flexgen_h2o.kv.draws import KeyedDraws
-from flexgen_h2o.kv.mixed import SplitKVCache
+from flexgen_h2o.kv.mixed import SplitKVCache, prompt_layout
 from flexgen_h2o.memory import ComputeTier, DiskTier, HostTier, OffloadDir, check_space
 from flexgen_h2o.kernels import resolve as resolve_kernels
 from flexgen_h2o.models import ModelConfig, build_layers, schedule_groups
+from flexgen_h2o.models.layer import ElsewhereLayer
 from flexgen_h2o.planner.plan import BatchPlan, Plan
 from flexgen_h2o.sampling import Sampler, StopTracker
 from flexgen_h2o.schedule.activations import ActivationHome
@@ -50,22 +51,6 @@ class Prefilled:
     logits: list[Tensor]                                 # per GPU batch: (b, V) logits of step 0
 
 
-def _prompt_layout(snapshot: tuple[Tensor, ...], lengths: Tensor, width: int) -> tuple[Tensor, ...]:
-    """A keep-everything cache's slots (real tokens packed first, in order) back in the left-padded prompt layout
-    a prompt pass hands to commit_prefill: (k, v, score) (b, g, width, ...) and token positions (b, width), -1
-    for pads. Same shapes and order as a normal run's, so even the random rule draws the same numbers. A
-    compressed cache's per-channel key scale (a fifth tensor) passes through."""
-    k, v, score, pos = snapshot[:4]
-    shift = (width - lengths).view(-1, 1)                                          # pads before each sequence
-    src = torch.arange(width).view(1, -1) - shift                                  # (b, width) source slot
-    real = src >= 0
-    index = src.clamp(min=0)
-    take = lambda x: gather_slots(x, index[:, None, :].expand(x.shape[0], x.shape[1], width))  # noqa: E731
-    k, v, score = (torch.where(real.view(*real.shape[:1], 1, width, *([1] * (x.dim() - 3))), take(x),
-                               torch.zeros((), dtype=x.dtype)) for x in (k, v, score))
-    return (k, v, score, torch.where(real, pos[:, 0].long().gather(1, index), -1), *snapshot[4:])
-
-
 class Engine:
     # tests: take cpu_cache_compute's host-attention path (fp32 windows staged where the KV lives) on a CPU too,
     # where the compute device already is the host and the flag is refused by the CLI
@@ -75,12 +60,14 @@ class Engine:
                  offload: OffloadPolicy | None = None, eviction: EvictionConfig | None = None,
                  device: str | None = None, offload_dir: str | None = None,
                  decode: Callable[[list[int]], str] | None = None, locate: Callable | None = None,
-                 check_context: bool = True, compute_dtype: torch.dtype | None = None):
+                 check_context: bool = True, compute_dtype: torch.dtype | None = None,
+                 stage: tuple[int, int] | None = None):
         """read_weight: name -> fp16 array; locate: a store's name -> (file, offset, bytes), so disk-homed
         weights are streamed with plain reads instead of through a memmap. eviction: the default KV rule
         (generate can take another per call). check_context=False lets a run go past the model's context
         window without position rolling (the accuracy harness measures exactly that collapse). compute_dtype:
-        CUDA's, fp16 unless given (the CPU computes in fp32)."""
+        CUDA's, fp16 unless given (the CPU computes in fp32). stage: a pipeline stage's [lo, hi) range of the
+        flat layer list: only its weights are placed and only its caches made (distributed/pipeline.py)."""
         self.model = model
         self.offload = (offload or OffloadPolicy()).validate()
         self.eviction = self._checked(eviction or EvictionConfig(policy="full"))
@@ -95,7 +82,11 @@ class Engine:
         # machine built them there, the lane held for the whole build)
         self.kernels = resolve_kernels(load=not self.backend.is_cuda or self.offload.tier_fractions("cache")[0] < 1)
         self.layers = build_layers(model)
-        self.groups = schedule_groups([layer.kind for layer in self.layers], self.offload.sep_layer)
+        lo, hi = self.stage = stage or (0, len(self.layers))
+        self.groups = [g for g in schedule_groups([layer.kind for layer in self.layers], self.offload.sep_layer)
+                       if lo <= g[0] and g[-1] < hi]
+        own = [layer if lo <= i < hi else ElsewhereLayer(layer.kind) for i, layer in enumerate(self.layers)]
+        self.link = None                # a pipeline stage's StageLink (set by the caller), None in one process
         self.decode = decode
         uses_disk = any(self.offload.tier_fractions(what)[2] > 0 for what in ("cache", "act"))
         self.offload_dir = OffloadDir(offload_dir) if (offload_dir and uses_disk) else None
@@ -104,10 +95,10 @@ class Engine:
         if self.offload_dir is not None:
             self.tiers["disk"] = DiskTier(self.offload_dir.__enter__())
         if self.offload.weight_bits:     # the packed matrices, from the store's compressed copy (made once)
-            read_weight, locate, _ = compressed_weights(self.layers, read_weight, locate, self.offload.weight_format)
+            read_weight, locate, _ = compressed_weights(own, read_weight, locate, self.offload.weight_format)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)     # read-only memmaps are never written through
-            self.weights = WeightPlacement(self.layers, read_weight, self.offload.tier_fractions("weights"),
+            self.weights = WeightPlacement(own, read_weight, self.offload.tier_fractions("weights"),
                                            device=self.device, compute_dtype=self.compute_dtype,
                                            pin=self.backend.pin, pin_weight=self.offload.pin_weight, locate=locate,
                                            pool=StagingPool(self.tiers["compute"], reuse=not self.backend.is_cuda),
@@ -217,7 +208,7 @@ class Engine:
                 self.on_step_logits = hook
             gbs = self.offload.gpu_batch_size
             lengths = [torch.tensor([len(p) for p in chunk[lo:lo + gbs]]) for lo in range(0, len(chunk), gbs)]
-            layers = [{l: _prompt_layout(split.snapshot(), n, longest) for l, split in caches.items()}
+            layers = [{l: prompt_layout(split.snapshot(), n, longest) for l, split in caches.items()}
                       for caches, n in zip(self.last_caches, lengths)]
             out.append(Prefilled(chunk, rolling, layers, [step0[k] for k in range(len(layers))]))
             self.last_caches = []
@@ -328,7 +319,7 @@ class Engine:
         self._handles.append(self.tiers["compute"].reserve(plan.layer_workspace(), "workspace (estimated)"))
         if "disk" in self.tiers:                # before the first file: enough room for this block?
             check_space(self.offload_dir.root, plan.disk_bytes())
-        batches = []
+        batches, mine = [], range(*self.stage)
         for bp in plan.batches:
             lo, hi = bp.lo, bp.hi
             rows = budget.part(lo, hi)
@@ -336,7 +327,7 @@ class Engine:
                            real_len=valid[lo:hi].sum(1), kept_max=torch.tensor(rows.values("budget")))
             b.caches = {l: self._make_cache(layer, bp, rows, plan.capacity, policy,
                                             self._draws(ev, l, prompts[lo:hi]), ev.position_rolling)
-                        for l, layer in enumerate(self.layers) if layer.kind == "attn"}
+                        for l, layer in enumerate(self.layers) if layer.kind == "attn" and l in mine}
             if prefilled is not None:          # this rule's choice of the kept prompt rows, as a prefill makes it
                 for l, (k, v, score, pos, *key_scale) in prefilled.layers[len(batches)].items():
                     b.caches[l].commit_prefill(k, v, score if policy.needs_scores else None, pos,
@@ -376,9 +367,11 @@ class Engine:
                          device=self.device, compute_dtype=self.compute_dtype, needs_scores=policy.needs_scores,
                          rolling=ev.position_rolling, score_reduce=ev.score_reduce,
                          prefill_rows=plan.prefill_rows, async_lanes=self._async_lanes(),
-                         prefill_by_rows=plan.prefill_by_rows, kernels=self.kernels,
-                         on_logits=on_logits,
+                         prefill_by_rows=plan.prefill_by_rows and self.link is None, kernels=self.kernels,
+                         on_logits=on_logits, link=self.link,
                          should_stop=lambda token: stops.all_done or token + 1 >= n_new)
+        if self.link is not None:       # the last stage decides when the block stops; the others are told
+            parts.should_stop = self.link.stop_rule(batches, parts.should_stop)
         t0 = time.perf_counter()
         if prefilled is None:
             times = BlockExecutor(parts, batches, n_new, self.offload.overlap).run()
@@ -388,6 +381,8 @@ class Engine:
             times = [time.perf_counter()]
             if not parts.should_stop(0):
                 times += BlockExecutor(parts, batches, n_new, self.offload.overlap, first_token=1).run()
+        if self.link is not None:
+            self.link.flush()
         t_end = time.perf_counter()
         self.last_caches = [b.caches for b in batches]
         tokens, texts, reasons = stops.finish()

@@ -22,6 +22,8 @@ import sys  # noqa: E402
 from typing import Any  # noqa: E402
 
 from flexgen_h2o.config import ConfigError, OffloadPolicy  # noqa: E402
+from flexgen_h2o.distributed import RankStopped, world_from_env  # noqa: E402
+from flexgen_h2o.frontends.scale_out import reporting_rank  # noqa: E402
 from flexgen_h2o.frontends.jsonl import (OutputLock, ResultsFile, check_folder_writable,  # noqa: E402
                                          check_writable, read_requests)
 from flexgen_h2o.frontends.cli import (build_parser, check_flags, compression_bits, eviction_from_args,  # noqa: E402
@@ -30,20 +32,39 @@ from flexgen_h2o.frontends.cli import (build_parser, check_flags, compression_bi
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.world = world_from_env()              # under torchrun: this rank's place in the job
+    if args.world is not None and args.world.rank != reporting_rank(args):
+        args.no_progress = True                # one progress bar and one report per job
+        if not os.environ.get("FLEXGEN_H2O_ALL_RANKS"):
+            sys.stdout = open(os.devnull, "w")
     try:
         return _run(args)
     except KeyboardInterrupt:
         print("interrupted" + (f"; rerun the same command to resume {args.output}" if args.input else ""),
               file=sys.stderr)
         return 130
+    except RankStopped:
+        print(args.world.stopped_line(args.output), file=sys.stderr)
+        return 143
     except (ConfigError, ValueError, OSError) as e:   # PreflightError (multi-line report) is a ConfigError
         if os.environ.get("FLEXGEN_H2O_DEBUG"):
             raise
+        if type(e).__name__ == "QuietExit":            # rank 0 said it
+            return 2
+        rank = f"rank {args.world.rank}: " if args.world is not None and not args.world.is_main else ""
         if type(e).__name__ == "PreflightError":       # the report: numbers per resource and what to change
-            print(str(e), file=sys.stderr)
+            print(rank + str(e), file=sys.stderr)
         else:
-            print("error: " + " ".join(str(e).split("\n")), file=sys.stderr)
+            print(f"error: {rank}" + " ".join(str(e).split("\n")), file=sys.stderr)
         return 2
+    except RuntimeError as e:                          # a collective broke: a peer rank is gone
+        if args.world is None or not ("Dist" in type(e).__name__ or "Connection closed by peer" in str(e)):
+            raise
+        print(args.world.stopped_line(args.output), file=sys.stderr)
+        return 143
+    finally:
+        if args.world is not None:
+            args.world.close()
 
 
 def _mode(args: argparse.Namespace) -> str:
@@ -75,6 +96,12 @@ def _run(args: argparse.Namespace) -> int:
     # --- cheap checks first: nothing heavy is imported and nothing is written until they pass ---
     mode = _mode(args)
     check_flags(args)
+    if args.world is not None:
+        from flexgen_h2o.frontends.scale_out import join
+        join(args, mode)
+    elif args.pipeline_stages > 1 or args.stage_percent:
+        raise ConfigError("--pipeline-stages and --stage-percent split the model across ranks that torchrun "
+                          "starts: torchrun --nproc-per-node S -m flexgen_h2o.run --pipeline-stages S ...")
     percent, args.auto = placement(args)
     offload = OffloadPolicy.from_percent(percent, gpu_batch_size=args.gpu_batch_size,
                                          num_gpu_batches=args.num_gpu_batches, overlap=args.overlap,
@@ -93,6 +120,10 @@ def _run(args: argparse.Namespace) -> int:
     if mode != "batch":
         return _generate(args, mode, offload, eviction_from_args(args), gen_len, prompt_len, log_path,
                          None, None, None)
+    if args.world is not None:
+        from flexgen_h2o.frontends.scale_out import batch_job
+        return batch_job(args, lambda *a: _generate(args, mode, offload, eviction_from_args(args), gen_len,
+                                                        prompt_len, log_path, *a), gen_len)
     # one run per output, locked before the output is read; removed on every way out but SIGKILL, whose lock
     # the kernel drops, so a killed run's rerun is never blocked
     with OutputLock(args.output):
@@ -138,7 +169,10 @@ def _generate(args, mode, offload, eviction, gen_len, prompt_len, log_path, requ
     from flexgen_h2o.planner import summary_line
     from flexgen_h2o.schedule.blocks import plan_job
 
-    torch.set_num_threads(max(1, min(torch.get_num_threads(), os.cpu_count() or 1)))
+    if args.world is None:
+        torch.set_num_threads(max(1, min(torch.get_num_threads(), os.cpu_count() or 1)))
+    else:                          # torchrun sets OMP_NUM_THREADS=1: the ranks on a node split its cores instead
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // args.world.local_size))
     cfg = resolve_model(args.model)
     backend = get_backend(args.device)
     if offload.cpu_cache_compute and not backend.is_cuda:      # the compute device already is the host
@@ -152,6 +186,13 @@ def _generate(args, mode, offload, eviction, gen_len, prompt_len, log_path, requ
     tok = fallback_tokenizer() if deferred else loaded.tokenizer
     texts, prompts, max_new, label = _prompts(args, mode, cfg, tok, offload, pending, prompt_len, gen_len)
     refill = mode != "benchmark" and not args.no_refill       # benchmark mode keeps FlexGen's synchronous blocks
+    if getattr(args, "dp_job", None) is not None:    # every rank checks every prompt, then keeps its share
+        from flexgen_h2o.frontends.scale_out import idle_rank, take_share
+        plan_job(cfg, eviction, offload.block_size, [len(p) for p in prompts], max_new, label, refill=refill)
+        pending, prompts, max_new = take_share(args.dp_job, pending, prompts, max_new)
+        if not pending:
+            return idle_rank(args, results, requests)
+        label = lambda i: f"{args.input}: line {pending[i].line}"  # noqa: E731
     job = plan_job(cfg, eviction, offload.block_size, [len(p) for p in prompts], max_new, label, refill=refill)
     prediction = None
     if args.auto:
@@ -163,25 +204,32 @@ def _generate(args, mode, offload, eviction, gen_len, prompt_len, log_path, requ
             job = plan_job(cfg, eviction, offload.block_size, [len(p) for p in prompts], max_new, label,
                            refill=refill)
     on_disk = args.dummy_weights and offload.tier_fractions("weights")[2] > 0
-    est, checked = _preflight(args, cfg, offload, eviction, backend, on_disk, job)
+    stage = getattr(args, "stage", None)          # a pipeline stage: its own layers are checked
+    if stage is not None:
+        from flexgen_h2o.frontends.scale_out import stage_model
+    est, checked = _preflight(args, cfg if stage is None else stage_model(cfg, stage), offload, eviction, backend,
+                              on_disk, job)
     if mode == "benchmark":
         from flexgen_h2o.frontends.benchmark import corpus_prompts, sizes_line
         prompts, source = corpus_prompts(tok, offload.block_size, prompt_len, cfg.vocab_size)
         print(f"prompts: {len(prompts)} x {prompt_len} tokens of {source}")
         print(sizes_line(cfg, est, len(prompts), prompt_len))
     print(summary_line(checked) if checked else "preflight: skipped (--skip-preflight)")
-    if prediction is None:               # a given placement: predicted too where this machine's rates are cached
+    if prediction is None and stage is None:   # a given placement: predicted where this machine's rates are cached
         from flexgen_h2o.frontends.auto import predict_if_calibrated
         prediction = predict_if_calibrated(args, est, checked, len(prompts),
                                            gen_len if mode == "benchmark" else None)
-    elif checked:
+    elif prediction is not None and checked:
         prediction.peak_bytes = {c.resource: c.need for c in checked}
 
     if loaded is None:
         loaded = _load(args, dummy_on_disk=on_disk)
     llm = LLM.from_loaded(loaded, offload=offload, eviction=eviction, device=args.device,
                           offload_dir=args.offload_dir, preflight=False, progress=not args.no_progress,
-                          refill=refill, refill_share=args.refill_share)
+                          refill=refill, refill_share=args.refill_share, stage=stage)
+    if stage is not None:
+        from flexgen_h2o.frontends.scale_out import attach_link
+        attach_link(args, llm)
     try:
         metrics = _run_mode(args, mode, llm, est, texts, prompts, job, gen_len, requests, pending, results)
     finally:
@@ -189,6 +237,9 @@ def _generate(args, mode, offload, eviction, gen_len, prompt_len, log_path, requ
     if prediction is not None:
         from flexgen_h2o.frontends.auto import report
         print(report(prediction, metrics))
+    if getattr(args, "dp_job", None) is not None:
+        from flexgen_h2o.frontends.scale_out import report_job
+        report_job(args, metrics)
     _write_logs(args, metrics, log_path)
     return 0
 
@@ -273,7 +324,7 @@ def _preflight(args, cfg, offload, eviction, backend, deferred, job) -> tuple:
 
 def _run_mode(args, mode, llm, est, texts, prompts, job, gen_len, requests, pending, results) -> dict:
     """Run the mode on the LLM; its metrics."""
-    from flexgen_h2o.frontends.benchmark import memory_line, run_benchmark
+    from flexgen_h2o.frontends.benchmark import memory_line, run_benchmark, run_metrics, summary
     from flexgen_h2o.frontends.jsonl import generate_file
     # newer placements charge resident weights to the tiers; then the peaks must not add them again
     weights_in_tiers = any(t.current_bytes for t in llm.engine.tiers.values())
@@ -294,8 +345,8 @@ def _run_mode(args, mode, llm, est, texts, prompts, job, gen_len, requests, pend
         totals = generate_file(llm, requests, pending, prompts, results, gen, input_name=args.input,
                                progress=not args.no_progress, job=job)
         print(f"\nwrote {len(requests)} results to {args.output} ({len(pending)} generated now)")
-    metrics = _run_metrics(llm, totals, est, mode, weights_in_tiers, len(prompts))
-    print(_summary(metrics))
+    metrics = run_metrics(llm, totals, est, mode, weights_in_tiers, len(prompts))
+    print(summary(metrics))
     print(memory_line(metrics))
     return metrics
 
@@ -305,6 +356,8 @@ def _write_logs(args: argparse.Namespace, metrics: dict, log_path: str | None) -
     from flexgen_h2o.metrics import flexgen_log
     log = flexgen_log(metrics)
     print(log, end="")
+    if args.world is not None and args.world.rank != reporting_rank(args):
+        return                                     # one log and one metrics file per job
     if log_path:
         with open(log_path, "a") as f:
             f.write(log)
@@ -317,34 +370,6 @@ def _gen_config(args: argparse.Namespace, gen_len: int) -> Any:
     from flexgen_h2o.config import GenerationConfig
     return GenerationConfig(max_new_tokens=gen_len, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             seed=args.seed, stop=tuple(args.stop)).validate()
-
-
-def _run_metrics(llm: Any, t: dict, est: Any, mode: str, weights_in_tiers: bool, n_prompts: int) -> dict:
-    """Batch and prompt modes: FlexGen's throughput definitions over real (unpadded) prompt tokens."""
-    from flexgen_h2o.metrics import engine_metrics, peak_rss_bytes
-    prefill_s, decode_s = t.get("prefill_s", 0.0), t.get("decode_s", 0.0)
-    gen_tokens, prompt_tokens = t.get("generated_tokens", 0), t.get("prompt_tokens", 0)
-    padded = t.get("padded_prompt_tokens", 0)
-    return {"mode": mode, "prompts": n_prompts, "blocks": t.get("blocks", 0),
-            "block_size": llm.offload.block_size, "prompt_tokens": prompt_tokens, "padded_prompt_tokens": padded,
-            "padding_frac": 1 - prompt_tokens / padded if padded else 0.0, "generated_tokens": gen_tokens,
-            "prefill_s": prefill_s, "decode_s": decode_s, "total_s": prefill_s + decode_s,
-            "prefill_tok_s": prompt_tokens / max(prefill_s, 1e-9),
-            "decode_tok_s": max(gen_tokens - n_prompts, 0) / max(decode_s, 1e-9),
-            "total_tok_s": gen_tokens / max(prefill_s + decode_s, 1e-9), "projected": False,
-            # continuous refill: join passes, and the share of row-steps that held a prompt (None: blocks)
-            "refill_joins": t.get("joins"), "row_occupancy": t.get("row_occupancy"),
-            **engine_metrics(llm, weights_in_tiers, kv_cache_bytes=est.kv_bytes, full_cache_bytes=est.full_kv_bytes,
-                             hidden_bytes=est.n_seqs * est.prompt_len * llm.config.hidden_size * 2),
-            "peak_rss_bytes": peak_rss_bytes()}
-
-
-def _summary(m: dict) -> str:
-    return (f"\nthroughput: prefill {m['prefill_tok_s']:.1f} tok/s | decode {m['decode_tok_s']:.1f} tok/s | total "
-            f"{m['total_tok_s']:.1f} tok/s  ({m['prompts']} prompt(s) in {m['blocks']} block(s); {m['prompt_tokens']} "
-            f"prompt tokens + {m['padding_frac']:.1%} padding; {m['generated_tokens']} generated)"
-            + (f"\nrefill: {m['refill_joins']} join passes, rows busy {m['row_occupancy']:.1%} of decode steps"
-               if m.get("refill_joins") is not None else ""))
 
 
 if __name__ == "__main__":

@@ -18,6 +18,8 @@ FORBIDDEN = {
     "backend": {"models", "memory", "kv", "weights", "schedule", "engine", "run"},
     "planner": {"schedule", "engine", "run", "frontends", "hf", "eval"},
     "hf": {"memory", "weights", "schedule", "engine", "run", "frontends", "eval", "planner"},
+    # torchrun's world, shares and pipeline links; the engine takes a link without importing them
+    "distributed": {"engine", "run", "frontends", "eval", "hf"},
 }
 
 

@@ -5,9 +5,9 @@ import torch
 
 from .base import LANES, Backend
 from .cpu import CPUBackend
-from .cuda import CUDABackend, is_available as cuda_is_available
+from .cuda import CUDABackend, is_available as cuda_is_available, rank_device
 
-__all__ = ["LANES", "Backend", "CPUBackend", "CUDABackend", "get_backend"]
+__all__ = ["LANES", "Backend", "CPUBackend", "CUDABackend", "get_backend", "rank_device", "cuda_is_available"]
 
 
 def get_backend(device: str | torch.device | None = None, compute_dtype: torch.dtype | None = None) -> Backend:

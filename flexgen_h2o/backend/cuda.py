@@ -20,6 +20,14 @@ def is_available() -> bool:
     return torch.cuda.is_available()
 
 
+def rank_device(local_rank: int) -> str:
+    """The GPU of the local_rank-th rank on a node (round robin over the visible ones), made current: NCCL's
+    sends and receives run on the current device."""
+    index = local_rank % torch.cuda.device_count()
+    torch.cuda.set_device(index)
+    return f"cuda:{index}"
+
+
 class CUDABackend(Backend):
     name = "cuda"
     is_cuda = True

@@ -5,6 +5,7 @@ a warm-up generate (32-token prompts, 2 new tokens: the prefill and one decode s
 chunk at the real length, warmup_blocks), then the measured run at
 the full gen_len with EOS ignored, so every run generates exactly block x gen_len tokens. With --cut-gen-len
 only that many tokens run and decode is projected with FlexGen's formula; the log then says `projected: True`.
+Batch and prompt modes' metrics and summary lines (run_metrics, summary) use the same definitions.
 """
 from __future__ import annotations
 
@@ -130,3 +131,30 @@ def sizes_line(cfg: Any, est: Any, block: int, prompt_len: int) -> str:
     return (f"model size: {fmt_bytes(est.model_bytes)} {fmt.name} | KV cache: "
             f"{fmt_bytes(est.kv_bytes)} real, {fmt_bytes(est.full_kv_bytes)} full cache | hidden size (prefill): "
             f"{fmt_bytes(block * prompt_len * cfg.hidden_size * 2)} (width {cfg.hidden_size})")
+
+
+def run_metrics(llm: Any, t: dict, est: Any, mode: str, weights_in_tiers: bool, n_prompts: int) -> dict:
+    """Batch and prompt modes: FlexGen's throughput definitions over real (unpadded) prompt tokens."""
+    prefill_s, decode_s = t.get("prefill_s", 0.0), t.get("decode_s", 0.0)
+    gen_tokens, prompt_tokens = t.get("generated_tokens", 0), t.get("prompt_tokens", 0)
+    padded = t.get("padded_prompt_tokens", 0)
+    return {"mode": mode, "prompts": n_prompts, "blocks": t.get("blocks", 0),
+            "block_size": llm.offload.block_size, "prompt_tokens": prompt_tokens, "padded_prompt_tokens": padded,
+            "padding_frac": 1 - prompt_tokens / padded if padded else 0.0, "generated_tokens": gen_tokens,
+            "prefill_s": prefill_s, "decode_s": decode_s, "total_s": prefill_s + decode_s,
+            "prefill_tok_s": prompt_tokens / max(prefill_s, 1e-9),
+            "decode_tok_s": max(gen_tokens - n_prompts, 0) / max(decode_s, 1e-9),
+            "total_tok_s": gen_tokens / max(prefill_s + decode_s, 1e-9), "projected": False,
+            # continuous refill: join passes, and the share of row-steps that held a prompt (None: blocks)
+            "refill_joins": t.get("joins"), "row_occupancy": t.get("row_occupancy"),
+            **engine_metrics(llm, weights_in_tiers, kv_cache_bytes=est.kv_bytes, full_cache_bytes=est.full_kv_bytes,
+                             hidden_bytes=est.n_seqs * est.prompt_len * llm.config.hidden_size * 2),
+            "peak_rss_bytes": peak_rss_bytes()}
+
+
+def summary(m: dict) -> str:
+    return (f"\nthroughput: prefill {m['prefill_tok_s']:.1f} tok/s | decode {m['decode_tok_s']:.1f} tok/s | total "
+            f"{m['total_tok_s']:.1f} tok/s  ({m['prompts']} prompt(s) in {m['blocks']} block(s); {m['prompt_tokens']} "
+            f"prompt tokens + {m['padding_frac']:.1%} padding; {m['generated_tokens']} generated)"
+            + (f"\nrefill: {m['refill_joins']} join passes, rows busy {m['row_occupancy']:.1%} of decode steps"
+               if m.get("refill_joins") is not None else ""))

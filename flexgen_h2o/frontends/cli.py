@@ -150,6 +150,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=count, default=0, help="0 = off")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    d = p.add_argument_group("scale-out (started by torchrun; docs/distributed.md)")
+    d.add_argument("--pipeline-stages", type=positive, default=1,
+                   help="split the layers over this many ranks (torchrun --nproc-per-node/--nnodes); 1 (default): "
+                        "torchrun's ranks split the prompts of a batch job")
+    d.add_argument("--stage-percent", nargs=6, type=float, action="append", metavar="P",
+                   help="a pipeline stage's placement, FlexGen's six numbers; repeat once per stage, in stage "
+                        "order (default: --percent on every stage)")
     o = p.add_argument_group("output")
     o.add_argument("--log-file", help="append FlexGen's 5-line log here ('auto': FlexGen's fo-... file name)")
     o.add_argument("--metrics-json", help="write the run's metrics as JSON")

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from flexgen_h2o.kv.cache import KVCache
+from flexgen_h2o.kv.cache import KVCache, gather_slots
 from flexgen_h2o.models.layer import KVView, LayerOutput
 
 
@@ -92,3 +92,19 @@ class SplitKVCache:
             part_out = LayerOutput(hidden=out.hidden, k_new=out.k_new[lo:hi], v_new=out.v_new[lo:hi],
                                    scores=None if out.scores is None else out.scores[lo:hi, :, :width])
             cache.commit_decode(part_view, part_out, new_pos[lo:hi])
+
+
+def prompt_layout(snapshot: tuple[Tensor, ...], lengths: Tensor, width: int) -> tuple[Tensor, ...]:
+    """A keep-everything cache's slots (real tokens packed first, in order) back in the left-padded prompt layout
+    a prompt pass hands to commit_prefill: (k, v, score) (b, g, width, ...) and token positions (b, width), -1
+    for pads. Same shapes and order as a normal run's, so even the random rule draws the same numbers. A
+    compressed cache's per-channel key scale (a fifth tensor) passes through."""
+    k, v, score, pos = snapshot[:4]
+    shift = (width - lengths).view(-1, 1)                                          # pads before each sequence
+    src = torch.arange(width).view(1, -1) - shift                                  # (b, width) source slot
+    real = src >= 0
+    index = src.clamp(min=0)
+    take = lambda x: gather_slots(x, index[:, None, :].expand(x.shape[0], x.shape[1], width))  # noqa: E731
+    k, v, score = (torch.where(real.view(*real.shape[:1], 1, width, *([1] * (x.dim() - 3))), take(x),
+                               torch.zeros((), dtype=x.dtype)) for x in (k, v, score))
+    return (k, v, score, torch.where(real, pos[:, 0].long().gather(1, index), -1), *snapshot[4:])

@@ -122,3 +122,15 @@ class Layer(Protocol):
     def kv_spec(self) -> KVSpec | None: ...
 
     def forward(self, x: Tensor, w: Mapping[str, Tensor], kv: KVView | None, ctx: StepContext) -> LayerOutput: ...
+
+
+@dataclass(frozen=True)
+class ElsewhereLayer:
+    """A layer another pipeline stage holds: in the flat list for its index and kind, with nothing placed here."""
+    kind: str
+
+    def weight_specs(self) -> list[WeightSpec]:
+        return []
+
+    def kv_spec(self) -> KVSpec | None:
+        return None

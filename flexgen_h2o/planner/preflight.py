@@ -39,6 +39,16 @@ class PreflightError(ConfigError):
     """The run does not fit this machine; the message holds the numbers and what to change."""
 
 
+# ranks of one distributed job on this node (torchrun's LOCAL_WORLD_SIZE): they share its RAM and disk, so each
+# rank's checks and plan count its share of what is free (set_ranks_per_node)
+RANKS_PER_NODE = 1
+
+
+def set_ranks_per_node(n: int) -> None:
+    global RANKS_PER_NODE
+    RANKS_PER_NODE = max(1, int(n))
+
+
 @dataclass(frozen=True)
 class Machine:
     ram_available: int                  # bytes the OS can give without swapping (psutil.available)
@@ -55,6 +65,7 @@ class Machine:
         limited = cgroup_ram()
         if limited is not None:
             total, available = min(total, limited[0]), min(available, limited[1])
+        total, available = total // RANKS_PER_NODE, available // RANKS_PER_NODE
         rss = psutil.Process().memory_info().rss
         if backend is None or not getattr(backend, "is_cuda", False):
             return cls(available, total, process_rss=rss)
@@ -122,7 +133,8 @@ def checks(est: Estimate, machine: Machine, *, offload_root: str | os.PathLike |
         for p, v in need.items():
             prev[p] = prev.get(p, 0) + v
     for root, need in where.values():
-        out.append(Check(f"disk ({root})", sum(need.values()) + DISK_HEADROOM, shutil.disk_usage(root).free, need))
+        out.append(Check(f"disk ({root})", sum(need.values()) + DISK_HEADROOM,
+                         shutil.disk_usage(root).free // RANKS_PER_NODE, need))
     return out
 
 
@@ -141,7 +153,8 @@ def report(est: Estimate, results: list[Check]) -> str:
 
 
 def summary_line(results: list[Check]) -> str:
-    return "preflight: " + " | ".join(f"{c.resource} {fmt(c.need)} of {fmt(c.available)}" for c in results)
+    share = f" (per rank: 1/{RANKS_PER_NODE} of this node's RAM and disk)" if RANKS_PER_NODE > 1 else ""
+    return f"preflight{share}: " + " | ".join(f"{c.resource} {fmt(c.need)} of {fmt(c.available)}" for c in results)
 
 
 # --- what to change ---

@@ -62,6 +62,7 @@ class RunParts:
     async_lanes: frozenset = frozenset({"weights", "kv"})   # lanes that get a worker thread when overlapping
     prefill_by_rows: bool = False        # token 0 chunk by chunk through every layer (OffloadPolicy.prefill_by_rows)
     kernels: TorchKernels = TORCH        # the engine's flexgen_h2o.kernels.Kernels, resolved once (default: torch)
+    link: Any = None                     # a pipeline stage's StageLink: hidden states in and out, ids back
 
 
 class BlockExecutor:
@@ -183,6 +184,8 @@ class BlockExecutor:
 
     def _load_hidden(self, token: int, group: int, batch: int) -> Tensor:
         b = self.batches[batch]
+        if group == 0 and self.p.link is not None and not self.p.link.first:     # from the previous stage
+            return self.p.link.recv_hidden(len(b.seq_index), b.prompt_ids.shape[1] if token == 0 else 1)
         if group == 0:                              # embed input: token ids
             ids = b.prompt_ids if token == 0 else b.next_ids.view(-1, 1)
             return ids.to(self.p.device)
@@ -222,8 +225,14 @@ class BlockExecutor:
                 x = out.hidden
             if updates:
                 self.store_buf[group][batch].store(updates)
+        link = self.p.link
         if self.p.layers[self.p.groups[group][-1]].kind == "head":
             self.p.on_logits(token, batch, x)
+            if link is not None:                    # the ids go back to the first stage, the last with the verdict
+                last = batch == len(self.batches) - 1
+                link.send_ids(b.next_ids, last and self.p.should_stop(token))
+        elif link is not None and group == len(self.p.groups) - 1:
+            link.send_hidden(x)
         else:
             b.activations.store(x)
 

@@ -1,0 +1,132 @@
+"""A pipeline of layer stages across torchrun's ranks (FlexGen's dist_flex_opt.py, on torch.distributed).
+
+Rank s holds a contiguous run of schedule layers (split_layers) with its own placement and runs the zig-zag
+schedule over them: for each token step, layer by layer, every GPU batch of the block. A GPU batch's hidden
+state leaves the stage's last layer with a non-blocking send, so the stage goes on with its next batch while
+the state travels, and the next stage starts that batch's first layer as soon as it arrives. The last stage
+holds the LM head: it samples, keeps the stop rules, and sends each batch's next ids back to the first stage
+with the step's stop decision; the first stage passes the decision down the line. H2O caches live with their
+attention layers, so no KV ever crosses a link.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+TAG_HIDDEN, TAG_IDS, TAG_STOP = 11, 12, 13
+
+
+def split_work(work: Sequence[float], n_stages: int) -> list[tuple[int, int]]:
+    """Contiguous [lo, hi) runs of `work` items, one per stage, each non-empty, minimising the largest sum."""
+    n = len(work)
+    if not 1 <= n_stages <= n:
+        raise ValueError(f"cannot split {n} schedule layers into {n_stages} stages")
+    prefix = [0.0]
+    for w in work:
+        prefix.append(prefix[-1] + w)
+    inf = float("inf")
+    # best[s][i]: the smallest possible largest stage over the first i items in s stages; cut[s][i]: where it starts
+    best = [[inf] * (n + 1) for _ in range(n_stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(n_stages + 1)]
+    best[0][0] = 0.0
+    for s in range(1, n_stages + 1):
+        for i in range(s, n - (n_stages - s) + 1):
+            for j in range(s - 1, i):
+                cost = max(best[s - 1][j], prefix[i] - prefix[j])
+                if cost < best[s][i]:
+                    best[s][i], cut[s][i] = cost, j
+    bounds, i = [], n
+    for s in range(n_stages, 0, -1):
+        bounds.append((cut[s][i], i))
+        i = cut[s][i]
+    return bounds[::-1]
+
+
+def split_layers(cfg: Any, n_stages: int, sep_layer: bool) -> list[tuple[int, int]]:
+    """Each stage's [lo, hi) range of flat layer indices (embed, attn.0, mlp.0, ..., head), cut between schedule
+    layers and balanced by their matrix FLOPs per token: a stage's compute on a CPU, and on a GPU that streams
+    fp16 weights the bytes its link carries (the same number). An embedding table is a row lookup and weighs
+    nothing; the LM head weighs its full vocabulary matrix."""
+    from flexgen_h2o.formats import WEIGHT_FORMAT
+    from flexgen_h2o.models import build_layers, schedule_groups
+    from flexgen_h2o.planner.cost import _groups
+    layers = build_layers(cfg)
+    groups = schedule_groups([layer.kind for layer in layers], sep_layer)
+    work = [g.flops_per_row for g in _groups(cfg, (1.0, 0.0, 0.0), WEIGHT_FORMAT, sep_layer)]
+    return [(groups[a][0], groups[b - 1][-1] + 1) for a, b in split_work(work, n_stages)]
+
+
+@dataclass
+class StageLink:
+    """One stage's sends and receives. Hidden states go to the next stage, ids and stop decisions from the last
+    stage to the first, stop decisions down the line; every message between two ranks comes in the order sent."""
+    stage: int
+    n_stages: int
+    hidden_size: int
+    dtype: torch.dtype
+    device: torch.device
+    group: Any = None              # NCCL between GPUs; None: the default (gloo) group
+
+    def __post_init__(self) -> None:
+        self.first, self.last = self.stage == 0, self.stage == self.n_stages - 1
+        self._sending: list = []   # (work, tensor): a tensor stays alive until its send completed
+        self.sent_bytes = self.received_bytes = 0
+
+    def _isend(self, t: Tensor, dst: int, tag: int) -> None:
+        t = t.contiguous()
+        self._sending.append((dist.isend(t, dst, group=self.group, tag=tag), t))
+        self.sent_bytes += t.numel() * t.element_size()
+        if len(self._sending) > 64:            # bound what is held: the oldest are long done
+            self._sending.pop(0)[0].wait()
+
+    def _recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int, tag: int) -> Tensor:
+        t = torch.empty(shape, dtype=dtype, device=self.device)
+        dist.recv(t, src, group=self.group, tag=tag)
+        self.received_bytes += t.numel() * t.element_size()
+        return t
+
+    def send_hidden(self, x: Tensor) -> None:
+        self._isend(x.to(self.dtype, copy=True), self.stage + 1, TAG_HIDDEN)   # x may be a reused buffer
+
+    def recv_hidden(self, rows: int, length: int) -> Tensor:
+        return self._recv((rows, length, self.hidden_size), self.dtype, self.stage - 1, TAG_HIDDEN)
+
+    def send_ids(self, ids: Tensor, stop: bool) -> None:
+        """Last stage: a GPU batch's sampled ids, and after the step's last batch whether the run stops."""
+        msg = torch.cat([ids.view(-1).to(torch.long).cpu(), torch.tensor([int(stop)])]).to(self.device)
+        self._isend(msg, 0, TAG_IDS)
+
+    def recv_step(self, batches: Sequence[Any]) -> bool:
+        """First stage, after a token step: every batch's next ids from the last stage; the stop decision."""
+        stop = False
+        for b in batches:
+            msg = self._recv((len(b.seq_index) + 1,), torch.long, self.n_stages - 1, TAG_IDS).cpu()
+            b.next_ids, stop = msg[:-1], bool(msg[-1])
+        if self.n_stages > 2:
+            self._isend(torch.tensor([int(stop)], device=self.device), 1, TAG_STOP)
+        return stop
+
+    def recv_stop(self) -> bool:
+        """A middle stage, after a token step: the decision, passed on unless the next stage is the last."""
+        stop = bool(self._recv((1,), torch.long, self.stage - 1, TAG_STOP).item())
+        if self.stage + 1 < self.n_stages - 1:
+            self._isend(torch.tensor([int(stop)], device=self.device), self.stage + 1, TAG_STOP)
+        return stop
+
+    def stop_rule(self, batches: Sequence[Any], local: Callable[[int], bool]) -> Callable[[int], bool]:
+        """The executor's should_stop on this stage: the last stage decides (local), the others are told."""
+        if self.last:
+            return local
+        if self.first:
+            return lambda token: self.recv_step(batches)
+        return lambda token: self.recv_stop()
+
+    def flush(self) -> None:
+        """Wait for every send still in flight (end of a block: its tensors may be freed after)."""
+        for work, _ in self._sending:
+            work.wait()
+        self._sending = []
