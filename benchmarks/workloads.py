@@ -105,6 +105,11 @@ WORKLOADS: dict[str, Workload] = {w.name: w for w in (
 )}
 
 
+# the quick run exercises each adapter once: ours with H2O on the RAM shape and the full cache on the disk shape,
+# kvpress's pipeline press once (observed and streaming differ only in the press) and its DecodingPress child
+SMOKE_SAME_ADAPTER = {"ram": ("ours-full", "kvpress-streaming-20"), "disk": ("ours-h2o-20",)}
+
+
 def smoke(w: Workload) -> Workload:
     """A couple of minutes for the whole suite: tiny shapes, batches 1-2, OPT-125M for the disk shape. The
     budget stays as it is (the search still checks it)."""
@@ -112,7 +117,8 @@ def smoke(w: Workload) -> Workload:
     # one budget level per family (20 %) keeps every adapter exercised at a third of the cost. OpenVINO and vLLM
     # run only when named (`--smoke --systems openvino vllm`): their first use builds two virtualenvs and an IR
     # (about 8 minutes of pip and export), which `make test`'s quick run cannot afford on a fresh CI machine
-    systems = tuple(s for s in w.systems if not s.endswith(("-10", "-40")) and not s.startswith(("openvino", "vllm")))
+    systems = tuple(s for s in w.systems if not s.endswith(("-10", "-40")) and not s.startswith(("openvino", "vllm"))
+                    and s not in SMOKE_SAME_ADAPTER.get(w.weights, ()))
     # a probe of the whole gen_len is also the final run (Runner.final): one case per system
     return replace(w, name=w.name + "-smoke", model=model, prompt_len=64, gen_len=8, max_batch=2,
                    probe_gen_len=8, systems=systems, is_smoke=True)

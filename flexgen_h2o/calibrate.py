@@ -17,6 +17,7 @@ the compiled kernels load, GPU name, and the offload folder's file system.
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import math
@@ -275,14 +276,22 @@ def rates(offload_root: Path, *, refresh: bool = False, smoke: bool = False, say
     """This machine's rates: cached ones, or measured now (and cached) when there are none or refresh is set.
     model: a ModelConfig timed itself too (add_model: once per shape and weight format, then cached)."""
     path = cache_path(offload_root)
-    res = None if refresh else cached(offload_root)
-    if res is None:
-        say(f"calibrating this machine's rates for the cost model (once; cached in {path}) ...")
-        res = measure(offload_root, smoke)
-        _write(path, res)
-        say(f"calibrated in {res['measure_s']:.0f} s")
-    if model is not None and add_model(res, model, formats, smoke, say):
-        _write(path, res)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # one process measures at a time (the cache's folder flock'd): torchrun's ranks on one node would otherwise
+    # time each other's load, and the ones that wait then read what the first one measured
+    folder = os.open(path.parent, os.O_RDONLY)
+    try:
+        fcntl.flock(folder, fcntl.LOCK_EX)
+        res = None if refresh else cached(offload_root)
+        if res is None:
+            say(f"calibrating this machine's rates for the cost model (once; cached in {path}) ...")
+            res = measure(offload_root, smoke)
+            _write(path, res)
+            say(f"calibrated in {res['measure_s']:.0f} s")
+        if model is not None and add_model(res, model, formats, smoke, say):
+            _write(path, res)
+    finally:
+        os.close(folder)                  # and with it the lock
     return res
 
 

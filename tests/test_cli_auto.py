@@ -11,6 +11,7 @@ from tests.tiny_checkpoint import run_cli
 
 def test_auto_placement_is_chosen_predicted_and_measured(tiny, tmp_path):  # noqa: F811
     ckpt, env = tiny
+    env = {**env, "FLEXGEN_H2O_CALIBRATE_SMOKE": "1"}     # the calibration's short timings: the wiring is tested here
     common = ["--model", str(ckpt), "--prompt-len", "16", "--gen-len", "4", "--gpu-batch-size", "4",
               "--offload-dir", str(tmp_path / "off")]
     metrics = tmp_path / "m.json"

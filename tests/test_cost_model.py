@@ -200,6 +200,26 @@ def test_rates_are_measured_once_and_cached(tmp_path, monkeypatch):
     assert not list((tmp_path / "off").glob("calibrate-*"))             # the disk probe's file is gone
 
 
+def test_processes_that_need_the_rates_at_once_measure_them_once(tmp_path, monkeypatch):
+    """torchrun's ranks on one node ask at the same moment: the first measures, the others wait on the cache
+    folder's lock and read what it wrote (measuring side by side, each would time the others' load)."""
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    from flexgen_h2o import calibrate
+    monkeypatch.setenv("FLEXGEN_H2O_HOME", str(tmp_path / "home"))
+    calls = []
+
+    def slow_measure(root, smoke=False):
+        calls.append(root)
+        time.sleep(0.5)
+        return {**RATES, "measure_s": 0.5}
+    monkeypatch.setattr(calibrate, "measure", slow_measure)
+    with ThreadPoolExecutor(3) as pool:
+        got = list(pool.map(lambda _: calibrate.rates(tmp_path / "off", say=lambda s: None), range(3)))
+    assert len(calls) == 1 and got[0]["measure_s"] == 0.5 and all(g == got[0] for g in got)
+
+
 def _cached_rates(tmp_path, monkeypatch) -> dict:
     """RATES with TINY probed in every format, cached for the offload folder tmp_path/off; measuring fails."""
     from flexgen_h2o import calibrate

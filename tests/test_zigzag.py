@@ -155,6 +155,20 @@ def test_both_orders_hold_the_same_steps():
     assert plain == over
 
 
+@pytest.mark.parametrize("size", SIZES)
+def test_batch_major_takes_each_batch_through_every_layer_in_turn(size):
+    """A pipeline stage's order when its weights are resident: batch k's last layer computes before batch k+1's
+    first (so batch k can leave for the next stage), each (layer, batch) exactly once, the zig-zag's steps."""
+    n_t, n_l, n_b = size
+    steps = list(block_schedule(*size, overlap=True, batch_major=True))
+    comp = [(s.token, s.batch, s.layer) for s in steps if s.op is Op.COMPUTE]
+    assert comp == list(product(range(n_t), range(n_b), range(n_l)))
+    per_batch = [s.op for s in steps if s.batch >= 0]
+    assert per_batch == [Op.LOAD_KV, Op.LOAD_HIDDEN, Op.COMPUTE, Op.STORE_KV, Op.STORE_HIDDEN] * (n_t * n_l * n_b)
+    plain = Counter(s for s in _steps(*size, False) if s.batch >= 0)
+    assert Counter(s for s in steps if s.batch >= 0) == plain
+
+
 @pytest.mark.parametrize("overlap", ORDERS)
 @pytest.mark.parametrize("bad", [(0, 2, 2), (2, 0, 2), (2, 2, 0), (-1, 2, 2), (2, 2, -3)])
 def test_rejects_sizes_below_one(bad, overlap):

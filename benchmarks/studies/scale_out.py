@@ -24,7 +24,9 @@ from pathlib import Path
 from flexgen_h2o.frontends.corpus import lee_articles
 
 # mode -> (ranks, extra flags); one rank is a plain process
-MODES = {"one process": (1, []), "data-parallel x2": (2, []), "pipeline x2": (2, ["--pipeline-stages", "2"])}
+MODES = {"one process": (1, []), "data-parallel x2": (2, []), "pipeline x2": (2, ["--pipeline-stages", "2"]),
+         # the same block of 8 as 4 GPU batches of 2: a stage hands batch k on while it computes batch k+1
+         "pipeline x2, 4 batches": (2, ["--pipeline-stages", "2", "--gpu-batch-size", "2", "--num-gpu-batches", "4"])}
 
 
 def command(ranks: int, extra: list[str], common: list[str]) -> list[str]:
@@ -50,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     rows: dict[str, list[dict]] = {m: [] for m in MODES}
     for r in range(a.repeats):
         for name, (ranks, extra) in MODES.items():
-            tag = name.replace(" ", "-")
+            tag = name.replace(",", "").replace(" ", "-")
             out, mj = a.out / f"{tag}.jsonl", a.out / f"{tag}-{r}.json"
             common = ["--model", "smollm2-135m", "--input", str(inp), "--output", str(out), "--overwrite",
                       "--gen-len", str(a.gen_len), "--hh-ratio", "0.2", "--gpu-batch-size", "8", "--no-refill",
@@ -73,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, runs in rows.items():
         if not runs:
             continue
-        out = a.out / f"{name.replace(' ', '-')}.jsonl"
+        out = a.out / f"{name.replace(',', '').replace(' ', '-')}.jsonl"
         same = [json.loads(x)["token_ids"] for x in out.read_text().splitlines()] == want
         med = {k: statistics.median(r[k] for r in runs) for k in ("wall_s", "generate_s", "tok_s")}
         summary[name] = {**med, "runs": runs, "same_tokens_as_one_process": same}

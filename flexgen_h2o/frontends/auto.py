@@ -18,7 +18,9 @@ def machine_rates(args: argparse.Namespace, cfg: ModelConfig, formats: tuple[str
                   ) -> dict[str, Any]:
     """This machine's rates with cfg's own matrices timed (in `formats`; default all the search tries)."""
     from flexgen_h2o.calibrate import WEIGHT_FORMATS, rates
+    # FLEXGEN_H2O_CALIBRATE_SMOKE=1: shorter timings (the CLI tests check the wiring, not the rates)
     return rates(Path(os.path.expanduser(args.offload_dir)), refresh=args.calibrate,
+                 smoke=os.environ.get("FLEXGEN_H2O_CALIBRATE_SMOKE") == "1",
                  say=(lambda s: None) if args.no_progress else print, model=cfg, formats=formats or WEIGHT_FORMATS)
 
 

@@ -147,6 +147,7 @@ class ResultsFile:
                         for r in requests)
         fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".tmp", dir=self.path.parent)
         try:
+            os.fchmod(fd, 0o644)             # mkstemp's 0600 would make the rewritten output private to its owner
             with os.fdopen(fd, "wb") as f:
                 f.write(data)
                 f.flush()

@@ -67,11 +67,12 @@ class RunParts:
 
 class BlockExecutor:
     def __init__(self, parts: RunParts, batches: list[BatchState], n_tokens: int, overlap: bool,
-                 first_token: int = 0):
-        """first_token 1: the prompt pass already ran (Engine.generate(prefilled=...)); decode from step 1."""
+                 first_token: int = 0, batch_major: bool = False):
+        """first_token 1: the prompt pass already ran (Engine.generate(prefilled=...)); decode from step 1.
+        batch_major: zigzag._batch_major's order (a pipeline stage with resident weights), without overlap."""
         self.p, self.batches, self.n_tokens, self.first = parts, batches, n_tokens, first_token
-        self.overlap = overlap
-        self.transfer = Transfer(parts.backend) if overlap and parts.async_lanes else None
+        self.overlap, self.batch_major = overlap and not batch_major, batch_major
+        self.transfer = Transfer(parts.backend) if self.overlap and parts.async_lanes else None
         self.in_flight: list[Future] = []
         n_groups, n_batches = len(parts.groups), len(batches)
         self.weight_buf = [ValueHolder(f"weights of schedule layer {j}") for j in range(n_groups)]
@@ -94,7 +95,8 @@ class BlockExecutor:
                 if p.should_stop(0):
                     return self.token_times
                 self.first = 1
-            steps = block_schedule(self.n_tokens - self.first, len(p.groups), len(self.batches), overlap=self.overlap)
+            steps = block_schedule(self.n_tokens - self.first, len(p.groups), len(self.batches), overlap=self.overlap,
+                                   batch_major=self.batch_major)
             for step in steps:
                 if self.first:
                     step = Step(step.op, step.token + self.first, step.layer, step.batch)

@@ -18,6 +18,9 @@ Overlapped order, per (i, j, k):
     SYNC(i, j, k)
 Neighbours that fall off an edge wrap the FlexGen way (k+1 past the last batch is batch 0 of layer j+1; j+1 past
 the last layer is layer 0 of token i+1); steps past the last token are dropped. Imports nothing from the package.
+
+A pipeline stage whose weights are resident uses a third order (_batch_major): each GPU batch through all of the
+stage's layers in turn, so a batch leaves for the next stage while this stage computes the next one.
 """
 from __future__ import annotations
 
@@ -94,8 +97,24 @@ def _overlapped(n_tokens: int, n_layers: int, n_batches: int) -> Iterator[Step]:
     yield Step(Op.SYNC, n_tokens - 1, n_layers - 1, n_batches - 1)
 
 
-def block_schedule(n_tokens: int, n_layers: int, n_batches: int, *, overlap: bool) -> Iterator[Step]:
-    """Every step of one block, in execution order."""
+def _batch_major(n_tokens: int, n_layers: int, n_batches: int) -> Iterator[Step]:
+    """Each GPU batch through every layer before the next batch starts: for a pipeline stage whose weights are
+    resident (staging them again per batch costs nothing), so its first batch leaves for the next stage while
+    this stage computes the others, and the stages compute at once."""
+    for i in range(n_tokens):
+        for k in range(n_batches):
+            for j in range(n_layers):
+                yield Step(Op.LOAD_WEIGHT, i, j, -1)
+                for op in (Op.LOAD_KV, Op.LOAD_HIDDEN, Op.COMPUTE, Op.STORE_KV, Op.STORE_HIDDEN):
+                    yield Step(op, i, j, k)
+                yield Step(Op.FREE_WEIGHT, i, j, -1)
+
+
+def block_schedule(n_tokens: int, n_layers: int, n_batches: int, *, overlap: bool,
+                   batch_major: bool = False) -> Iterator[Step]:
+    """Every step of one block, in execution order (batch_major: _batch_major's order, never overlapped)."""
     if min(n_tokens, n_layers, n_batches) < 1:
         raise ValueError("n_tokens, n_layers and n_batches must be >= 1")
+    if batch_major:
+        return _batch_major(n_tokens, n_layers, n_batches)
     return (_overlapped if overlap else _plain)(n_tokens, n_layers, n_batches)

@@ -42,9 +42,11 @@ def test_workloads_cover_the_issue_shapes():
 def test_smoke_shrinks_and_selection_rejects_unknown():
     s = smoke(WORKLOADS["disk512+128"])
     assert (s.model, s.prompt_len, s.gen_len, s.max_batch, s.is_smoke) == ("opt-125m", 64, 8, 2, True)
-    assert not any(n.endswith(("-10", "-40")) for n in s.systems) and "ours-h2o-20" in s.systems
+    assert not any(n.endswith(("-10", "-40")) for n in s.systems) and "ours-full" in s.systems
+    assert "ours-h2o-20" not in s.systems                                   # one case per adapter and workload
     quick = smoke(WORKLOADS["s512+128"]).systems
-    assert "kvpress-decoding-20" in quick and not any(n.startswith(("openvino", "vllm")) for n in quick)
+    assert {"ours-h2o-20", "hf", "kvpress-observed-20", "kvpress-decoding-20"} <= set(quick)
+    assert not any(n.startswith(("openvino", "vllm")) or n in ("ours-full", "kvpress-streaming-20") for n in quick)
     assert {"openvino-evict-20", "vllm"} <= set(WORKLOADS["s512+512"].systems)
     assert [w.name for w in select_workloads(["s512+32"], True)] == ["s512+32-smoke"]
     with pytest.raises(SystemExit, match="unknown workload"):

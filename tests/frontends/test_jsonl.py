@@ -91,6 +91,8 @@ def test_append_load_and_finalize_in_input_order(tmp_path):
     assert recs[0] == {"id": "r0", "prompt": "prompt 0", "text": "t", "finish_reason": "length",
                        "prompt_tokens": 3, "completion_tokens": 2, "token_ids": [1, 2]}
     assert not [p for p in os.listdir(tmp_path) if p.endswith(".tmp")]
+    # the rewritten file is readable as the appended one was (mkstemp's own mode is 0600)
+    assert os.stat(out.path).st_mode & 0o777 == 0o644
 
 
 def test_finalize_refuses_missing_ids(tmp_path):
