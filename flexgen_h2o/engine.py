@@ -372,9 +372,9 @@ class Engine:
                          should_stop=lambda token: stops.all_done or token + 1 >= n_new)
         if self.link is not None:       # the last stage decides when the block stops; the others are told
             parts.should_stop = self.link.stop_rule(batches, parts.should_stop)
-        # a pipeline stage with every weight resident takes each batch through its layers in turn, so the next
-        # stage starts on the first batch while this one computes the rest
-        batch_major = self.link is not None and self.offload.tier_fractions("weights")[0] == 1
+        # a pipeline stage with every weight resident may take each batch through its layers in turn, so the next
+        # stage starts on the first batch while this one computes the rest (frontends/scale_out.attach_link)
+        batch_major = self.link is not None and self.link.batch_major and self.offload.tier_fractions("weights")[0] == 1
         t0 = time.perf_counter()
         if prefilled is None:
             times = BlockExecutor(parts, batches, n_new, self.offload.overlap, batch_major=batch_major).run()

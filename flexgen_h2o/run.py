@@ -99,9 +99,9 @@ def _run(args: argparse.Namespace) -> int:
     if args.world is not None:
         from flexgen_h2o.frontends.scale_out import join
         join(args, mode)
-    elif args.pipeline_stages > 1 or args.stage_percent:
-        raise ConfigError("--pipeline-stages and --stage-percent split the model across ranks that torchrun "
-                          "starts: torchrun --nproc-per-node S -m flexgen_h2o.run --pipeline-stages S ...")
+    elif args.pipeline_stages > 1 or args.stage_percent or args.stage_order != "auto":
+        raise ConfigError("--pipeline-stages, --stage-percent and --stage-order split the model across ranks that "
+                          "torchrun starts: torchrun --nproc-per-node S -m flexgen_h2o.run --pipeline-stages S ...")
     percent, args.auto = placement(args)
     offload = OffloadPolicy.from_percent(percent, gpu_batch_size=args.gpu_batch_size,
                                          num_gpu_batches=args.num_gpu_batches, overlap=args.overlap,

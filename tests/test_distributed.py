@@ -138,7 +138,7 @@ def test_pipeline_flags_without_torchrun_are_one_error_line(tiny, tmp_path):
     ckpt, env = tiny
     proc = run_cli(["--model", str(ckpt), "--prompt", "hi", "--pipeline-stages", "2"], env)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1
-    assert proc.stderr.startswith("error: --pipeline-stages and --stage-percent split the model across ranks")
+    assert proc.stderr.startswith("error: --pipeline-stages, --stage-percent and --stage-order split the model")
 
 
 # --- data-parallel ---
@@ -183,8 +183,11 @@ STAGES = {2: [["0", "100", "100", "0", "100", "0"], ["100", "0", "0", "0", "100"
               ["0", "0", "50", "50", "100", "0"]]}
 
 
-@pytest.mark.parametrize("model,stages", [("llama", 2), ("opt", 3)])
-def test_pipeline_stages_give_one_process_greedy_tokens(tiny, tiny_opt, one_process, tmp_path, job, model, stages):
+# Llama's second stage takes each GPU batch through its layers in turn (--stage-order batches); OPT's stages keep
+# the zig-zag order, the default on a CPU
+@pytest.mark.parametrize("model,stages,order", [("llama", 2, "batches"), ("opt", 3, "auto")])
+def test_pipeline_stages_give_one_process_greedy_tokens(tiny, tiny_opt, one_process, tmp_path, job, model, stages,
+                                                        order):
     ckpt, env = tiny
     folder = ckpt if model == "llama" else tiny_opt
     common = ["--model", str(folder), "--input", str(job), "--gen-len", "40", "--no-progress",
@@ -192,6 +195,7 @@ def test_pipeline_stages_give_one_process_greedy_tokens(tiny, tiny_opt, one_proc
     out = tmp_path / "pp.jsonl"
     placements = [a for p in STAGES[stages] for a in ("--stage-percent", *p)]
     proc = torchrun(stages, [*common, "--output", str(out), "--pipeline-stages", str(stages), *placements,
+                             "--stage-order", order,
                              "--offload-dir", str(tmp_path / "off")], {**env, "FLEXGEN_H2O_ALL_RANKS": "1"})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert results(out) == one_process(model, ())

@@ -70,6 +70,7 @@ class StageLink:
     dtype: torch.dtype
     device: torch.device
     group: Any = None              # NCCL between GPUs; None: the default (gloo) group
+    batch_major: bool = False      # with resident weights, each GPU batch through the stage's layers in turn
 
     def __post_init__(self) -> None:
         self.first, self.last = self.stage == 0, self.stage == self.n_stages - 1

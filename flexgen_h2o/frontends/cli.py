@@ -154,6 +154,11 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--pipeline-stages", type=positive, default=1,
                    help="split the layers over this many ranks (torchrun --nproc-per-node/--nnodes); 1 (default): "
                         "torchrun's ranks split the prompts of a batch job")
+    d.add_argument("--stage-order", choices=("auto", "zigzag", "batches"), default="auto",
+                   help="a pipeline stage whose weights are resident: zigzag reads each weight once per block (the "
+                        "stages take turns); batches takes each GPU batch through the stage's layers in turn, so "
+                        "the stages compute at once but read the weights once per batch. auto: batches on a GPU, "
+                        "zigzag on a CPU (where reading the weights per batch cost more than the overlap gave)")
     d.add_argument("--stage-percent", nargs=6, type=float, action="append", metavar="P",
                    help="a pipeline stage's placement, FlexGen's six numbers; repeat once per stage, in stage "
                         "order (default: --percent on every stage)")
