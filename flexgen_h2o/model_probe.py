@@ -23,6 +23,7 @@ from flexgen_h2o.planner.cost import PROBE_PROMPT     # the cost model prices th
 
 PROBE_STEPS = 8                           # decode steps timed per run (after the first, which is dropped)
 PROBE_VOCAB = 512
+MAX_COPIES = 64                           # copies of a block's matrices rotated past the LLC (measure_matrices)
 STOP_S = 0.3                              # row counts stop once a 1-block step takes this long (compute-bound
                                           # there: the cost model scales the largest timed one by rows)
 
@@ -101,7 +102,10 @@ def measure_matrices(cfg: Any, fmt_name: str, kernels: Any, device: torch.device
     one = [(torch.randn(n, k, generator=gen) * 0.02) for n, k in shapes]
     block = [packed_weight(w, fmt_name, device) for w in one]
     nbytes = sum(w.rows.nbytes if hasattr(w, "rows") else w.nbytes for w in block)
-    copies = [block] + [[packed_weight(w, fmt_name, device) for w in one] for _ in range(LLC_BYTES // max(1, nbytes))]
+    # at most MAX_COPIES: a block under LLC_BYTES / MAX_COPIES (1 MiB; SmolLM2's int4 block is 1.9 MB) is a toy
+    # model whose own run keeps every weight in the cache anyway; packing thousands of its copies took 12 s
+    n_copies = min(MAX_COPIES, LLC_BYTES // max(1, nbytes))
+    copies = [block] + [[packed_weight(w, fmt_name, device) for w in one] for _ in range(n_copies)]
     flops = sum(2 * n * k for n, k in shapes)
     out = {}
     for rows in PROBE_ROWS:
