@@ -118,6 +118,16 @@ def test_the_split_minimises_the_largest_stage_and_cuts_between_schedule_layers(
     assert blocks[0] > blocks[1] and sum(blocks) == 30
 
 
+def test_with_cached_rates_the_split_weighs_each_layer_by_its_predicted_time():
+    """Rates where a layer call's fixed cost is everything and FLOPs are free: every schedule layer weighs the
+    same, so SmolLM2's 62 (embed, 30 x attention and MLP, head) split 31 + 31, where FLOPs give the head's stage
+    fewer blocks."""
+    cfg = resolve_model("smollm2-135m")
+    free_flops = {"linear_GFLOPs": {"fp16": {"1": 1e9, "64": 1e9}}, "fixed_decode_s_per_layer": 1e-3}
+    by_time = split_layers(cfg, 2, True, free_flops, rows=4)
+    assert [hi - lo for lo, hi in by_time] == [31, 31] and by_time != split_layers(cfg, 2, True)
+
+
 def test_a_job_whose_shape_does_not_fit_the_world_is_refused_before_joining(tmp_path):
     args = SimpleNamespace(world=World(rank=0, size=2, local_rank=0, local_size=2), pipeline_stages=3,
                            stage_percent=None, percent=None, device="cpu", model="smollm2-135m", sep_layer=True)

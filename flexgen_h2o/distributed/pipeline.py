@@ -46,17 +46,21 @@ def split_work(work: Sequence[float], n_stages: int) -> list[tuple[int, int]]:
     return bounds[::-1]
 
 
-def split_layers(cfg: Any, n_stages: int, sep_layer: bool) -> list[tuple[int, int]]:
+def split_layers(cfg: Any, n_stages: int, sep_layer: bool, rates: dict | None = None,
+                 rows: int = 1) -> list[tuple[int, int]]:
     """Each stage's [lo, hi) range of flat layer indices (embed, attn.0, mlp.0, ..., head), cut between schedule
-    layers and balanced by their matrix FLOPs per token: a stage's compute on a CPU, and on a GPU that streams
-    fp16 weights the bytes its link carries (the same number). An embedding table is a row lookup and weighs
-    nothing; the LM head weighs its full vocabulary matrix."""
+    layers. With this machine's rates (calibrate.py), balanced by the cost model's decode time of each schedule
+    layer for a GPU batch of `rows` (planner/cost.decode_layer_s: the model's own block timing, the head's matrix
+    at the measured rate, a fixed cost per layer call); without them, by matrix FLOPs per token: a stage's compute,
+    and on a GPU that streams fp16 weights the bytes its link carries (the same number). An embedding table is a
+    row lookup: no FLOPs; the LM head weighs its whole vocabulary matrix."""
     from flexgen_h2o.formats import WEIGHT_FORMAT
     from flexgen_h2o.models import build_layers, schedule_groups
-    from flexgen_h2o.planner.cost import _groups
+    from flexgen_h2o.planner.cost import _groups, decode_layer_s
     layers = build_layers(cfg)
     groups = schedule_groups([layer.kind for layer in layers], sep_layer)
-    work = [g.flops_per_row for g in _groups(cfg, (1.0, 0.0, 0.0), WEIGHT_FORMAT, sep_layer)]
+    work = (decode_layer_s(cfg, rates, rows, sep_layer) if rates is not None
+            else [g.flops_per_row for g in _groups(cfg, (1.0, 0.0, 0.0), WEIGHT_FORMAT, sep_layer)])
     return [(groups[a][0], groups[b - 1][-1] + 1) for a, b in split_work(work, n_stages)]
 
 

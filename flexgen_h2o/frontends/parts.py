@@ -124,6 +124,8 @@ class DistributedJob:
 
     def finish(self, requests: list[Request]) -> None:
         """Wait for every rank, then rank 0 writes the output in input order."""
+        if self.world.is_main and self.world.size > 1:    # a long wait is not a silent one
+            print(f"rank 0 has written its share; waiting for the other {self.world.size - 1} rank(s)", flush=True)
         self.world.gather(None)
         if not self.world.is_main:
             return

@@ -4,6 +4,8 @@ torchrun started several ranks (docs/distributed.md)."""
 from __future__ import annotations
 
 import argparse
+import os
+from pathlib import Path
 from typing import Any, Callable
 
 from flexgen_h2o.config import ConfigError
@@ -42,9 +44,15 @@ def join(args: argparse.Namespace, mode: str) -> None:
     world.init(cuda=cuda and stages > 1)
     args.stage = None
     if stages > 1:
+        from flexgen_h2o.calibrate import cached
         from flexgen_h2o.distributed.pipeline import split_layers
         from flexgen_h2o.models import resolve_model
-        args.stage = split_layers(resolve_model(args.model), stages, args.sep_layer)[world.rank]
+        rates = cached(Path(os.path.expanduser(args.offload_dir)))    # measured before: the split never measures
+        rates = (rates.get("gpu") or rates) if rates is not None and cuda else rates
+        args.split_by = ("the cost model's decode time per layer" if rates is not None else
+                         "matrix FLOPs (no cached rates: python -m flexgen_h2o.calibrate)")
+        args.stage = split_layers(resolve_model(args.model), stages, args.sep_layer, rates,
+                                  args.gpu_batch_size)[world.rank]
         if args.stage_percent:
             args.percent = [f"{x:g}" for x in args.stage_percent[world.rank]]
         elif args.percent is None:      # no search per stage yet: everything on its compute device
@@ -120,4 +128,4 @@ def attach_link(args: argparse.Namespace, llm: Any) -> None:
                        world.data_group, batch_major)
     lo, hi = args.stage
     print(f"pipeline: stage {world.rank + 1} of {world.size} holds layers {lo}..{hi - 1} of {len(e.layers)} "
-          f"({e.layers[lo].kind} .. {e.layers[hi - 1].kind})")
+          f"({e.layers[lo].kind} .. {e.layers[hi - 1].kind}), split by {args.split_by}")

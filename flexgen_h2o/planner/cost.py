@@ -27,7 +27,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from flexgen_h2o.formats import StorageFormat
+from flexgen_h2o.formats import WEIGHT_FORMAT, StorageFormat
 from flexgen_h2o.models import ModelConfig, build_layers, schedule_groups
 from flexgen_h2o.planner.plan import Plan
 from flexgen_h2o.weights.placement import is_lookup_table, packed_names, stored_bytes, weight_homes
@@ -156,6 +156,18 @@ def _groups(cfg: ModelConfig, fractions: tuple[float, float, float], fmt: Storag
                     host += nbytes
         out.append(_Group(flops, attn, disk, host, head, block))
     return tuple(out)
+
+
+def decode_layer_s(cfg: ModelConfig, rates: dict[str, Any], rows: int, sep_layer: bool) -> list[float]:
+    """Each schedule layer's compute seconds in a decode step of one GPU batch of `rows`, fp16 weights resident: the
+    model's own block timing where it was probed, else its matrices at the measured rate plus the fixed cost of a
+    layer call (a pipeline's stage split weighs the layers by these)."""
+    groups = _groups(cfg, (1.0, 0.0, 0.0), WEIGHT_FORMAT, sep_layer)
+    linear, probed = linear_points(rates, "fp16", cfg), block_points(rates, "fp16", cfg)
+    block_flops = sum(g.flops_per_row for g in groups if g.block) / max(1, cfg.n_layers)
+    fixed = rates["fixed_decode_s_per_layer"]
+    return [_block_s(probed, rows) * g.flops_per_row / block_flops if probed and g.block
+            else g.flops_per_row * rows / (_rate(linear, rows) * 1e9) + fixed for g in groups]
 
 
 def page_cache_room(checked: list[Any] | None) -> int | None:
