@@ -45,6 +45,7 @@ runpy.run_module("flexgen_h2o.run", run_name="__main__")
 
 def torchrun(n: int, args: list[str], env: dict, script: str | None = None) -> subprocess.CompletedProcess:
     entry = [script] if script else ["-m", "flexgen_h2o.run"]
+    env = {"GLOO_SOCKET_IFNAME": "lo", **env}      # local ranks over loopback, whether or not the hostname resolves
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n),
                            *entry, *args], env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
 

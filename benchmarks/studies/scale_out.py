@@ -51,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     inp.write_text("".join(json.dumps({"id": i, "prompt": " ".join(t.split()[:a.prompt_words])}) + "\n"
                            for i, t in enumerate(lee_articles()[:a.prompts])))
     env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="2")
+    env.setdefault("GLOO_SOCKET_IFNAME", "lo")          # one node: the ranks talk over loopback
     rows: dict[str, list[dict]] = {m: [] for m in MODES}
     for r in range(a.repeats):
         for name, (ranks, extra) in MODES.items():
