@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {rank}" + " ".join(str(e).split("\n")), file=sys.stderr)
         return 2
     except RuntimeError as e:                          # a collective broke: a peer rank is gone
-        if args.world is None or not ("Dist" in type(e).__name__ or "Connection closed by peer" in str(e)):
+        if args.world is None or not ("Dist" in type(e).__name__ or "gloo" in str(e).lower()):
             raise
         print(args.world.stopped_line(args.output), file=sys.stderr)
         return 143

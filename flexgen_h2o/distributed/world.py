@@ -21,8 +21,9 @@ from typing import Any, Mapping
 COLLECTIVE_TIMEOUT = timedelta(hours=12)
 
 
-class RankStopped(Exception):
-    """This rank was stopped because another rank failed (torchrun's SIGTERM, or a broken collective)."""
+class RankStopped(BaseException):
+    """This rank was stopped because another rank failed (torchrun's SIGTERM). A BaseException, as
+    KeyboardInterrupt is, so that no `except Exception` on the way swallows it."""
 
 
 @dataclass
