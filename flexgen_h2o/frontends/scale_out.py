@@ -44,20 +44,26 @@ def join(args: argparse.Namespace, mode: str) -> None:
     world.init(cuda=cuda and stages > 1)
     args.stage = None
     if stages > 1:
-        from flexgen_h2o.calibrate import cached
-        from flexgen_h2o.distributed.pipeline import split_layers
-        from flexgen_h2o.models import resolve_model
-        rates = cached(Path(os.path.expanduser(args.offload_dir)))    # measured before: the split never measures
-        rates = (rates.get("gpu") or rates) if rates is not None and cuda else rates
-        args.split_by = ("the cost model's decode time per layer" if rates is not None else
-                         "matrix FLOPs (no cached rates: python -m flexgen_h2o.calibrate)")
-        args.stage = split_layers(resolve_model(args.model), stages, args.sep_layer, rates,
-                                  args.gpu_batch_size)[world.rank]
+        # rank 0 splits and tells the others: nodes with different cached rates must not cut differently
+        args.split_by, split = world.broadcast(_split(args, stages, cuda) if world.is_main else None)
+        args.stage = tuple(split[world.rank])
         if args.stage_percent:
             args.percent = [f"{x:g}" for x in args.stage_percent[world.rank]]
         elif args.percent is None:      # no search per stage yet: everything on its compute device
             args.percent = ["100", "0", "100", "0", "100", "0"]
         args.no_refill = True           # stages run FlexGen's synchronous blocks in lockstep
+
+
+def _split(args: argparse.Namespace, stages: int, cuda: bool) -> tuple[str, list[tuple[int, int]]]:
+    """(what the split weighed, each stage's layer range), from this machine's cached rates if any."""
+    from flexgen_h2o.calibrate import cached
+    from flexgen_h2o.distributed.pipeline import split_layers
+    from flexgen_h2o.models import resolve_model
+    rates = cached(Path(os.path.expanduser(args.offload_dir)))    # measured before: the split never measures
+    rates = (rates.get("gpu") or rates) if rates is not None and cuda else rates
+    what = ("the cost model's decode time per layer" if rates is not None else
+            "matrix FLOPs (no cached rates: python -m flexgen_h2o.calibrate)")
+    return what, split_layers(resolve_model(args.model), stages, args.sep_layer, rates, args.gpu_batch_size)
 
 
 def batch_job(args: argparse.Namespace, generate: Callable[..., int], gen_len: int) -> int:
