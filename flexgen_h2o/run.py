@@ -23,6 +23,7 @@ from typing import Any  # noqa: E402
 
 from flexgen_h2o.config import ConfigError, OffloadPolicy  # noqa: E402
 from flexgen_h2o.distributed import RankStopped, world_from_env  # noqa: E402
+from flexgen_h2o.frontends.parts import QuietExit  # noqa: E402
 from flexgen_h2o.frontends.scale_out import reporting_rank  # noqa: E402
 from flexgen_h2o.frontends.jsonl import (OutputLock, ResultsFile, check_folder_writable,  # noqa: E402
                                          check_writable, read_requests)
@@ -49,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ValueError, OSError) as e:   # PreflightError (multi-line report) is a ConfigError
         if os.environ.get("FLEXGEN_H2O_DEBUG"):
             raise
-        if type(e).__name__ == "QuietExit":            # rank 0 said it
+        if isinstance(e, QuietExit):                   # rank 0 said it
             return 2
         rank = f"rank {args.world.rank}: " if args.world is not None and not args.world.is_main else ""
         if type(e).__name__ == "PreflightError":       # the report: numbers per resource and what to change

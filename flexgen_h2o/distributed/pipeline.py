@@ -79,19 +79,16 @@ class StageLink:
     def __post_init__(self) -> None:
         self.first, self.last = self.stage == 0, self.stage == self.n_stages - 1
         self._sending: list = []   # (work, tensor): a tensor stays alive until its send completed
-        self.sent_bytes = self.received_bytes = 0
 
     def _isend(self, t: Tensor, dst: int, tag: int) -> None:
         t = t.contiguous()
         self._sending.append((dist.isend(t, dst, group=self.group, tag=tag), t))
-        self.sent_bytes += t.numel() * t.element_size()
         if len(self._sending) > 64:            # bound what is held: the oldest are long done
             self._sending.pop(0)[0].wait()
 
     def _recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int, tag: int) -> Tensor:
         t = torch.empty(shape, dtype=dtype, device=self.device)
         dist.recv(t, src, group=self.group, tag=tag)
-        self.received_bytes += t.numel() * t.element_size()
         return t
 
     def send_hidden(self, x: Tensor) -> None:

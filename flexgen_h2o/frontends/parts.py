@@ -39,11 +39,14 @@ def existing_parts(output: str | os.PathLike) -> list[Path]:
                                                           glob.escape(out.name) + ".rank*.part")))
 
 
-def collect_done(output: str | os.PathLike, requests: list[Request], *, overwrite: bool) -> ResultsFile:
+def collect_done(output: str | os.PathLike, requests: list[Request], *, overwrite: bool,
+                 merged: ResultsFile | None = None) -> ResultsFile:
     """The output's results and every part's, checked against the input as a resume checks them (an id that is
-    not in it, or another prompt under the same id, is refused); a part's line wins over the output's."""
-    merged = ResultsFile(output, overwrite=overwrite)
-    merged.load(requests)
+    not in it, or another prompt under the same id, is refused); a part's line wins over the output's. merged:
+    the output already read (the job's start), to which the parts are added again."""
+    if merged is None:
+        merged = ResultsFile(output, overwrite=overwrite)
+        merged.load(requests)
     for part in existing_parts(output):
         rf = ResultsFile(part)
         rf.load(requests)
@@ -77,6 +80,7 @@ class DistributedJob:
         self.world, self.output, self.overwrite = world, output, overwrite
         self._read = read
         self.lock: OutputLock | None = None
+        self._merged: ResultsFile | None = None      # rank 0: what was done at the start
         self.requests: list[Request] = []
         self.done: set[str] = set()
         self.resumed_parts = 0
@@ -91,7 +95,7 @@ class DistributedJob:
                     for part in existing_parts(self.output):
                         part.unlink()
                     Path(self.output).expanduser().unlink(missing_ok=True)
-                merged = collect_done(self.output, requests, overwrite=self.overwrite)
+                self._merged = merged = collect_done(self.output, requests, overwrite=self.overwrite)
                 start = dict(requests=requests, done=sorted(merged.done),
                              parts=len(existing_parts(self.output)))
             except ConfigError as e:
@@ -129,7 +133,8 @@ class DistributedJob:
         self.world.gather(None)
         if not self.world.is_main:
             return
-        merged = collect_done(self.output, requests, overwrite=self.overwrite)
+        # the output is as it was at the start: only the parts are read again
+        merged = collect_done(self.output, requests, overwrite=self.overwrite, merged=self._merged)
         merged.finalize(requests)                 # raises, naming the ids, if any rank's share is missing
         for part in existing_parts(self.output):
             part.unlink()

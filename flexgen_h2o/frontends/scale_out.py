@@ -22,7 +22,6 @@ def join(args: argparse.Namespace, mode: str) -> None:
     """Check the job's shape, join its process group (every rank passed the same checks), and for a pipeline
     stage fix its layers and placement."""
     from flexgen_h2o.backend import get_backend, rank_device
-    from flexgen_h2o.planner.preflight import set_ranks_per_node
     world, stages = args.world, args.pipeline_stages
     if stages == 1 and mode != "batch":
         raise ConfigError(f"torchrun started {world.size} ranks: data-parallel runs are batch jobs (--input, "
@@ -40,7 +39,6 @@ def join(args: argparse.Namespace, mode: str) -> None:
     cuda = get_backend(args.device).is_cuda
     if cuda and args.device in (None, "cuda"):
         args.device = rank_device(world.local_rank)
-    set_ranks_per_node(world.local_size)
     world.init(cuda=cuda and stages > 1)
     args.stage = None
     if stages > 1:

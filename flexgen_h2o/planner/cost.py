@@ -158,16 +158,22 @@ def _groups(cfg: ModelConfig, fractions: tuple[float, float, float], fmt: Storag
     return tuple(out)
 
 
+def _decode_matrices_s(g: _Group, rows: int, linear: list, probed: list, block_flops: float, fixed: float) -> float:
+    """One GPU batch of `rows` through a schedule layer in a decode step, attention's window aside: the model's own
+    block, its share by FLOPs, where it was probed; else its matrices at the measured rate and a fixed call cost."""
+    if probed and g.block:
+        return _block_s(probed, rows) * g.flops_per_row / block_flops
+    return g.flops_per_row * rows / (_rate(linear, rows) * 1e9) + fixed
+
+
 def decode_layer_s(cfg: ModelConfig, rates: dict[str, Any], rows: int, sep_layer: bool) -> list[float]:
-    """Each schedule layer's compute seconds in a decode step of one GPU batch of `rows`, fp16 weights resident: the
-    model's own block timing where it was probed, else its matrices at the measured rate plus the fixed cost of a
-    layer call (a pipeline's stage split weighs the layers by these)."""
+    """Each schedule layer's compute seconds in a decode step of one GPU batch of `rows`, fp16 weights resident (a
+    pipeline's stage split weighs the layers by these)."""
     groups = _groups(cfg, (1.0, 0.0, 0.0), WEIGHT_FORMAT, sep_layer)
     linear, probed = linear_points(rates, "fp16", cfg), block_points(rates, "fp16", cfg)
     block_flops = sum(g.flops_per_row for g in groups if g.block) / max(1, cfg.n_layers)
-    fixed = rates["fixed_decode_s_per_layer"]
-    return [_block_s(probed, rows) * g.flops_per_row / block_flops if probed and g.block
-            else g.flops_per_row * rows / (_rate(linear, rows) * 1e9) + fixed for g in groups]
+    return [_decode_matrices_s(g, rows, linear, probed, block_flops, rates["fixed_decode_s_per_layer"])
+            for g in groups]
 
 
 def page_cache_room(checked: list[Any] | None) -> int | None:
@@ -229,10 +235,7 @@ def predict(plan: Plan, rates: dict[str, Any], *, n_prompts: int | None = None, 
     for g in groups:
         compute = io_kv = 0.0
         for rows, n in sizes.items():
-            if probed and g.block:     # the model's own block, its share by FLOPs; attention past its window
-                compute += n * _block_s(probed, rows) * g.flops_per_row / block_flops
-            else:
-                compute += n * (g.flops_per_row * rows / (_rate(linear, rows) * 1e9) + fixed_dec)
+            compute += n * _decode_matrices_s(g, rows, linear, probed, block_flops, fixed_dec)
             if g.attn:
                 slots = n * rows * cfg.n_kv_heads * window * cfg.n_layers / n_attn
                 beyond = max(0.0, window - PROBE_WINDOW) / window if probed else 1.0

@@ -39,14 +39,10 @@ class PreflightError(ConfigError):
     """The run does not fit this machine; the message holds the numbers and what to change."""
 
 
-# ranks of one distributed job on this node (torchrun's LOCAL_WORLD_SIZE): they share its RAM and disk, so each
-# rank's checks and plan count its share of what is free (set_ranks_per_node)
-RANKS_PER_NODE = 1
-
-
-def set_ranks_per_node(n: int) -> None:
-    global RANKS_PER_NODE
-    RANKS_PER_NODE = max(1, int(n))
+def ranks_per_node() -> int:
+    """Ranks of this torchrun job on this node (LOCAL_WORLD_SIZE; 1 outside torchrun): they share its RAM and disk,
+    so each rank's checks and plan count its share of what is free."""
+    return max(1, int(os.environ.get("LOCAL_WORLD_SIZE") or 1))
 
 
 @dataclass(frozen=True)
@@ -65,7 +61,7 @@ class Machine:
         limited = cgroup_ram()
         if limited is not None:
             total, available = min(total, limited[0]), min(available, limited[1])
-        total, available = total // RANKS_PER_NODE, available // RANKS_PER_NODE
+        total, available = total // ranks_per_node(), available // ranks_per_node()
         rss = psutil.Process().memory_info().rss
         if backend is None or not getattr(backend, "is_cuda", False):
             return cls(available, total, process_rss=rss)
@@ -134,7 +130,7 @@ def checks(est: Estimate, machine: Machine, *, offload_root: str | os.PathLike |
             prev[p] = prev.get(p, 0) + v
     for root, need in where.values():
         out.append(Check(f"disk ({root})", sum(need.values()) + DISK_HEADROOM,
-                         shutil.disk_usage(root).free // RANKS_PER_NODE, need))
+                         shutil.disk_usage(root).free // ranks_per_node(), need))
     return out
 
 
@@ -153,7 +149,8 @@ def report(est: Estimate, results: list[Check]) -> str:
 
 
 def summary_line(results: list[Check]) -> str:
-    share = f" (per rank: 1/{RANKS_PER_NODE} of this node's RAM and disk)" if RANKS_PER_NODE > 1 else ""
+    n = ranks_per_node()
+    share = f" (per rank: 1/{n} of this node's RAM and disk)" if n > 1 else ""
     return f"preflight{share}: " + " | ".join(f"{c.resource} {fmt(c.need)} of {fmt(c.available)}" for c in results)
 
 
