@@ -25,10 +25,13 @@ from flexgen_h2o.frontends.corpus import lee_articles
 
 # mode -> (ranks, extra flags); one rank is a plain process
 MODES = {"one process": (1, []), "data-parallel x2": (2, []), "pipeline x2": (2, ["--pipeline-stages", "2"]),
-         # the same block of 8 as 4 GPU batches of 2, each through a stage's layers in turn: a stage hands batch k
-         # on while it computes batch k+1
+         # the same block of 8 as 4 GPU batches of 2: in one process, and in each stage order (batches: a stage
+         # hands batch k on while it computes batch k+1)
+         "one process, 4 batches": (1, ["--gpu-batch-size", "2", "--num-gpu-batches", "4"]),
          "pipeline x2, 4 batches": (2, ["--pipeline-stages", "2", "--gpu-batch-size", "2", "--num-gpu-batches", "4",
-                                        "--stage-order", "batches"])}
+                                        "--stage-order", "batches"]),
+         "pipeline x2, 4 batches, zigzag": (2, ["--pipeline-stages", "2", "--gpu-batch-size", "2",
+                                                "--num-gpu-batches", "4", "--stage-order", "zigzag"])}
 
 
 def command(ranks: int, extra: list[str], common: list[str]) -> list[str]:

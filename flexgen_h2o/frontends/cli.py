@@ -155,10 +155,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="split the layers over this many ranks (torchrun --nproc-per-node/--nnodes); 1 (default): "
                         "torchrun's ranks split the prompts of a batch job")
     d.add_argument("--stage-order", choices=("auto", "zigzag", "batches"), default="auto",
-                   help="a pipeline stage whose weights are resident: zigzag reads each weight once per block (the "
-                        "stages take turns); batches takes each GPU batch through the stage's layers in turn, so "
-                        "the stages compute at once but read the weights once per batch. auto: batches on a GPU, "
-                        "zigzag on a CPU (where reading the weights per batch cost more than the overlap gave)")
+                   help="a pipeline stage whose weights are resident: batches (auto) takes each GPU batch through "
+                        "the stage's layers in turn, so the stages compute at once; zigzag reads each weight once "
+                        "per block and the stages take turns (a stage that streams weights always does this)")
     d.add_argument("--stage-percent", nargs=6, type=float, action="append", metavar="P",
                    help="a pipeline stage's placement, FlexGen's six numbers; repeat once per stage, in stage "
                         "order (default: --percent on every stage)")

@@ -124,10 +124,9 @@ def attach_link(args: argparse.Namespace, llm: Any) -> None:
     """Give this stage's engine its link to the neighbours, and say which layers it holds."""
     from flexgen_h2o.distributed.pipeline import StageLink
     e, world = llm.engine, args.world
-    # on this 2-core CPU, SmolLM2 on 2 stages with 4 GPU batches of 2 ran 17.7 tok/s in batch order and 21.0 with
-    # one batch of 8 (python -m benchmarks.studies.scale_out): re-reading the weights per batch cost more than the
-    # stages' overlap gave; a GPU's resident weights are read from HBM, where the overlap should win (unmeasured)
-    batch_major = args.stage_order == "batches" or (args.stage_order == "auto" and e.backend.is_cuda)
+    # at the same block shape the batch order won: SmolLM2 on 2 stages, 4 GPU batches of 2, total 22.2 / 19.9 tok/s
+    # against 14.4 / 14.8 in zig-zag order (benchmarks/results/scale-38c); with one GPU batch the orders are one
+    batch_major = args.stage_order != "zigzag"
     e.link = StageLink(world.rank, world.size, llm.config.hidden_size, e.compute_dtype, e.device,
                        world.data_group, batch_major)
     lo, hi = args.stage
