@@ -31,11 +31,12 @@ def compressed_run(kind: str, ev: EvictionConfig, bits: int, prompts=None, **off
     return model, prompts, engine, engine.generate(prompts, greedy(N_NEW))
 
 
-def reference(model, prompts, ev: EvictionConfig, kv_bits, near_ties: list | None = None):
+def reference(model, prompts, ev: EvictionConfig, kv_bits, near_ties: list | None = None, quant_log=None):
     ids, mask = left_padded(model, prompts)
     budgets = [ev.resolve(len(p), N_NEW) for p in prompts]
     return reference_generate(model, ids, mask, budgets, rule=RULE_FOR_POLICY[ev.policy], max_new_tokens=N_NEW,
-                              rolling=ev.position_rolling, kv_bits=kv_bits, near_ties=near_ties)
+                              rolling=ev.position_rolling, kv_bits=kv_bits, near_ties=near_ties,
+                              quant_log=quant_log)
 
 
 @pytest.mark.parametrize("kind, ev, bits", [

@@ -117,6 +117,7 @@ def stored_history(st: "_RefState", key: torch.Tensor, value: torch.Tensor):
     if st.inv_freq is not None:
         old = rotate(old, pos.clamp(min=0), st.inv_freq)
     key[:, :, :-1] = old
+    st.last_scale = scale
     step = len(st.pos[0]) - st.prompt_width              # the decode step whose logits these rows give
     least = torch.where(pos >= 0, torch.minimum(*margins), 0.5)          # pads are never read
     for b, margin in enumerate(least.flatten(1).amin(1).tolist()):
@@ -138,6 +139,8 @@ class _RefState:
         self.kv_bits: tuple[int, int] | None = None     # (bits, group size): a compressed cache
         self.prompt_width = attention_mask.shape[1]     # cache indices below it are the (padded) prompt's
         self.near_tie: list[int | None] = [None] * attention_mask.shape[0]  # per sequence: see reference_generate
+        self.quant_log: dict | None = None         # a dict: see reference_generate's quant_log
+        self.last_scale: torch.Tensor | None = None
         # per sequence, per cache index: the token's position among the sequence's real tokens, -1 for pads
         self.pos: list[list[int]] = []
         for row in attention_mask.tolist():
@@ -215,7 +218,10 @@ def masked_h2o_attention(module: torch.nn.Module, query: torch.Tensor, key: torc
                 st.score[layer][bi, gi, new] = 0.0
                 allowed[bi, gi, 0, sorted(st.keep[layer][bi][gi])] = True
         if st.kv_bits is not None:
+            raw_key, raw_value = key, value
             key, value = stored_history(st, key, value)
+            if st.quant_log is not None:
+                st.quant_log[layer] = (raw_key.clone(), raw_value.clone(), st.last_scale)
         if st.inv_freq is not None:
             query, key = roll_to_ranks(st, layer, query, key)
     # query head hi reads KV head hi // r (HF repeat_kv groups heads contiguously)
@@ -297,7 +303,8 @@ def reference_generate(model: torch.nn.Module, input_ids: torch.Tensor, attentio
                        scores: list | None = None,
                        decode_mass: bool = True, flip_ties: bool = False,
                        kv_bits: tuple[int, int] | None = None,
-                       near_ties: list | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+                       near_ties: list | None = None,
+                       quant_log: dict | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """Greedy generation with simulated eviction.
 
     input_ids (b, p), left-padded; attention_mask (b, p) 1 = real (None = all real); budget: (sink, heavy,
@@ -312,7 +319,9 @@ def reference_generate(model: torch.nn.Module, input_ids: torch.Tensor, attentio
     (tests use both to show that a run's victims depend on decode-time scores and on the tie order).
     kv_bits (bits, group size): the cache is compressed (see the module's docstring). near_ties: if a list, it
     receives per sequence the first decode step whose history held a rounding within NEAR_TIE of a boundary
-    (None: none did); from that step on an engine may differ from this reference by a quantization step."""
+    (None: none did); from that step on an engine may differ from this reference by a quantization step.
+    quant_log: if a dict (kv_bits set), it receives {layer: (key, value, key scale)} as the last decode step read
+    them before rounding (key, value (b, g, L, d); scale (b, g, 1, d)), to compare an engine's quantizer inputs."""
     if rule not in RULES:
         raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
     if score_reduce not in ("sum", "mean"):
@@ -335,6 +344,7 @@ def reference_generate(model: torch.nn.Module, input_ids: torch.Tensor, attentio
         inv_freq = rope.inv_freq.float()
     state = _RefState(mask, budgets, rule, score_reduce, max_len=p + max_new_tokens, inv_freq=inv_freq)
     state.decode_mass, state.flip_ties, state.kv_bits = decode_mass, flip_ties, kv_bits
+    state.quant_log = quant_log
     old_impl, was_training = model.config._attn_implementation, model.training
     model.config._attn_implementation = ATTN_NAME
     model.eval()
