@@ -27,6 +27,7 @@ from flexgen_h2o.frontends.parts import QuietExit  # noqa: E402
 from flexgen_h2o.frontends.scale_out import reporting_rank  # noqa: E402
 from flexgen_h2o.frontends.jsonl import (OutputLock, ResultsFile, check_folder_writable,  # noqa: E402
                                          check_writable, read_requests)
+from flexgen_h2o.frontends.settings import answer_settings  # noqa: E402
 from flexgen_h2o.frontends.cli import (build_parser, check_flags, compression_bits, eviction_from_args,  # noqa: E402
                                        log_file_name, placement, run_sampling)
 
@@ -74,7 +75,7 @@ def _mode(args: argparse.Namespace) -> str:
             raise ConfigError("--input and --prompt are two modes; give one of them")
         if not args.output:
             raise ConfigError("--input needs --output (results.jsonl; rerunning with it resumes)")
-        if os.path.abspath(args.input) == os.path.abspath(args.output):
+        if os.path.realpath(args.input) == os.path.realpath(args.output):     # a symlink of the input too
             raise ConfigError("--output must differ from --input")
         mode = "batch"
     else:
@@ -130,7 +131,7 @@ def _run(args: argparse.Namespace) -> int:
     with OutputLock(args.output):
         requests = read_requests(args.input, gen_len, sampling=run_sampling(args),
                                  chat_template=not args.no_chat_template)
-        results = ResultsFile(args.output, overwrite=args.overwrite)
+        results = ResultsFile(args.output, overwrite=args.overwrite, settings=answer_settings(args, gen_len))
         done = results.load(requests)
         pending = [r for r in requests if r.key not in results.done]
         if results.repaired:
@@ -335,6 +336,8 @@ def _run_mode(args, mode, llm, est, texts, prompts, job, gen_len, requests, pend
                              warmup=not args.no_warmup, weights_in_tiers=weights_in_tiers,
                              show_sample=not args.dummy_weights)
     gen = _gen_config(args, gen_len)
+    from flexgen_h2o.metrics import peak_rss_bytes, reset_peak_rss
+    load_peak, rss_window = peak_rss_bytes(), reset_peak_rss()    # as benchmark mode: the generation's own peak
     if mode == "prompt":
         outs = {}
         for block in llm.generate_blocks(prompts, gen, job.max_new, progress=not args.no_progress, job=job):
@@ -347,6 +350,8 @@ def _run_mode(args, mode, llm, est, texts, prompts, job, gen_len, requests, pend
                                progress=not args.no_progress, job=job)
         print(f"\nwrote {len(requests)} results to {args.output} ({len(pending)} generated now)")
     metrics = run_metrics(llm, totals, est, mode, weights_in_tiers, len(prompts))
+    metrics.update(peak_rss_bytes=max(load_peak, peak_rss_bytes()),
+                   peak_rss_run_bytes=peak_rss_bytes() if rss_window else None)
     print(summary(metrics))
     print(memory_line(metrics))
     return metrics

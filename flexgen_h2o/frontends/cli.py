@@ -69,6 +69,17 @@ def _int_at_least(low: int):
 positive, count = _int_at_least(1), _int_at_least(0)
 
 
+def nonempty(what: str):
+    """A text flag that must not be "": an empty stop string matches at once (every answer would come back
+    empty), and an empty prompt is refused in batch files too."""
+    def parse(v: str) -> str:
+        if not v:
+            raise argparse.ArgumentTypeError(f"an empty {what} is not allowed")
+        return v
+    parse.__name__ = what
+    return parse
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="python -m flexgen_h2o.run", allow_abbrev=False,
                description="Offloaded batch generation with an H2O KV cache. Modes: benchmark (default), "
@@ -87,8 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "predicts fastest (default: 100 0 100 0 100 0, or auto when that does not fit)")
     s.add_argument("--calibrate", action="store_true",
                    help="measure this machine's rates for the cost model again (cached after the first auto run)")
-    s.add_argument("--gpu-batch-size", type=positive, default=4, help="sequences per GPU batch")
-    s.add_argument("--num-gpu-batches", type=positive, default=1, help="GPU batches per block")
+    s.add_argument("--gpu-batch-size", type=positive, default=4, help="sequences per GPU batch (default 4)")
+    s.add_argument("--num-gpu-batches", type=positive, default=1, help="GPU batches per block (default 1)")
     s.add_argument("--prefill-batch-size", type=positive,
                    help="sequences per layer forward at prefill (default: 4096 prompt tokens' worth on a CPU, "
                         "16384 on a GPU); bounds the prompt's transients so a large GPU batch fits")
@@ -117,7 +128,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--kv-bits", type=int, choices=(4, 8), help="bits per K/V value (implies --compress-cache)")
     c.add_argument("--group-size", type=positive, default=64, help="values per quantization group (default 64)")
     kv = p.add_argument_group("KV cache (H2O)")
-    kv.add_argument("--hh-ratio", type=ratio, help="heavy hitters = int(r * prompt_len), as the H2O FlexGen port")
+    kv.add_argument("--hh-ratio", type=ratio, help="heavy hitters = int(r * prompt_len) of each prompt's own length "
+                    "(the H2O HF code; --h2o-variant port takes the block's padded length, as the FlexGen port)")
     kv.add_argument("--recent-ratio", type=ratio, help="recent window = int(r * prompt_len); default: --hh-ratio")
     kv.add_argument("--hh-size", type=count, help="heavy-hitter slots (overrides --hh-ratio)")
     kv.add_argument("--recent-size", type=count, help="recent slots (overrides --recent-ratio)")
@@ -135,9 +147,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--input", help="batch mode: JSONL, one {\"prompt\" (raw text) or \"messages\" (a chat), \"id\"?, "
                    "\"max_new_tokens\"?} per line, or OpenAI Batch API request lines (docs/cli.md)")
     g.add_argument("--output", help="batch mode: results JSONL; rerunning with the same file resumes")
-    g.add_argument("--overwrite", action="store_true", help="batch mode: start --output afresh instead of resuming")
-    g.add_argument("--prompt", action="append", help="prompts mode: a prompt (repeatable), sent as one user turn "
-                   "through the chat template when the tokenizer has one")
+    g.add_argument("--overwrite", action="store_true",
+                   help="batch mode: start --output afresh instead of resuming (its results, parts and recorded "
+                        "settings are replaced)")
+    g.add_argument("--prompt", action="append", type=nonempty("prompt"),
+                   help="prompts mode: a prompt (repeatable, non-empty), sent as one user turn through the chat "
+                        "template when the tokenizer has one")
     g.add_argument("--no-chat-template", action="store_true", help="--prompt: send it as plain text. Batch files: "
                    "\"prompt\" lines are always plain text, and this flag makes chat (\"messages\") lines an error")
     g.add_argument("--prompt-len", type=positive, help="benchmark mode: corpus text cut to this many tokens (512)")
@@ -145,11 +160,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--cut-gen-len", type=positive, help="benchmark: run this many tokens and project decode to "
                    "--gen-len with FlexGen's formula (marked projected: True)")
     g.add_argument("--no-warmup", action="store_true", help="benchmark: skip the warm-up run")
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=count, default=0, help="0 = off")
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 (default) = greedy")
+    g.add_argument("--top-p", type=float, default=1.0,
+                   help="nucleus sampling: keep the smallest set of tokens whose probability reaches p (default 1.0 "
+                        "= off; greedy ignores it)")
+    g.add_argument("--top-k", type=count, default=0, help="keep the k most likely tokens (default 0 = off)")
+    g.add_argument("--seed", type=int, default=0,
+                   help="sampling seed (default 0); each prompt draws from its own generator, seeded by this and "
+                        "its place in the input")
+    g.add_argument("--stop", action="append", default=[], type=nonempty("stop string"),
+                   help="stop string (repeatable, non-empty): the answer is cut before it")
     d = p.add_argument_group("scale-out (started by torchrun; docs/distributed.md)")
     d.add_argument("--pipeline-stages", type=positive, default=1,
                    help="split the layers over this many ranks (torchrun --nproc-per-node/--nnodes); 1 (default): "

@@ -25,9 +25,19 @@ from flexgen_h2o.config import ConfigError
 from flexgen_h2o.frontends.requests import Request, read_requests, record, result_key, same_request  # noqa: F401
 
 
+def real_path(path: str | os.PathLike) -> Path:
+    """The file a path names once every symlink is followed: the lock, the rewrite and the files beside the
+    output go by it, so an alias of an output is that output (and a symlinked output stays a symlink)."""
+    return Path(os.path.realpath(Path(path).expanduser()))
+
+
+class OutputWriteError(OSError):
+    """A write to the output failed (a full disk): the file was cut back to its last whole line."""
+
+
 def check_writable(path: str | os.PathLike, flag: str) -> None:
     """Fail early, writing nothing, when `path` cannot be created or replaced."""
-    p = Path(path).expanduser()
+    p = real_path(path)
     parent = p.parent if str(p.parent) else Path(".")
     if p.is_dir():
         raise ConfigError(f"{flag} {path} is a directory")
@@ -76,20 +86,25 @@ def _fsync_dir(folder: Path) -> None:
 class ResultsFile:
     """The output JSONL: what is done already, appends per block, and the final reorder."""
 
-    def __init__(self, path: str | os.PathLike, *, overwrite: bool = False):
-        self.path = Path(path).expanduser()
+    def __init__(self, path: str | os.PathLike, *, overwrite: bool = False, settings: dict | None = None):
+        self.path = Path(path).expanduser()      # as the user named it, for messages
+        self.target = real_path(path)            # the file written and replaced (a symlink's target)
         self.done: dict[str, dict] = {}          # id key -> record, from earlier runs and this one
         self.repaired = False                    # a torn last line was dropped
         # --overwrite: an old file is truncated by the first block written, not before: an error before
         # any result leaves it untouched
         self._truncate_first = overwrite
+        # the settings that change answers (frontends/settings.py): checked against the recorded ones when
+        # there are results to resume, and recorded before the first line this run writes
+        self.settings = settings
+        self._settings_saved = settings is None
 
     def load(self, requests: list[Request]) -> int:
         """Read an existing output (resume). Returns how many of `requests` are done. Lines must belong to this
         input: an id that is not in it, or a different prompt for the same id, stops the run."""
-        if self._truncate_first or not self.path.exists():
+        if self._truncate_first or not self.target.exists():
             return 0
-        raw = self.path.read_bytes()
+        raw = self.target.read_bytes()
         if raw and not raw.endswith(b"\n"):      # torn tail: our appends never do this, a power cut might
             raw = raw[:raw.rfind(b"\n") + 1]
             self.repaired = True
@@ -112,31 +127,61 @@ class ResultsFile:
                 raise ConfigError(f"--output {self.path}: id {key} (line {n}) was generated for a different "
                                   f"{what}; use another --output or pass --overwrite")
             self.done.setdefault(key, rec)
+        if self.done and self.settings is not None:
+            from flexgen_h2o.frontends.settings import check_settings
+            self._settings_saved = check_settings(self.path, self.settings)
         if self.repaired:
             self._truncate(len(raw))
         return sum(1 for r in requests if r.key in self.done)
 
     def _truncate(self, size: int) -> None:
-        with open(self.path, "r+b") as f:
+        with open(self.target, "r+b") as f:
             f.truncate(size)
             os.fsync(f.fileno())
 
     def append(self, records: Iterable[dict]) -> None:
-        """Append whole lines with one write() and fsync them: a kill leaves the block in full or not at all."""
+        """Append whole lines with one write() and fsync them: a kill leaves the block in full or not at all. A
+        write that fails (a full disk) is cut back to the last whole line and raised as OutputWriteError."""
         recs = list(records)
         data = b"".join(json.dumps(r, ensure_ascii=False).encode("utf-8") + b"\n" for r in recs)
         flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | (os.O_TRUNC if self._truncate_first else 0)
-        fd = os.open(self.path, flags, 0o644)
+        try:
+            fd = os.open(self.target, flags, 0o644)
+        except OSError as e:
+            raise self._write_error(e) from None
         self._truncate_first = False
         try:
-            view, written = memoryview(data), 0
-            while written < len(data):       # a regular file takes it in one go; loop only for safety
-                written += os.write(fd, view[written:])
-            os.fsync(fd)
+            if not self._settings_saved:
+                # after the truncation an --overwrite asked for and before the first line: the file never holds
+                # a line next to settings it was not made with
+                from flexgen_h2o.frontends.settings import save_settings
+                save_settings(self.path, self.settings)
+                self._settings_saved = True
+            start = os.fstat(fd).st_size      # the lock holder is the only writer: the end of the last whole line
+            try:
+                view, written = memoryview(data), 0
+                while written < len(data):   # a regular file takes it in one go; loop only for safety
+                    written += os.write(fd, view[written:])
+                os.fsync(fd)
+            except OSError as e:
+                try:
+                    os.ftruncate(fd, start)  # no torn line: the rerun would drop it, but the promise is whole lines
+                    os.fsync(fd)
+                except OSError:
+                    pass
+                raise self._write_error(e) from None
         finally:
             os.close(fd)
         for r in recs:
             self.done[result_key(r)] = r
+
+    def _write_error(self, e: OSError) -> OutputWriteError:
+        """One line naming the file and the way on: every line already in it is whole and is kept."""
+        if isinstance(e, OutputWriteError):
+            return e
+        why = e.strerror or str(e)
+        return OutputWriteError(f"cannot write {self.path}: {why}; the lines already in it are whole and kept: "
+                                "make room (or fix the cause) and rerun the same command to resume the job")
 
     def finalize(self, requests: list[Request]) -> None:
         """Rewrite the file in input order (temporary file, fsync, atomic rename)."""
@@ -145,18 +190,24 @@ class ResultsFile:
             raise RuntimeError(f"ids {missing[:5]} have no result")
         data = b"".join(json.dumps(self.done[r.key], ensure_ascii=False).encode("utf-8") + b"\n"
                         for r in requests)
-        fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".tmp", dir=self.path.parent)
+        # beside the target and renamed onto it: a symlinked output keeps its link
+        try:
+            fd, tmp = tempfile.mkstemp(prefix=f".{self.target.name}.", suffix=".tmp", dir=self.target.parent)
+        except OSError as e:
+            raise self._write_error(e) from None
         try:
             os.fchmod(fd, 0o644)             # mkstemp's 0600 would make the rewritten output private to its owner
             with os.fdopen(fd, "wb") as f:
                 f.write(data)
                 f.flush()
                 os.fsync(f.fileno())
-            os.replace(tmp, self.path)
-        except BaseException:
+            os.replace(tmp, self.target)
+        except BaseException as e:
             Path(tmp).unlink(missing_ok=True)
+            if isinstance(e, OSError):       # the old file is untouched: a rerun finds every line again
+                raise self._write_error(e) from None
             raise
-        _fsync_dir(self.path.parent)
+        _fsync_dir(self.target.parent)
 
 
 class OutputLock:
@@ -166,7 +217,8 @@ class OutputLock:
 
     def __init__(self, output: str | os.PathLike):
         self.output = Path(output).expanduser()
-        self.path = self.output.with_name(self.output.name + ".lock")
+        real = real_path(output)             # an alias (symlink) of an output takes that output's lock
+        self.path = real.with_name(real.name + ".lock")
         self._fd: int | None = None
 
     def acquire(self) -> "OutputLock":

@@ -19,8 +19,9 @@ from typing import Any, Callable, Sequence
 from flexgen_h2o.config import ConfigError
 from flexgen_h2o.distributed.shard import prompt_work, shard_by_tokens
 from flexgen_h2o.distributed.world import World
-from flexgen_h2o.frontends.jsonl import OutputLock, ResultsFile
+from flexgen_h2o.frontends.jsonl import OutputLock, ResultsFile, real_path
 from flexgen_h2o.frontends.requests import Request
+from flexgen_h2o.frontends.settings import check_settings, remove_settings, save_settings
 
 
 class QuietExit(ConfigError):
@@ -28,13 +29,13 @@ class QuietExit(ConfigError):
 
 
 def part_path(output: str | os.PathLike, rank: int) -> Path:
-    out = Path(output).expanduser()
+    out = real_path(output)          # beside the real file: an alias of the output finds the same parts
     return out.with_name(f"{out.name}.rank{rank}.part")
 
 
 def existing_parts(output: str | os.PathLike) -> list[Path]:
     """Part files of this output from any run, any world size."""
-    out = Path(output).expanduser()
+    out = real_path(output)
     return sorted(Path(p) for p in glob.glob(os.path.join(glob.escape(str(out.parent)),
                                                           glob.escape(out.name) + ".rank*.part")))
 
@@ -76,8 +77,9 @@ class DistributedJob:
     """The job's shared start (rank 0 reads, everyone gets the same view) and its end (gather, then merge)."""
 
     def __init__(self, world: World, output: str, *, overwrite: bool,
-                 read: Callable[[], list[Request]]):
+                 read: Callable[[], list[Request]], settings: dict | None = None):
         self.world, self.output, self.overwrite = world, output, overwrite
+        self.settings = settings             # what changes answers (frontends/settings.py), checked as one run
         self._read = read
         self.lock: OutputLock | None = None
         self._merged: ResultsFile | None = None      # rank 0: what was done at the start
@@ -94,11 +96,17 @@ class DistributedJob:
                 if self.overwrite:       # the job starts afresh: no earlier result may count at a resume
                     for part in existing_parts(self.output):
                         part.unlink()
-                    Path(self.output).expanduser().unlink(missing_ok=True)
+                    real_path(self.output).unlink(missing_ok=True)      # a symlinked output keeps its link
+                    remove_settings(self.output)
                 self._merged = merged = collect_done(self.output, requests, overwrite=self.overwrite)
+                # the output's and every part's results were made with the recorded settings: a rerun with
+                # others is refused, as one process's is; the record is in place before any rank appends
+                if self.settings is not None and not (merged.done and check_settings(self.output,
+                                                                                      self.settings)):
+                    save_settings(self.output, self.settings)
                 start = dict(requests=requests, done=sorted(merged.done),
                              parts=len(existing_parts(self.output)))
-            except ConfigError as e:
+            except (ConfigError, OSError) as e:    # every rank must hear it, or they wait forever
                 start = dict(error=str(e))
         start = self.world.broadcast(start)
         if "error" in start:

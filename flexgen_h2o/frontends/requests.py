@@ -48,8 +48,14 @@ class Request:
 
     @property
     def key(self) -> str:
-        """Ids compare by their JSON form, so 3 and "3" stay different ids."""
+        """The id's JSON form: an output line answers the id it names, 3 or "3", exactly."""
         return json.dumps(self.id)
+
+    @property
+    def text_id(self) -> str:
+        """The id as text: two ids that read alike (3 and "3") are one id to any reader that keys by text, so a
+        file holding both is refused."""
+        return str(self.id)
 
 
 def read_requests(path: str | os.PathLike, default_max_new: int, *, sampling: Mapping[str, Any] | None = None,
@@ -63,7 +69,7 @@ def read_requests(path: str | os.PathLike, default_max_new: int, *, sampling: Ma
         raise ConfigError(f"cannot read --input {path}: {e.strerror or e}") from None
     run = {**DEFAULT_SAMPLING, **(sampling or {})}
     requests: list[Request] = []
-    seen: dict[str, int] = {}
+    seen: dict[str, tuple[str, int]] = {}        # id as text -> (its JSON form, line)
     first: tuple[bool, int] | None = None        # (OpenAI form?, line) of the first line: the file's form
     for n, line in enumerate(raw.split(b"\n"), start=1):
         if not line.strip():
@@ -86,12 +92,15 @@ def read_requests(path: str | os.PathLike, default_max_new: int, *, sampling: Ma
             if req.messages is not None and not chat_template:
                 raise ValueError(f"{'body.messages' if openai else repr('messages')} needs the chat template, "
                                  "which --no-chat-template turns off; send the text as a prompt or drop the flag")
-            if req.key in seen:
+            if req.text_id in seen:
                 name = "custom_id" if openai else "id"
-                raise ValueError(f"{name} {req.key} was already used on line {seen[req.key]}")
+                was, at = seen[req.text_id]
+                if was == req.key:
+                    raise ValueError(f"{name} {req.key} was already used on line {at}")
+                raise ValueError(f"{name} {req.key} reads as the {name} {was} of line {at}; ids must differ as text")
         except ValueError as e:
             raise ConfigError(f"{path}: line {n}: {e}") from None
-        seen[req.key] = n
+        seen[req.text_id] = (req.key, n)
         requests.append(req)
     if not requests:
         raise ConfigError(f"{path}: no prompts (expected one JSON object per line)")

@@ -71,7 +71,9 @@ def batch_job(args: argparse.Namespace, generate: Callable[..., int], gen_len: i
     from flexgen_h2o.frontends.parts import DistributedJob, NullPart, RankPart
     read = lambda: read_requests(args.input, gen_len, sampling=run_sampling(args),  # noqa: E731
                                  chat_template=not args.no_chat_template)
-    with DistributedJob(args.world, args.output, overwrite=args.overwrite, read=read) as job:
+    from flexgen_h2o.frontends.settings import answer_settings
+    with DistributedJob(args.world, args.output, overwrite=args.overwrite, read=read,
+                        settings=answer_settings(args, gen_len)) as job:
         requests, pending = job.requests, job.pending
         writes = args.pipeline_stages == 1 or args.world.rank == args.world.size - 1
         results = RankPart(job) if writes else NullPart(job)

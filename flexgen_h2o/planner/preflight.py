@@ -110,7 +110,10 @@ def checks(est: Estimate, machine: Machine, *, offload_root: str | os.PathLike |
         ram = {p: compute.get(p, 0) + host.get(p, 0) for p in PARTS if compute.get(p, 0) + host.get(p, 0)}
         ram.update(est.beyond_tiers)     # malloc's slack, the last caches; on a GPU those are device memory
     else:
-        out.append(Check("GPU memory", _with_headroom(sum(compute.values())), machine.device_free, compute))
+        gpu = sum(compute.values())
+        # the headroom is a listed term, so the need is the sum of the terms shown
+        out.append(Check("GPU memory", _with_headroom(gpu), machine.device_free,
+                         {**compute, "headroom": _with_headroom(gpu) - gpu} if gpu else compute))
         ram = dict(host)
     # the peak RSS: the run's own bytes, the code it maps, and what the process holds now
     ram.update({"runtime": RUNTIME_BYTES, "process now": machine.process_rss})
@@ -130,7 +133,7 @@ def checks(est: Estimate, machine: Machine, *, offload_root: str | os.PathLike |
             prev[p] = prev.get(p, 0) + v
     for root, need in where.values():
         out.append(Check(f"disk ({root})", sum(need.values()) + DISK_HEADROOM,
-                         shutil.disk_usage(root).free // ranks_per_node(), need))
+                         shutil.disk_usage(root).free // ranks_per_node(), {**need, "headroom": DISK_HEADROOM}))
     return out
 
 

@@ -111,9 +111,14 @@ def convert_checkpoint(src: str | os.PathLike, cfg: ModelConfig | None = None,
                             raise WeightStoreError(f"{src}: tensor {key!r} has shape {list(t.shape)}, model "
                                                    f"{cfg.name} expects {list(spec.shape)}; is --model right?")
                         t16 = t.to(torch.float16)
-                        if t.is_floating_point() and not bool(torch.isfinite(t16).all()) \
-                                and bool(torch.isfinite(t).all()):
-                            raise WeightStoreError(f"{src}: tensor {key!r} overflows float16")
+                        if t.is_floating_point() and not bool(torch.isfinite(t16).all()):
+                            # a NaN weight runs and answers garbage with exit 0: refuse it here, by name
+                            if bool(torch.isfinite(t).all()):
+                                raise WeightStoreError(f"{src}: tensor {key!r} overflows float16")
+                            bad = int((~torch.isfinite(t)).sum())
+                            raise WeightStoreError(f"{src}: tensor {key!r} holds {bad} NaN or infinite value(s) "
+                                                   f"of {t.numel()}; the checkpoint is damaged: get a good copy "
+                                                   "and convert again")
                         writer.write(spec.name, t16)
                         del t, t16
                         bar.update()

@@ -5,6 +5,15 @@ plus `manifest.json`; an optional `tokenizer/` subfolder holds a saved HF tokeni
 last and the folder is renamed into place only when complete (see writer.py), so a folder with a manifest is a
 whole store. Every check here names the file at fault, and sizes are checked before `np.load`, so a damaged
 store gives one clear `WeightStoreError` instead of a numpy reshape traceback.
+
+Finite values: a NaN weight runs and answers garbage with exit 0, so the writer records per tensor whether its
+values are finite (`finite`) and the file's `mtime_ns` as written. Opening a store trusts the flag while the
+file's mtime is the recorded one, and scans the values again only where it is not: a stat per file, where a
+checksum would read the whole store at every open, which is the scan the flag saves. Any write to a file (an
+overwrite, a copy over it, a truncation; `cp -r` of the store gives new mtimes, so its copy is scanned once)
+changes the mtime and is caught; bit rot on the medium, which leaves the mtime alone, is not. A store written
+before the flag existed is scanned once at its first open and the flags recorded then (where the store is
+read-only, it is scanned at every open instead).
 """
 from __future__ import annotations
 
@@ -12,6 +21,7 @@ import io
 import json
 import os
 import re
+import tempfile
 import zlib
 from pathlib import Path
 from typing import Any, Sequence
@@ -27,6 +37,7 @@ MANIFEST = "manifest.json"
 TOKENIZER_DIR = "tokenizer"
 DTYPE = WEIGHT_FORMAT.numpy_dtype
 ENV_HOME = "FLEXGEN_H2O_HOME"
+SCAN_VALUES = 1 << 24          # values per slice of the finite scan: 32 MiB of fp16 at a time
 
 
 class WeightStoreError(Exception):
@@ -112,6 +123,52 @@ def check_npy(path: Path, shape: Sequence[int]) -> int:
     return offset
 
 
+def count_nonfinite(path: Path, offset: int, shape: Sequence[int]) -> int:
+    """NaN and infinite values in a tensor file's data, read in slices (a whole-file mask would double RAM)."""
+    n = _numel(shape)
+    if n == 0:
+        return 0
+    data = np.memmap(path, dtype=DTYPE, mode="r", offset=offset, shape=(n,))
+    bad = 0
+    for lo in range(0, n, SCAN_VALUES):
+        ok = np.isfinite(data[lo:lo + SCAN_VALUES])
+        if not ok.all():
+            bad += int(ok.size - np.count_nonzero(ok))
+    return bad
+
+
+def _check_finite(fpath: Path, entry: dict[str, Any], offset: int, shape: Sequence[int]) -> bool:
+    """Raise naming the file if its values are not all finite; trusts the manifest's flag while the file's mtime
+    is the recorded one (module doc). Returns whether `entry` was updated (scanned and found finite)."""
+    mtime = os.stat(fpath).st_mtime_ns
+    if entry.get("finite") is True and entry.get("mtime_ns") == mtime:
+        return False
+    bad = count_nonfinite(fpath, offset, shape)
+    if bad:
+        changed = " (it changed after conversion)" if entry.get("mtime_ns") not in (None, mtime) else ""
+        raise WeightStoreError(f"weight store file {fpath} holds {bad} NaN or infinite value(s) of {_numel(shape)}"
+                               f"{changed}; delete the store and convert again")
+    entry["finite"], entry["mtime_ns"] = True, mtime
+    return True
+
+
+def _save_manifest(root: Path, manifest: dict[str, Any]) -> None:
+    """Record the flags of a scan, atomically; a read-only store keeps its old manifest (scanned again later)."""
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{MANIFEST}.", suffix=".tmp", dir=root)
+    except OSError:
+        return
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(manifest, indent=1))
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, root / MANIFEST)
+    except OSError:
+        Path(tmp).unlink(missing_ok=True)
+
+
 # --- reader ---
 
 class StoreReader:
@@ -191,11 +248,13 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
 
 def open_store(path: str | os.PathLike, specs: Sequence[WeightSpec] | None = None) -> StoreReader:
     """Open a store and check it against `specs` (every spec present in the manifest with the same shape, its
-    file present with the exact size). Without specs, every manifest entry is checked against itself."""
+    file present with the exact size, its values finite: module doc). Without specs, every manifest entry is
+    checked against itself."""
     root = Path(path).expanduser()
     manifest = read_manifest(root)
     tensors = manifest["tensors"]
     offsets: dict[str, int] = {}
+    scanned = False
     wanted = [(s.name, s.shape) for s in specs] if specs is not None else [
         (n, tuple(e["shape"])) for n, e in tensors.items()]
     for name, shape in wanted:
@@ -208,4 +267,7 @@ def open_store(path: str | os.PathLike, specs: Sequence[WeightSpec] | None = Non
             raise WeightStoreError(f"{fpath}: manifest shape {entry.get('shape')} does not match the model's "
                                    f"{list(shape)} (store converted for {manifest.get('model')!r})")
         offsets[name] = check_npy(fpath, shape)
+        scanned = _check_finite(fpath, entry, offsets[name], shape) or scanned
+    if scanned:
+        _save_manifest(root, manifest)
     return StoreReader(root, manifest, offsets)

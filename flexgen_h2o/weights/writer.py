@@ -66,17 +66,20 @@ class StoreWriter:
         path = self._path(name)
         want = int(np.prod(shape, dtype=np.int64)) * DTYPE.itemsize
         header = npy_header(shape)
-        got = 0
+        got, finite = 0, True
         with open(path, "wb") as f:
             f.write(header)
             for chunk in chunks:
                 chunk = np.ascontiguousarray(chunk, dtype=DTYPE)
+                finite = finite and bool(np.isfinite(chunk).all())   # on bytes already in memory: no second read
                 f.write(memoryview(chunk).cast("B"))
                 got += chunk.nbytes
         if got != want:
             raise WeightStoreError(f"{path}: wrote {got} data bytes for shape {list(shape)}, expected {want}")
+        # finite and the file's mtime: a reader trusts the flag while the file is the one written (store.py)
         self.tensors[name] = {"shape": [int(s) for s in shape], "dtype": "float16",
-                              "bytes": len(header) + want, "file": path.name}
+                              "bytes": len(header) + want, "file": path.name, "finite": finite,
+                              "mtime_ns": os.stat(path).st_mtime_ns}
 
     def commit(self) -> Path:
         """Write the manifest and move the finished store to `dest` (replacing an old store there)."""

@@ -44,9 +44,18 @@ def test_bad_line_names_its_number(tmp_path, line, why):
     assert "\n" not in str(e.value)
 
 
-def test_ids_compare_by_json_form(tmp_path):
+def test_ids_that_read_alike_as_text_are_refused(tmp_path):
+    # 3 and "3" would be one key to a reader that keys by text (a dict from a CSV, pandas): one id
     path = _write(tmp_path / "in.jsonl", ['{"prompt": "a", "id": 3}', '{"prompt": "b", "id": "3"}'])
-    assert [r.key for r in read_requests(path, 1)] == ["3", '"3"']
+    with pytest.raises(ConfigError) as e:
+        read_requests(path, 1)
+    assert str(e.value) == f'{path}: line 2: id "3" reads as the id 3 of line 1; ids must differ as text'
+    # a line without an id takes its line number: an explicit "2" on another line is that id too
+    path = _write(tmp_path / "in2.jsonl", ['{"prompt": "a", "id": "2"}', '{"prompt": "b"}'])
+    with pytest.raises(ConfigError, match='line 2: id 2 reads as the id "2" of line 1'):
+        read_requests(path, 1)
+    ok = _write(tmp_path / "ok.jsonl", ['{"prompt": "a", "id": 3}', '{"prompt": "b", "id": "03"}'])
+    assert [r.key for r in read_requests(ok, 1)] == ["3", '"03"']          # the key stays the JSON form
 
 
 def test_empty_input_is_an_error(tmp_path):
