@@ -41,8 +41,11 @@ def test_prompt_attention_matches_masked_softmax(pads, want_scores):
         assert scores is None
 
 
-@pytest.mark.parametrize("lengths, unpadded", [([9, 9], True), ([9, 14], False)])
-def test_engine_takes_the_causal_path_only_for_unpadded_prompts(monkeypatch, lengths, unpadded):
+@pytest.mark.parametrize("lengths, invariant, causal", [([9, 9], "1", True), ([9, 14], "0", False),
+                                                      ([9, 14], "1", True)])
+def test_engine_takes_the_causal_path_only_for_unpadded_prompts(monkeypatch, lengths, invariant, causal):
+    """A padded batch takes the masked path, unless batch-invariant kernels attend each sequence on its own
+    tokens alone (ops.per_sequence_attention): then every prompt call is causal and unpadded."""
     from tests.helpers import greedy, make_engine, random_prompts, tiny_hf
     seen = []
     real = ops.grouped_attention
@@ -53,8 +56,12 @@ def test_engine_takes_the_causal_path_only_for_unpadded_prompts(monkeypatch, len
         return real(q, k, v, mask, scale, **kw)
 
     monkeypatch.setattr(ops, "grouped_attention", spy)
-    make_engine(tiny_hf("llama-gqa")).generate(random_prompts(lengths), greedy(2))
-    assert seen and set(seen) == {unpadded}
+    monkeypatch.setenv("FLEXGEN_H2O_BATCH_INVARIANT", invariant)
+    engine = make_engine(tiny_hf("llama-gqa"))
+    if invariant == "1" and not engine.kernels.batch_invariant:
+        pytest.skip("the compiled kernels are not loaded")
+    engine.generate(random_prompts(lengths), greedy(2))
+    assert seen and set(seen) == {causal}
 
 
 @pytest.mark.parametrize("pads", [False, True])

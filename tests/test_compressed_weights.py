@@ -117,11 +117,14 @@ def test_the_planner_counts_packed_bytes():
     assert disk_int4 - disk_plain == int4.model_bytes
 
 
-def test_linear_sends_few_rows_to_the_kernel_and_many_to_the_gemm(monkeypatch):
+@pytest.mark.parametrize("invariant", ["0", "1"])
+def test_linear_sends_few_rows_to_the_kernel_and_many_to_the_gemm(monkeypatch, invariant):
     """A decode step's rows go to csrc/quant_linear.cpp; a prompt's (more than QUANT_LINEAR_MAX_ROWS) to the
-    dequantized blocks and the GEMM, which is faster there; both give the product of the dequantized weight."""
+    dequantized blocks and the GEMM, which is faster there, unless batch invariance sends every row count to the
+    kernel; both give the product of the dequantized weight."""
     from flexgen_h2o.kernels import dispatch, resolve
     from flexgen_h2o.quant import GroupQuant
+    monkeypatch.setenv(dispatch.INVARIANT_SWITCH, invariant)
     kernels = resolve()
     if kernels.ext is None or not hasattr(kernels.ext, "quant_linear"):
         pytest.skip("no compiled kernels")
@@ -136,7 +139,8 @@ def test_linear_sends_few_rows_to_the_kernel_and_many_to_the_gemm(monkeypatch):
         x = torch.randn(rows, 96, generator=gen)
         want = x.double() @ w.values(torch.float64).T + bias.double()
         torch.testing.assert_close(kernels.linear(x, w, bias).double(), want, rtol=1e-5, atol=1e-5)
-    assert calls == [1, dispatch.QUANT_LINEAR_MAX_ROWS]
+    sizes = [1, dispatch.QUANT_LINEAR_MAX_ROWS, dispatch.QUANT_LINEAR_MAX_ROWS + 1]
+    assert calls == (sizes if invariant == "1" else sizes[:2])
 
 
 def test_weights_without_a_store_are_packed_as_placed_and_not_kept_twice():

@@ -78,19 +78,24 @@ def test_bad_inputs_are_refused_by_name(kernel, monkeypatch):
     assert not calls                                                # none of them is fp32 x by (n, k) fp16 rows
 
 
-def test_linear_sends_decode_rows_to_the_kernel_and_prompt_rows_to_the_blas(kernel, monkeypatch):
+@pytest.mark.parametrize("invariant", [False, True])
+def test_linear_sends_decode_rows_to_the_kernel_and_prompt_rows_to_the_blas(kernel, monkeypatch, invariant):
+    """Without batch invariance a prompt's rows go to the BLAS, which is faster there; with it every row count
+    goes to the kernel, whose sums for a row do not depend on the rows beside it (gemm_tile.h)."""
     calls = []
     real = kernel.ext.half_linear
     monkeypatch.setattr(kernel.ext, "half_linear", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    kernels = Kernels(kernel.ext, batch_invariant=invariant)
     gen = torch.Generator().manual_seed(1)
     w = (torch.randn(40, 24, generator=gen) * 0.1).half()
     bias = torch.randn(40, generator=gen).half()
-    for rows in (1, dispatch.HALF_LINEAR_MAX_ROWS, dispatch.HALF_LINEAR_MAX_ROWS + 1):
+    sizes = (1, dispatch.HALF_LINEAR_MAX_ROWS, dispatch.HALF_LINEAR_MAX_ROWS + 1)
+    for rows in sizes:
         x = torch.randn(rows, 1, 24, generator=gen)
-        out = kernel.linear(x, w, bias)
+        out = kernels.linear(x, w, bias)
         torch.testing.assert_close(out, torch.nn.functional.linear(x, w.float(), bias.float()), rtol=1e-5,
                                    atol=1e-5)
-    assert calls == [1, dispatch.HALF_LINEAR_MAX_ROWS]             # the larger block went to the BLAS
+    assert calls == (list(sizes) if invariant else [1, dispatch.HALF_LINEAR_MAX_ROWS])
     monkeypatch.setenv(build.OFF_SWITCH, "0")
     off = resolve()                                                  # the switch is read when the kernels resolve
     assert off.ext is None

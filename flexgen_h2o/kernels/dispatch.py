@@ -37,6 +37,7 @@ from flexgen_h2o.quant import PackedMatrix
 OFF_SWITCH = build.OFF_SWITCH                      # "0": every compiled kernel off (A/B runs)
 LAYER_MATH_SWITCH = "FLEXGEN_H2O_FUSED_LAYER_MATH"  # "0": the layer math alone on torch ops (A/B runs)
 GEMM_SWITCH = "FLEXGEN_H2O_CPU_GEMM"                # "blas": a prompt's GEMMs on MKL's sgemm instead of oneDNN's
+INVARIANT_SWITCH = "FLEXGEN_H2O_BATCH_INVARIANT"    # "0": a prompt's GEMMs on the BLAS, attention batched (A/B runs)
 # queries per block: 3 heads x 128 queries x 2,048 keys of fp32 logits is 3 MB, about one core's L2 plus its
 # share of L3 (a sweep of 64-256 at SmolLM2's 2,048-token prompts moved the kernel's time by a few % at most)
 Q_BLOCK = 128
@@ -85,14 +86,21 @@ def onednn_may_run(gemm_rows: int, env: Mapping[str, str] | None = None) -> bool
 class Kernels(ops.TorchKernels):
     """The compiled kernels `ext` (None: none), with the layer math and oneDNN's GEMM each on or off."""
 
-    def __init__(self, ext: ModuleType | None, layer_math: bool = True, gemm: str = "onednn") -> None:
+    def __init__(self, ext: ModuleType | None, layer_math: bool = True, gemm: str = "onednn",
+                 batch_invariant: bool = True) -> None:
         self.ext = ext
         self.layer_math = layer_math and ext is not None
         self.gemm = gemm
+        # Batch invariance (docs/cli.md, "What is guaranteed"): every fp32 linear layer on a CPU goes to the
+        # compiled kernels, whose sums run in one order for a row whatever rows come with it (gemm_tile.h), and a
+        # prompt attends sequence by sequence on its own tokens (ops.per_sequence_attention); the BLAS and oneDNN
+        # choose their blocking by the GEMM's shape. Needs the compiled linears: torch ops alone cannot promise it.
+        self.batch_invariant = batch_invariant and ext is not None and hasattr(ext, "quant_linear")
         self.name = "compiled" if ext is not None else "torch"
 
     def __repr__(self) -> str:
-        return f"Kernels({self.name}, layer_math={self.layer_math}, gemm={self.gemm})"
+        return (f"Kernels({self.name}, layer_math={self.layer_math}, gemm={self.gemm}, "
+                f"batch_invariant={self.batch_invariant})")
 
     def _cpu_fp32(self, x: Tensor) -> bool:
         return self.ext is not None and x.device.type == "cpu" and x.dtype == torch.float32
@@ -135,14 +143,14 @@ class Kernels(ops.TorchKernels):
         """A decode step's few rows times an fp16 weight of contiguous rows or a packed (int4/int8) matrix: the
         compiled kernels. Otherwise ops.linear with this object's GEMM (a packed matrix dequantized by blocks)."""
         if isinstance(w, PackedMatrix):
-            if (x.numel() <= QUANT_LINEAR_MAX_ROWS * x.shape[-1] and self._cpu_fp32(x)
-                    and hasattr(self.ext, "quant_linear")):
+            few_rows = self.batch_invariant or x.numel() <= QUANT_LINEAR_MAX_ROWS * x.shape[-1]
+            if few_rows and self._cpu_fp32(x) and hasattr(self.ext, "quant_linear"):
                 out = self.ext.quant_linear(x.reshape(-1, x.shape[-1]).contiguous(), w.rows, w.n_in,
                                             w.quant.bits, w.quant.group_size).view(*x.shape[:-1], w.shape[0])
                 return out if b is None else out.add_(b.to(x.dtype))
             return ops.linear(x, w, b, gemm=self._gemm)
-        if (w.dtype == torch.float16 and x.numel() <= HALF_LINEAR_MAX_ROWS * x.shape[-1] and self._cpu_fp32(x)
-                and w.dim() == 2 and w.is_contiguous()):
+        few_rows = self.batch_invariant or x.numel() <= HALF_LINEAR_MAX_ROWS * x.shape[-1]
+        if w.dtype == torch.float16 and few_rows and self._cpu_fp32(x) and w.dim() == 2 and w.is_contiguous():
             out = self.ext.half_linear(x.reshape(-1, x.shape[-1]).contiguous(), w).view(*x.shape[:-1], w.shape[0])
             return out if b is None else out.add_(b.to(x.dtype))
         return ops.linear(x, w, b, gemm=self._gemm)
@@ -173,11 +181,24 @@ class Kernels(ops.TorchKernels):
             out, mass = self.ext.decode_attention_quant(q, k, v, valid, slot, k_new, v_new, float(scale), want_scores,
                                                         mean, quant.bits, quant.group_size)
             return out, (mass if want_scores else None)
-        if rows_ok and k.dtype == torch.float16:
+        if rows_ok and k.dtype in (torch.float16, torch.float32):
             out, mass = self.ext.decode_attention(q, k, v, valid, slot, k_new, v_new, float(scale), want_scores, mean)
             return out, (mass if want_scores else None)
         return super().narrow_decode_attention(q, k, v, valid, slot, k_new, v_new, scale,
                                                want_scores=want_scores, score_reduce=score_reduce, fmt=fmt)
+
+    def window_attention(self, q: Tensor, k: Tensor, v: Tensor, valid: Tensor, slot: Tensor, scale: float, *,
+                         want_scores: bool = False, score_reduce: str = "sum") -> tuple[Tensor, Tensor | None]:
+        """Batch-invariant: the decode kernel over the fp32 window, which reads only each column's own slots
+        (the batched GEMMs of the torch ops block by the window's width, which the longest row sets)."""
+        if (self.batch_invariant and self._cpu_fp32(q) and k.dtype == torch.float32 and k.dim() == 4
+                and k.stride(3) == 1 and k.stride(2) == k.shape[3]):
+            index = slot[:, :, None, None].expand(-1, -1, 1, k.shape[3])
+            out, mass = self.ext.decode_attention(q, k, v, valid, slot, k.gather(2, index), v.gather(2, index),
+                                                  float(scale), want_scores, score_reduce == "mean")
+            return out, (mass if want_scores else None)
+        return super().window_attention(q, k, v, valid, slot, scale, want_scores=want_scores,
+                                        score_reduce=score_reduce)
 
     # --- the KV cache's commit ---
 
@@ -196,4 +217,4 @@ def resolve(env: Mapping[str, str] | None = None, load: bool = True) -> Kernels:
     env = os.environ if env is None else env
     on = load and env.get(OFF_SWITCH, "1") != "0"
     return Kernels(build.load() if on else None, layer_math=env.get(LAYER_MATH_SWITCH, "1") != "0",
-                   gemm=gemm_choice(env))
+                   gemm=gemm_choice(env), batch_invariant=env.get(INVARIANT_SWITCH, "1") != "0")

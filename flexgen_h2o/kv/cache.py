@@ -82,11 +82,13 @@ class KVCache:
     def __init__(self, spec: KVSpec, batch: int, capacity: int, policy, budget: Budget | RowBudgets, *,
                  dtype: torch.dtype = torch.float16, alloc: Allocator = _plain_alloc, tier_kind: str = "compute",
                  rolling: bool = False, generator: KeyedDraws | torch.Generator | None = None,
-                 staging: StagingBuffers | None = None, read_in_place: bool = False,
+                 staging: StagingBuffers | None = None, read_in_place: bool = False, copy_stored: bool = False,
                  kernels: TorchKernels = TORCH, fmt: StorageFormat | None = None):
         """staging: reuse buffers for the compute-dtype windows staged on a CPU (None: a fresh copy each time).
         kernels: the engine's (flexgen_h2o.kernels.resolve); a compiled build commits a CPU-homed cache's steps.
         read_in_place: stage hands out the cache's own window (OffloadPolicy.kv_read_in_place decides).
+        copy_stored: stage copies the window's stored rows as they are (fp16 or packed), for attention to read like
+        an in-place window: batch-invariant kernels dequantize in one place, whichever tier the rows came from.
         budget: one Budget for every sequence, or RowBudgets with one per sequence (each evicts down to its own).
         fmt: the K/V rows' storage format (default: the plain one of `dtype`); a quantized one stores each slot's
         head_dim values as one byte row, packed when the row is committed (formats.QuantFormat)."""
@@ -97,7 +99,7 @@ class KVCache:
         self._row_counts = tuple(torch.tensor([getattr(r, n) for r in rows], dtype=torch.long)
                                  for n in ("recent", "budget"))
         self.spec, self.batch, self.capacity = spec, batch, capacity
-        self.staging, self.read_in_place = staging, read_in_place
+        self.staging, self.read_in_place, self.copy_stored = staging, read_in_place, copy_stored
         self.policy, self.budget, self.rolling, self.generator = policy, budget, rolling, generator
         self.tier_kind, self.kernels = tier_kind, kernels
         g, d = spec.n_kv_heads, spec.head_dim
@@ -254,10 +256,14 @@ class KVCache:
         pos = self.pos[:, :, :s].to(device)
         windows = (self.k[:, :, :s], self.v[:, :, :s])
         self.bytes_read[self.tier_kind] += self._slot_bytes(s)
-        if self.read_in_place:
-            return KVView(k=windows[0], v=windows[1], valid=pos >= 0, write_slot=write_slot, compute_dtype=dtype,
-                          format=self.fmt, key_scale=self.k_scale)
-        release, into = None, (None, None)
+        release = None
+        if self.copy_stored and not self.read_in_place:
+            windows, release = self._copy_stored(windows, device)
+        if self.read_in_place or self.copy_stored:
+            return KVView(k=windows[0], v=windows[1], valid=pos >= 0, write_slot=write_slot.to(device),
+                          compute_dtype=dtype, format=self.fmt, release=release,
+                          key_scale=None if self.k_scale is None else self.k_scale.to(device))
+        into = (None, None)
         d = self.spec.head_dim
         if self.staging is not None and device.type == "cpu":
             # capacity-sized buffers: one pool key per cache, however wide the window
@@ -271,6 +277,15 @@ class KVCache:
         if self.rolling:
             view.key_positions = self._ranks(pos.long(), view.write_slot, new_rank.to(device))
         return view
+
+    def _copy_stored(self, windows: tuple[Tensor, Tensor], device: torch.device
+                     ) -> tuple[tuple[Tensor, Tensor], Callable[[], None] | None]:
+        """The stored rows of both windows copied to `device` as they are, into pooled buffers on a CPU."""
+        if self.staging is None or device.type != "cpu":
+            return tuple(w.to(device).clone(memory_format=torch.contiguous_format) for w in windows), None
+        flats = [self.staging.take(self.k.numel(), self.fmt.dtype) for _ in windows]
+        copies = tuple(flat[:w.numel()].view(w.shape).copy_(w) for flat, w in zip(flats, windows))
+        return copies, functools.partial(self.staging.give, *flats)
 
     def values(self, s: int, device: torch.device, dtype: torch.dtype,
                into: tuple[Tensor | None, Tensor | None] = (None, None)) -> tuple[Tensor, Tensor]:

@@ -76,8 +76,11 @@ class SplitKVCache:
             return views[0]
         s = max(self._widths)
         cat = lambda name, fill: torch.cat([_pad_slots(getattr(v, name), s, fill) for v in views])  # noqa: E731
-        view = KVView(k=cat("k", 0.0), v=cat("v", 0.0), valid=cat("valid", False),
-                      write_slot=torch.cat([v.write_slot for v in views]))
+        first = views[0]      # stored rows copied as they are (KVCache.copy_stored) stay in their format
+        view = KVView(k=cat("k", 0), v=cat("v", 0), valid=cat("valid", False),
+                      write_slot=torch.cat([v.write_slot for v in views]), compute_dtype=first.compute_dtype,
+                      format=first.format,
+                      key_scale=None if first.key_scale is None else torch.cat([v.key_scale for v in views]))
         if views[0].key_positions is not None:
             view.key_positions = cat("key_positions", 0)
         for part in views:                     # the parts were copied into the joint window

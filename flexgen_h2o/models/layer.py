@@ -55,6 +55,9 @@ class StepContext:
     score_reduce: str = "sum"    # pooling of grouped query heads into one KV head's score: "sum" or "mean"
     query_chunk: int = 256       # prefill queries per chunk when scores are wanted (never a full s x s matrix)
     unpadded: bool = False       # no pads in any sequence: a prompt's mask is purely causal (decided on the host)
+    # a prompt's leading pads per sequence (left padding), counted on the host; None at decode or where some
+    # sequence has a pad after a real token. Batch-invariant kernels attend each sequence on its own tokens alone
+    pad_counts: tuple[int, ...] | None = None
     kernels: TorchKernels = TORCH  # the math's kernels, resolved once per engine (flexgen_h2o.kernels.resolve)
     # decode: the rows whose results are read (a refilled block's busy rows), None for every row; the linear
     # layers skip the others, whose hidden states and KV writes are never read
@@ -85,7 +88,16 @@ class StepContext:
     def rows(self, lo: int, hi: int) -> "StepContext":
         """The context of sequences [lo, hi) only (a prefill chunk): a chunk of an unpadded block is unpadded;
         one of a padded block keeps the general mask (still exact) rather than re-checking on the device."""
-        return dataclasses.replace(self, positions=self.positions[lo:hi], token_valid=self.token_valid[lo:hi])
+        pads = None if self.pad_counts is None else self.pad_counts[lo:hi]
+        return dataclasses.replace(self, positions=self.positions[lo:hi], token_valid=self.token_valid[lo:hi],
+                                   pad_counts=pads)
+
+    @staticmethod
+    def leading_pads(token_valid: Tensor) -> tuple[int, ...] | None:
+        """Per sequence of a host (b, t) mask, its count of leading pads, or None if a pad follows a real token."""
+        pads = (~token_valid).sum(1)
+        left = torch.arange(token_valid.shape[1]) >= pads[:, None]
+        return tuple(pads.tolist()) if torch.equal(left, token_valid) else None
 
 
 @dataclass

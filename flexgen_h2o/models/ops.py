@@ -7,13 +7,17 @@ TorchKernels below is the layers' math where no compiled kernel is chosen.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import threading
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from flexgen_h2o.models.layer import StepContext
 
 
 # --- norms ---
@@ -305,11 +309,32 @@ def swiglu_mlp(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor) -> Tenso
     return linear(F.silu(linear(x, w_gate)) * linear(x, w_up), w_down)
 
 
+def per_sequence_attention(attend: Callable, q: Tensor, k: Tensor, v: Tensor, ctx: "StepContext",
+                           scale: float) -> tuple[Tensor, Tensor | None]:
+    """`attend` once per sequence of a left-padded prompt batch, on that sequence's own tokens, so that each call
+    has the shapes and data it has when the prompt runs alone: a sequence's output and key mass then do not
+    depend on its batch-mates, its row or the padding (docs/cli.md, "What is guaranteed"). Pads get zeros."""
+    out = q.new_zeros(q.shape)
+    scores = q.new_zeros(k.shape[:3], dtype=torch.float32) if ctx.want_scores else None
+    for i, pad in enumerate(ctx.pad_counts):
+        one = ctx.rows(i, i + 1)
+        one = dataclasses.replace(one, positions=one.positions[:, pad:], token_valid=one.token_valid[:, pad:],
+                                  unpadded=True, pad_counts=(0,))
+        o, sc = attend(q[i:i + 1, :, pad:], k[i:i + 1, :, pad:], v[i:i + 1, :, pad:], one, scale)
+        out[i, :, pad:] = o[0]
+        if scores is not None:
+            scores[i, :, pad:] = sc[0]
+    return out, scores
+
+
 class TorchKernels:
     """The math a layer calls through its StepContext, as the plain torch functions above. kernels.Kernels
     subclasses it and sends the calls its compiled kernels serve there (a CPU's fp32 with the kernels built),
     so a layer never asks which path runs."""
     name = "torch"
+    # every op computes a row the same way whatever rows come with it (kernels.Kernels where its compiled kernels
+    # serve every call; torch's own GEMMs choose their blocking by the batch's shape)
+    batch_invariant = False
 
     def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
         return rms_norm(x, weight, eps)
@@ -335,11 +360,33 @@ class TorchKernels:
                                         query_chunk=query_chunk, causal_only=unpadded)
         return out, scores                                                       # type: ignore[return-value]
 
+    def prompt_attention(self, q: Tensor, k: Tensor, v: Tensor, ctx: "StepContext",
+                         scale: float) -> tuple[Tensor, Tensor | None]:
+        """A prompt attending to itself (causal, pads hidden), with each key's mass (b, g, t) where the rule wants
+        scores. Batch-invariant kernels take each sequence alone on its own tokens (per_sequence_attention)."""
+        if self.batch_invariant and ctx.pad_counts is not None:
+            return per_sequence_attention(self._prompt_attention, q, k, v, ctx, scale)
+        return self._prompt_attention(q, k, v, ctx, scale)
+
+    def _prompt_attention(self, q: Tensor, k: Tensor, v: Tensor, ctx: "StepContext",
+                          scale: float) -> tuple[Tensor, Tensor | None]:
+        if ctx.want_scores:
+            return self.scored_prompt_attention(q, k, v, ctx.token_valid, ctx.unpadded, scale, ctx.score_reduce,
+                                                ctx.query_chunk)
+        return grouped_attention(q, k, v, causal_pad_mask(ctx.token_valid), scale, causal_only=ctx.unpadded)
+
     def narrow_decode_attention(self, q: Tensor, k: Tensor, v: Tensor, valid: Tensor, slot: Tensor,
                                 k_new: Tensor, v_new: Tensor, scale: float, *, want_scores: bool = False,
                                 score_reduce: str = "sum", fmt=None) -> tuple[Tensor, Tensor | None]:
         return narrow_decode_attention(q, k, v, valid, slot, k_new, v_new, scale, want_scores=want_scores,
                                        score_reduce=score_reduce, fmt=fmt)
+
+    def window_attention(self, q: Tensor, k: Tensor, v: Tensor, valid: Tensor, slot: Tensor, scale: float, *,
+                         want_scores: bool = False, score_reduce: str = "sum") -> tuple[Tensor, Tensor | None]:
+        """One decode step over a staged window in compute dtype (b, g, s, d) that already holds the new token
+        at `slot` (b, g); valid (b, g, s) marks the kept slots and the new one."""
+        return grouped_attention(q, k, v, valid[:, :, None, :], scale, want_scores=want_scores,
+                                 score_reduce=score_reduce)
 
     def commit_usable(self, k: Tensor) -> bool:
         """Whether a decode step's commit into a cache of keys `k` goes to a compiled kernel (kv/cache.py)."""

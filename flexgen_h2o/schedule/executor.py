@@ -199,7 +199,8 @@ class BlockExecutor:
             positions = (b.token_valid.long().cumsum(1) - 1).masked_fill(~b.token_valid, -1)
             return StepContext(positions.to(p.device), b.token_valid.to(p.device), p.compute_dtype,
                                want_scores=p.needs_scores, keys_pre_rope=p.rolling, score_reduce=p.score_reduce,
-                               unpadded=bool(b.token_valid.all()), kernels=p.kernels)
+                               unpadded=bool(b.token_valid.all()), kernels=p.kernels,
+                               pad_counts=StepContext.leading_pads(b.token_valid.cpu()))
         true_pos = b.decode_pos(token)
         pos = self._new_rank(b, token) if p.rolling else true_pos
         valid = torch.ones(len(true_pos), 1, dtype=torch.bool)

@@ -53,6 +53,22 @@ struct HalfRows {
 #endif
 };
 
+// An fp32 window (a staged copy: a cache split over tiers, rolled keys, fp32 KV), read as HalfRows reads fp16 rows
+struct FloatRows {
+  const float* rows;
+  int64_t d;
+  FloatRows(const void* block, int64_t d, int64_t /*group_size*/) : rows(static_cast<const float*>(block)), d(d) {}
+  bool wide() const { return d % 8 == 0; }
+  float at(int64_t i, int64_t c) const { return rows[i * d + c]; }
+#ifdef FLEXGEN_H2O_AVX2
+  __m256 load8(int64_t i, int64_t c) const { return _mm256_loadu_ps(rows + i * d + c); }
+  void prefetch(int64_t i, int64_t n, int64_t s) const {
+    const int64_t end = std::min(i + n, s) * d;
+    for (int64_t e = i * d; e < end; e += 16) __builtin_prefetch(rows + e);   // 16 floats: one 64-byte line
+  }
+#endif
+};
+
 inline int64_t quant_row_bytes(int64_t d, int64_t group_size, int64_t bits) {
   const int64_t groups = (d + group_size - 1) / group_size;
   return groups * group_size * bits / 8 + 4 * groups;
@@ -361,13 +377,18 @@ std::vector<at::Tensor> decode(const at::Tensor& q, const at::Tensor& k, const a
 
 }  // namespace
 
-// q (b, h, 1, d) fp32; k, v (b, g, s, d) fp16 windows whose (sequence, head) blocks are contiguous rows (views of
+// q (b, h, 1, d) fp32; k, v (b, g, s, d) fp16 (or fp32) windows whose (sequence, head) blocks are contiguous rows (views of
 // a larger cache are fine); valid (b, g, s) bool with the new token's slot set; slot (b, g) int64; k_new,
 // v_new (b, g, 1, d) fp32. Returns out (b, h, 1, d) and, if want_mass, the mass (b, g, s) each key received,
 // pooled over its group's query heads (sum, or mean when mean_pool), else an empty tensor.
 std::vector<at::Tensor> decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                          const at::Tensor& valid, const at::Tensor& slot, const at::Tensor& k_new,
                                          const at::Tensor& v_new, double scale, bool want_mass, bool mean_pool) {
+  if (k.scalar_type() == at::kFloat) {
+    check_window(k, k, "k", at::kFloat, "float32");
+    check_window(v, k, "v", at::kFloat, "float32");
+    return decode<FloatRows>(q, k, v, valid, slot, k_new, v_new, scale, want_mass, mean_pool, k.size(3), 0);
+  }
   check_window(k, k, "k", at::kHalf, "float16");
   check_window(v, k, "v", at::kHalf, "float16");
   return decode<HalfRows>(q, k, v, valid, slot, k_new, v_new, scale, want_mass, mean_pool, k.size(3), 0);
