@@ -33,3 +33,34 @@ def assert_within(got: torch.Tensor, want: torch.Tensor, bound: torch.Tensor | f
     over = diff > bound
     assert not bool(over.any()), (f"{what}: {int(over.sum())} of {diff.numel()} over their bound, worst "
                                   f"|diff| / bound = {float((diff / bound.clamp(min=1e-300)).max()):.3g}")
+
+
+def greedy_agreement(tokens: list[int], want: list[int], want_logits: list[torch.Tensor],
+                     bound: torch.Tensor | float, what: str = "") -> int:
+    """Greedy tokens of two paths that round differently, step by step, against the second path's logits
+    (each (V,)) and a bound on the two paths' logit difference: a token may differ only where the second path's
+    best two logits are within 2 * bound (each may move by `bound`, so either path may pick either). Returns
+    the number of steps whose inputs were the same (through the first different token: after it the two runs
+    read other tokens and nothing more is comparable)."""
+    for t, (a, b) in enumerate(zip(tokens, want)):
+        if a != b:
+            top2 = want_logits[t].double().topk(2).values
+            margin = float(top2[0] - top2[1])
+            limit = 2 * float(torch.as_tensor(bound).max())
+            assert margin <= limit, f"{what}: step {t} picked {a} not {b}, a margin of {margin:.3g} > {limit:.3g}"
+            return t + 1
+    return min(len(tokens), len(want))
+
+
+def logit_bound(model, logits: torch.Tensor) -> float:
+    """A documented bound on |logit difference| between two fp32 runs of a whole model that order their sums
+    differently (a rigorous one through norms, softmax and residuals is impractical): each of the 6 L + 1
+    chained products (q, k, v, o and two MLP products per layer, the head) adds 2 gamma(k) relative error, k the
+    widest reduction (the MLP's), counted at the logits' own scale (max |logit|), i.e. assuming a layer does not
+    amplify a relative error (residual stream plus norm: near-isometric). For the tests' 2-layer width-64/128
+    models at |logit| <= 3 that is ~6e-4, over x100 what any CPU has shown (~1e-6), and under a quantization
+    level's effect on them (1e-3 to 1e-2)."""
+    cfg = model.config
+    k = max(cfg.hidden_size, getattr(cfg, "intermediate_size", 0) or getattr(cfg, "ffn_dim", 0))
+    n = 6 * cfg.num_hidden_layers + 1
+    return 2 * gamma(k) * n * float(logits.abs().max())

@@ -113,7 +113,8 @@ def stored_history(st: "_RefState", key: torch.Tensor, value: torch.Tensor):
     width = st.prompt_width
     real = (pos[:, :, :width] >= 0)[..., None]
     scale = torch.where(real, old[:, :, :width].abs(), torch.zeros(())).amax(dim=2, keepdim=True).clamp(min=1e-30)
-    old = fake_quant(old / scale, bits, group, margins) * scale
+    st.last_key_input = old / scale                 # the key quantizer's input (before RoPE when rolling)
+    old = fake_quant(st.last_key_input, bits, group, margins) * scale
     if st.inv_freq is not None:
         old = rotate(old, pos.clamp(min=0), st.inv_freq)
     key[:, :, :-1] = old
@@ -141,6 +142,7 @@ class _RefState:
         self.near_tie: list[int | None] = [None] * attention_mask.shape[0]  # per sequence: see reference_generate
         self.quant_log: dict | None = None         # a dict: see reference_generate's quant_log
         self.last_scale: torch.Tensor | None = None
+        self.last_key_input: torch.Tensor | None = None
         # per sequence, per cache index: the token's position among the sequence's real tokens, -1 for pads
         self.pos: list[list[int]] = []
         for row in attention_mask.tolist():
@@ -221,7 +223,7 @@ def masked_h2o_attention(module: torch.nn.Module, query: torch.Tensor, key: torc
             raw_key, raw_value = key, value
             key, value = stored_history(st, key, value)
             if st.quant_log is not None:
-                st.quant_log[layer] = (raw_key.clone(), raw_value.clone(), st.last_scale)
+                st.quant_log[layer] = (raw_key.clone(), raw_value.clone(), st.last_scale, st.last_key_input)
         if st.inv_freq is not None:
             query, key = roll_to_ranks(st, layer, query, key)
     # query head hi reads KV head hi // r (HF repeat_kv groups heads contiguously)
@@ -320,8 +322,10 @@ def reference_generate(model: torch.nn.Module, input_ids: torch.Tensor, attentio
     kv_bits (bits, group size): the cache is compressed (see the module's docstring). near_ties: if a list, it
     receives per sequence the first decode step whose history held a rounding within NEAR_TIE of a boundary
     (None: none did); from that step on an engine may differ from this reference by a quantization step.
-    quant_log: if a dict (kv_bits set), it receives {layer: (key, value, key scale)} as the last decode step read
-    them before rounding (key, value (b, g, L, d); scale (b, g, 1, d)), to compare an engine's quantizer inputs."""
+    quant_log: if a dict (kv_bits set), it receives {layer: (key, value, key scale, key input)} as the last decode
+    step read them before rounding (key, value (b, g, L, d); scale (b, g, 1, d)); key input (b, g, L - 1, d): the
+    older keys as the quantizer takes them (divided by the scale, turned back to position 0 when rolling), to
+    compare an engine's quantizer inputs."""
     if rule not in RULES:
         raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
     if score_reduce not in ("sum", "mean"):
