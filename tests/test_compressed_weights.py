@@ -17,6 +17,7 @@ from flexgen_h2o.weights.store import open_store
 from flexgen_h2o.weights.writer import StoreWriter
 from tests.helpers import greedy, hf_greedy, make_engine, max_logit_diff, random_prompts, tiny_hf, weight_reader
 from tests.reference.fake_quant import fake_quant
+from tests.tolerances import assert_within, dot_bound, gamma, greedy_agreement, logit_bound
 
 N_NEW = 8
 WEIGHTS_ON = {"compute": dict(weights_gpu_pct=100), "host": dict(weights_gpu_pct=0, weights_cpu_pct=100),
@@ -49,9 +50,12 @@ def test_packed_weights_match_transformers_with_the_same_quantized_matrices(kind
     want = hf_greedy(quantized_hf(kind, bits), prompts, N_NEW, pad_id=0)
     plain = hf_greedy(tiny_hf(kind), prompts, N_NEW, pad_id=0)
     for i, (tokens, logits) in enumerate(want):
-        assert out.token_ids[i] == tokens, f"sequence {i}"
-        assert max_logit_diff(engine.step_logits[i], logits) <= 1e-4, f"sequence {i}"
-        assert max_logit_diff(engine.step_logits[i], plain[i][1]) > 1e-3          # the rounding is really there
+        # the same quantized matrices (a weight's codes come from the weight alone: no input differs), products
+        # in other fp32 orders: tokens equal but at a near tie, logits within the model's fp32 bound
+        bound = logit_bound(tiny_hf(kind), torch.stack(logits))
+        n = greedy_agreement(out.token_ids[i], tokens, logits, bound, f"sequence {i}")
+        assert max_logit_diff(engine.step_logits[i][:n], logits[:n]) <= bound, f"sequence {i}"
+        assert max_logit_diff(engine.step_logits[i], plain[i][1]) > 1e-3 > bound  # the rounding is really there
 
 
 @pytest.fixture(scope="module")
@@ -138,7 +142,10 @@ def test_linear_sends_few_rows_to_the_kernel_and_many_to_the_gemm(monkeypatch, i
     for rows in (1, dispatch.QUANT_LINEAR_MAX_ROWS, dispatch.QUANT_LINEAR_MAX_ROWS + 1):
         x = torch.randn(rows, 96, generator=gen)
         want = x.double() @ w.values(torch.float64).T + bias.double()
-        torch.testing.assert_close(kernels.linear(x, w, bias).double(), want, rtol=1e-5, atol=1e-5)
+        # against the exact product: k terms, each weight dequantized with up to 2 roundings, and the bias
+        # added (one more term): gamma(k + 3) (sum |x w| + |bias|), dot_bound's two orders being 2x that
+        bound = dot_bound(x, w.values(torch.float32), extra=3) + 2 * gamma(96 + 3) * bias.double().abs()
+        assert_within(kernels.linear(x, w, bias), want, bound, f"{rows} rows")
     sizes = [1, dispatch.QUANT_LINEAR_MAX_ROWS, dispatch.QUANT_LINEAR_MAX_ROWS + 1]
     assert calls == (sizes if invariant == "1" else sizes[:2])
 

@@ -26,6 +26,15 @@ def dot_bound(x: torch.Tensor, w: torch.Tensor, u: float = EPS32, extra: int = 0
     return 2 * gamma(k + extra, u) * (x.double().abs() @ w.double().abs().transpose(-1, -2))
 
 
+def linear_bound(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, u: float = EPS32,
+                 extra: int = 0) -> torch.Tensor:
+    """dot_bound for x @ w.T + bias (w (n, k) as F.linear takes it): the bias is one more term of the sum, so
+    gamma(k + 1 + extra) covers it, counted at its own magnitude."""
+    if bias is None:
+        return dot_bound(x, w.float(), u, extra)
+    return dot_bound(x, w.float(), u, extra + 1) + 2 * gamma(x.shape[-1] + 1 + extra, u) * bias.double().abs()
+
+
 def assert_within(got: torch.Tensor, want: torch.Tensor, bound: torch.Tensor | float, what: str = "") -> None:
     """|got - want| <= bound elementwise (bound broadcast), with the worst ratio in the message."""
     diff = (got.double() - want.double()).abs()
