@@ -1,6 +1,7 @@
 """A prompt's greedy text does not depend on its batch-mates or on how the job was cut into blocks, for every
 policy, budget kind and storage format: alone it gets the tokens it gets beside longer and shorter prompts, in one
-GPU batch or several, in another order, and with its cache split across tiers (disk included). (The CLI's
+GPU batch or several, in another order, in prefill chunks of two sequences, and with its cache split across tiers
+(disk included). (The CLI's
 refill-and-resume case is in tests/test_cli_invariance.py.)
 
 With the compiled kernels (kernels.Kernels.batch_invariant) every row is computed in one order whatever rows come
@@ -42,6 +43,7 @@ CUTS = {
     "reversed-3x2": (3, 2, [5, 4, 3, 2, 1, 0], {}),
     "shuffled-4": (4, 1, [3, 0, 5, 1, 4, 2], {}),
     "mixed-tiers": (3, 2, [2, 5, 0, 3, 1, 4], PLACEMENTS["mixed"]),
+    "prefill-by-2": (6, 1, [1, 3, 5, 0, 2, 4], {"prefill_batch_size": 2}),
 }
 
 
@@ -176,7 +178,7 @@ def test_every_format_is_bitwise(tmp_path, kind, fmt):
     model = tiny_hf(kind)
     prompts = random_prompts(LONG, seed=4)
     ev = POLICIES["h2o-ratio"]
-    cuts = {name: CUTS[name] for name in ("one-batch", "reversed-3x2", "mixed-tiers")}
+    cuts = {name: CUTS[name] for name in ("one-batch", "reversed-3x2", "mixed-tiers", "prefill-by-2")}
     runners = {name: Runner(model, gbs, ngb, placement, tmp_path / name, FORMATS[fmt])
                for name, (gbs, ngb, _, placement) in cuts.items()}
     try:
