@@ -35,6 +35,41 @@ def linear_bound(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = N
     return dot_bound(x, w.float(), u, extra + 1) + 2 * gamma(x.shape[-1] + 1 + extra, u) * bias.double().abs()
 
 
+def attention_bounds(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+                     query_valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Bounds on |output difference| (b, h, t, d) and |score difference| (b, g, s) between two fp32 computations
+    of masked softmax attention (h query heads read KV head h // (h / g); scores: each key's probability summed
+    over the valid queries and the group's heads) that round in other orders. q (b, h, t, d), k, v (b, g, s, d),
+    mask (b, h or 1, t, s) True = attend. Derived per query row, in double from the exact probabilities p:
+    - the exponent x_i = s_i - max: each path's logit within gamma(d + 1) sum |q k| scale (the scale one more
+      rounding) and the subtraction within EPS32 |x_i|: e_i = 2 (both) of that;
+    - softmax: exponents moved by e_i move p_i by a factor within e^{+-(e_i + max e)}, and each path's exp (1 ulp,
+      2 EPS32), sum of s terms and division add gamma(s + 3) relative: |dp_i| <= p_i (expm1(2 max e) + 2 gamma(s + 3));
+    - output sum_i p_i v_i: sum |dp_i| |v_i| + 2 gamma(s) sum p_i |v_i|;
+    - a score, n probabilities added: sum |dp| + 2 gamma(n) sum p."""
+    r = q.shape[1] // k.shape[1]
+    qd, kd, vd = q.double(), k.double().repeat_interleave(r, 1), v.double().repeat_interleave(r, 1)
+    s_len = k.shape[2]
+    allowed = torch.ones(qd.shape[:3] + (s_len,), dtype=torch.bool) if mask is None else mask.expand(
+        qd.shape[:3] + (s_len,))
+    logits = (qd @ kd.transpose(-1, -2)) * scale
+    logits = logits.masked_fill(~allowed, float("-inf"))
+    p = torch.softmax(logits, dim=-1)
+    x = (logits - logits.amax(-1, keepdim=True)).masked_fill(~allowed, 0).abs()
+    e = 2 * (gamma(q.shape[-1] + 1) * (qd.abs() @ kd.abs().transpose(-1, -2)) * abs(scale) + EPS32 * x)
+    e = e.masked_fill(~allowed, 0)
+    dp = p * (torch.expm1(2 * e.amax(-1, keepdim=True)) + 2 * gamma(s_len + 3))
+    out = dp @ vd.abs() + 2 * gamma(s_len) * (p @ vd.abs())
+    valid = torch.ones(qd.shape[:3], dtype=torch.bool) if query_valid is None else query_valid[:, None, :].expand(
+        qd.shape[:3])
+    n = int(valid[0].sum(-1).max()) if valid.numel() else 0
+    dp_sum = (dp * valid[..., None]).sum(2)                                   # (b, h, s)
+    p_sum = (p * valid[..., None]).sum(2)
+    score = dp_sum.view(k.shape[0], k.shape[1], r, s_len).sum(2) + 2 * gamma(n * r + 1) * p_sum.view(
+        k.shape[0], k.shape[1], r, s_len).sum(2)
+    return out, score
+
+
 def assert_within(got: torch.Tensor, want: torch.Tensor, bound: torch.Tensor | float, what: str = "") -> None:
     """|got - want| <= bound elementwise (bound broadcast), with the worst ratio in the message."""
     diff = (got.double() - want.double()).abs()
