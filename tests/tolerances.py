@@ -36,7 +36,8 @@ def linear_bound(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = N
 
 
 def attention_bounds(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
-                     query_valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     query_valid: torch.Tensor | None = None, extra: int = 0, k_mag: torch.Tensor | None = None,
+                     v_mag: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Bounds on |output difference| (b, h, t, d) and |score difference| (b, g, s) between two fp32 computations
     of masked softmax attention (h query heads read KV head h // (h / g); scores: each key's probability summed
     over the valid queries and the group's heads) that round in other orders. q (b, h, t, d), k, v (b, g, s, d),
@@ -46,9 +47,13 @@ def attention_bounds(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     - softmax: exponents moved by e_i move p_i by a factor within e^{+-(e_i + max e)}, and each path's exp (1 ulp,
       2 EPS32), sum of s terms and division add gamma(s + 3) relative: |dp_i| <= p_i (expm1(2 max e) + 2 gamma(s + 3));
     - output sum_i p_i v_i: sum |dp_i| |v_i| + 2 gamma(s) sum p_i |v_i|;
-    - a score, n probabilities added: sum |dp| + 2 gamma(n) sum p."""
+    - a score, n probabilities added: sum |dp| + 2 gamma(n) sum p.
+    extra: roundings each K and V value takes on its way in (a dequantization: q * step + min, 2), counted on
+    k_mag, v_mag (default |k|, |v|): the magnitudes those roundings are relative to (|q step| + |min|)."""
     r = q.shape[1] // k.shape[1]
     qd, kd, vd = q.double(), k.double().repeat_interleave(r, 1), v.double().repeat_interleave(r, 1)
+    km = kd.abs() if k_mag is None else k_mag.double().repeat_interleave(r, 1)
+    vm = vd.abs() if v_mag is None else v_mag.double().repeat_interleave(r, 1)
     s_len = k.shape[2]
     allowed = torch.ones(qd.shape[:3] + (s_len,), dtype=torch.bool) if mask is None else mask.expand(
         qd.shape[:3] + (s_len,))
@@ -56,10 +61,10 @@ def attention_bounds(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     logits = logits.masked_fill(~allowed, float("-inf"))
     p = torch.softmax(logits, dim=-1)
     x = (logits - logits.amax(-1, keepdim=True)).masked_fill(~allowed, 0).abs()
-    e = 2 * (gamma(q.shape[-1] + 1) * (qd.abs() @ kd.abs().transpose(-1, -2)) * abs(scale) + EPS32 * x)
+    e = 2 * (gamma(q.shape[-1] + 1 + extra) * (qd.abs() @ km.transpose(-1, -2)) * abs(scale) + EPS32 * x)
     e = e.masked_fill(~allowed, 0)
     dp = p * (torch.expm1(2 * e.amax(-1, keepdim=True)) + 2 * gamma(s_len + 3))
-    out = dp @ vd.abs() + 2 * gamma(s_len) * (p @ vd.abs())
+    out = dp @ vm + 2 * gamma(s_len + extra) * (p @ vm)
     valid = torch.ones(qd.shape[:3], dtype=torch.bool) if query_valid is None else query_valid[:, None, :].expand(
         qd.shape[:3])
     n = int(valid[0].sum(-1).max()) if valid.numel() else 0
@@ -68,6 +73,32 @@ def attention_bounds(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     score = dp_sum.view(k.shape[0], k.shape[1], r, s_len).sum(2) + 2 * gamma(n * r + 1) * p_sum.view(
         k.shape[0], k.shape[1], r, s_len).sum(2)
     return out, score
+
+
+def decode_attention_bounds(q, k, v, valid, slot, k_new, v_new, scale: float, reduce: str = "sum", extra: int = 0,
+                            group: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """attention_bounds for one decode step as ops.narrow_decode_attention takes it: q (b, h, 1, d), windows
+    k, v (b, g, s, d) (values: fp16 rows, or a quantized window dequantized), valid (b, g, s), the new token's
+    unrounded rows k_new, v_new (b, g, 1, d) at `slot` (b, g). Returns the output's bound (b, h, 1, d) and the
+    key mass's (b, g, s) (reduce "mean": divided by the group's r heads, one rounding more). group: the window
+    is group-wise quantized in groups of `group` values: each value's dequantization (extra roundings) is
+    relative to |q step| + |min| <= 3 max |value| of its group, not to the value."""
+    b, g, s_len, d = k.shape
+    r = q.shape[1] // g
+    idx = slot[:, :, None, None].expand(b, g, 1, d)
+    kf, vf = k.float().scatter(2, idx, k_new.float()), v.float().scatter(2, idx, v_new.float())
+    mags = [None, None]
+    if group is not None:
+        for i, x in enumerate((kf, vf)):
+            pad = -d % group
+            rows = torch.cat([x, x[..., -1:].expand(*x.shape[:-1], pad)], -1) if pad else x
+            top = rows.abs().reshape(*x.shape[:-1], -1, group).amax(-1, keepdim=True)
+            mags[i] = (x.abs() + 3 * top.expand(*top.shape[:-1], group).reshape(rows.shape)[..., :d])
+    mask = valid.repeat_interleave(r, 1)[:, :, None, :]
+    out, mass = attention_bounds(q, kf, vf, mask, scale, torch.ones(b, 1, dtype=torch.bool), extra, *mags)
+    if reduce == "mean":
+        mass = mass / r * (1 + 2 * EPS32)
+    return out, mass
 
 
 def assert_within(got: torch.Tensor, want: torch.Tensor, bound: torch.Tensor | float, what: str = "") -> None:
