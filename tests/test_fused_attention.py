@@ -9,6 +9,7 @@ import torch
 from flexgen_h2o.kv import EvictionConfig
 from flexgen_h2o.kernels import build, dispatch, resolve
 from flexgen_h2o.models import ops
+from tests.tolerances import EPS32, assert_within, attention_bounds, gamma, greedy_agreement, logit_bound
 from tests.helpers import engine_kept, greedy, make_engine, max_logit_diff, random_prompts, tiny_hf
 
 
@@ -24,6 +25,16 @@ def _scored(kernel, q, k, v, token_valid, scale, score_reduce="sum"):
     """The kernel's prompt pass as a layer calls it: no pads (token_valid None) is every token valid, unpadded."""
     valid = torch.ones(q.shape[0], q.shape[2], dtype=torch.bool) if token_valid is None else token_valid
     return kernel.scored_prompt_attention(q, k, v, valid, token_valid is None, scale, score_reduce, 256)
+
+
+def _bounds(q, k, v, token_valid, scale, score_reduce="sum"):
+    """tolerances.attention_bounds on the prompt's causal, pad-hiding mask (the kernel and the torch path: two
+    fp32 orders); "mean" divides each score by the group's r heads, one rounding more."""
+    b, t = q.shape[0], q.shape[2]
+    valid = torch.ones(b, t, dtype=torch.bool) if token_valid is None else token_valid
+    out, mass = attention_bounds(q, k, v, ops.causal_pad_mask(valid), scale, valid)
+    r = q.shape[1] // k.shape[1]
+    return out, (mass / r * (1 + 2 * EPS32) if score_reduce == "mean" else mass)
 
 
 def _inputs(b, h, g, t, d, pads=()):
@@ -53,11 +64,16 @@ def test_kernel_gives_the_torch_paths_output_and_key_mass(kernel, monkeypatch, b
     ref_out, ref_mass = _reference(q, k, v, valid, 0.4, score_reduce)
     out, mass = _scored(kernel, q, k, v, valid, 0.4, score_reduce)
     assert out.shape == ref_out.shape and mass.shape == ref_mass.shape == (b, g, t)
-    torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(mass, ref_mass, rtol=1e-5, atol=1e-5)
+    out_bound, mass_bound = _bounds(q, k, v, valid, 0.4, score_reduce)
+    assert_within(out, ref_out, out_bound, "output")
+    assert_within(mass, ref_mass, mass_bound, "key mass")
     valid_queries = torch.full((b,), float(t)) if valid is None else valid.sum(1).float()
     heads_pooled = 1 if score_reduce == "mean" else h // g          # every valid query spends a mass of 1
-    torch.testing.assert_close(mass.sum(dim=(1, 2)), g * heads_pooled * valid_queries, rtol=1e-5, atol=1e-4)
+    # each query row's probabilities sum to 1 within 2 gamma(t + 3) (exp, sum, division; then this sum), the
+    # kernel's n r rows added per key and the g t keys added here: gamma of each count more
+    rel = 2 * gamma(t + 3) + gamma(t * h + 2) + gamma(g * t + 1)
+    want_total = g * heads_pooled * valid_queries
+    assert_within(mass.sum(dim=(1, 2)), want_total, rel * want_total, "mass in all")
     if valid is not None:
         assert torch.all(mass.permute(0, 2, 1)[~valid] == 0)   # a pad key is seen only by itself, a pad query
 
@@ -77,7 +93,8 @@ def test_kernel_is_the_same_on_one_thread_and_two(kernel, monkeypatch):
         torch.set_num_threads(before)
     assert threads_after == 2                      # the kernel's one-thread GEMMs do not leak out of it
     assert torch.equal(one[0], two[0])
-    torch.testing.assert_close(one[1], two[1], rtol=1e-6, atol=1e-6)
+    # per-thread key-mass rows added in another order: within the score sums' bound
+    assert_within(one[1], two[1], _bounds(q, k, v, valid, 0.3)[1], "key mass")
 
 
 def test_a_single_task_on_the_calling_thread_leaves_its_thread_count(kernel):
@@ -115,9 +132,12 @@ def test_engine_with_the_kernel_keeps_and_generates_what_it_does_without(kernel,
     assert compiled.kernels.ext is kernel.ext and plain.kernels.ext is None
     ref = plain.generate(prompts, greedy(8))
     assert not calls
-    assert out.token_ids == ref.token_ids
+    # two fp32 orders of the same model: tokens equal but at a near tie, logits within tolerances.logit_bound
+    for i in range(len(prompts)):
+        bound = logit_bound(model, torch.stack(ref_logits := plain.step_logits[i]))
+        n = greedy_agreement(out.token_ids[i], ref.token_ids[i], ref_logits, bound, f"sequence {i}")
+        assert max_logit_diff(compiled.step_logits[i][:n], ref_logits[:n]) <= bound, f"sequence {i}"
     assert engine_kept(compiled) == engine_kept(plain)
-    assert all(max_logit_diff(compiled.step_logits[i], plain.step_logits[i]) < 1e-4 for i in range(len(prompts)))
 
 
 def test_full_cache_prompt_does_not_use_the_kernel(kernel, monkeypatch):
