@@ -17,10 +17,12 @@ VOCAB = 128
 # The engine under test runs on the CPU. FLEXGEN_H2O_TEST_DEVICE=cuda runs the same tests on a GPU, computing in
 # fp32 so that they hold it to the same references (tests/test_cuda.py checks the fp16 path users run there).
 TEST_DEVICE = os.environ.get("FLEXGEN_H2O_TEST_DEVICE", "cpu")
-# "the same run" between placements: equal to rounding. On a GPU, cpu_cache_compute runs decode attention on
-# the host against a reference that ran it on the device, and the two fp32 kernels round differently (1.4e-6
-# measured on an H200, 2026-11-26)
-SAME_RUN_TOL = 1e-6 if TEST_DEVICE == "cpu" else 1e-5
+# "the same run" between placements. On the CPU, bit for bit: the reference has the same block and batch shapes,
+# so every op sees the same rows in the same order wherever weights, KV and activations live (fp16 weights upcast
+# exactly, fp32 KV is copied as it is). On a GPU, cpu_cache_compute runs decode attention on the host against a
+# reference that ran it on the device: two fp32 kernels (1.4e-6 measured on an H200, 2026-11-26; a CUDA bound,
+# not a CPU one: this ISA-independent suite runs it only with FLEXGEN_H2O_TEST_DEVICE=cuda)
+SAME_RUN_TOL = 0.0 if TEST_DEVICE == "cpu" else 1e-5
 
 
 def tiny_hf(kind: str, seed: int = 0):

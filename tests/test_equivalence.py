@@ -7,9 +7,11 @@ import os
 import shutil
 
 import pytest
+import torch
 
 from flexgen_h2o.config import ConfigError, OffloadPolicy
 from flexgen_h2o.memory import DiskSpaceError
+from tests.tolerances import greedy_agreement, logit_bound
 from tests.helpers import SAME_RUN_TOL, greedy, hf_greedy, make_engine, max_logit_diff, random_prompts, tiny_hf
 
 LENGTHS = [3, 9, 5, 12, 7, 4, 10]      # 7 prompts: blocks and GPU batches of different sizes and paddings
@@ -62,6 +64,14 @@ def _hf(kind):
     return hf_greedy(model, PROMPTS, N_NEW, pad_id=model.config.pad_token_id)
 
 
+def _same_as_hf(kind, tokens, logits, hf_tokens, hf_logits, s):
+    """The engine against transformers: other fp32 orders (kernels, GEMMs), so tokens equal but at a near tie
+    and logits within tolerances.logit_bound up to there."""
+    bound = logit_bound(_model(kind), torch.stack(hf_logits))
+    n = greedy_agreement(tokens, hf_tokens, hf_logits, bound, f"sequence {s}")
+    assert max_logit_diff(logits[:n], hf_logits[:n]) <= bound, f"sequence {s}"
+
+
 @functools.lru_cache(maxsize=None)
 def _reference(kind, gbs, nb):
     """All-compute, no overlap, same block / batch shapes (padding is per block, so shapes must match)."""
@@ -109,8 +119,7 @@ def test_placement_gives_identical_greedy_run(case, tmp_path):
             assert max_logit_diff(engine.step_logits[s], ref_logits[s]) <= SAME_RUN_TOL
 
         for s, (hf_tokens, hf_logits) in enumerate(_hf(kind)):
-            assert out.token_ids[s] == hf_tokens
-            assert max_logit_diff(engine.step_logits[s], hf_logits) <= 1e-4
+            _same_as_hf(kind, out.token_ids[s], engine.step_logits[s], hf_tokens, hf_logits, s)
     finally:
         engine.close()
     assert run_dir is None or not run_dir.exists()
@@ -126,8 +135,7 @@ def test_chunked_prefill_gives_transformers_tokens(kind, pct, rows, tmp_path):
     try:
         out = engine.generate(PROMPTS, greedy(N_NEW))
         for s, (hf_tokens, hf_logits) in enumerate(_hf(kind)):
-            assert out.token_ids[s] == hf_tokens
-            assert max_logit_diff(engine.step_logits[s], hf_logits) <= 1e-4
+            _same_as_hf(kind, out.token_ids[s], engine.step_logits[s], hf_tokens, hf_logits, s)
     finally:
         engine.close()
 
