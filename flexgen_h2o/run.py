@@ -232,6 +232,7 @@ def _generate(args, mode, offload, eviction, gen_len, prompt_len, log_path, requ
     if stage is not None:
         from flexgen_h2o.frontends.scale_out import attach_link
         attach_link(args, llm)
+    print(_invariance_line(llm.engine))
     try:
         metrics = _run_mode(args, mode, llm, est, texts, prompts, job, gen_len, requests, pending, results)
     finally:
@@ -322,6 +323,15 @@ def _preflight(args, cfg, offload, eviction, backend, deferred, job) -> tuple:
                         kv_slot_bytes(cfg, offload.kv_format) * cfg.n_layers * n_seqs))
     print(est.plan.describe())
     return est, checked
+
+
+def _invariance_line(engine) -> str:
+    """What a prompt's text may owe to its batch-mates here (docs/cli.md, "What is guaranteed")."""
+    if engine.kernels.batch_invariant and engine.device.type == "cpu":
+        return "batch invariance: bit for bit (compiled kernels: any batch, block, tier or resume gives the same tokens)"
+    return ("batch invariance: to rounding (a text may part from its batch-1 text at a near-tie of two logits"
+            + (", or where int4/int8 rounding crosses a step" if engine.offload.kv_bits or engine.offload.weight_bits
+               else "") + ")")
 
 
 def _run_mode(args, mode, llm, est, texts, prompts, job, gen_len, requests, pending, results) -> dict:

@@ -192,3 +192,18 @@ def test_every_format_is_bitwise(tmp_path, kind, fmt):
     finally:
         for r in runners.values():
             r.close()
+
+
+@pytest.mark.parametrize("switch", ["1", "0"])
+def test_the_startup_line_says_which_guarantee_holds(monkeypatch, switch):
+    from flexgen_h2o.run import _invariance_line
+    monkeypatch.setenv("FLEXGEN_H2O_BATCH_INVARIANT", switch)
+    engine = make_engine(tiny_hf("llama-gqa"), offload=OffloadPolicy(kv_bits=4))
+    try:
+        line = _invariance_line(engine)
+    finally:
+        engine.close()
+    if switch == "1" and not engine.kernels.batch_invariant:
+        pytest.skip("the compiled kernels are not loaded")
+    want = "bit for bit" if switch == "1" else "to rounding (a text may part from its batch-1 text at a near-tie"
+    assert want in line and (switch == "1" or "int4/int8" in line)

@@ -57,6 +57,7 @@ def test_alone_batched_and_resumed_give_the_same_tokens(tiny, tmp_path, case):
     assert proc.returncode == 0, proc.stderr[-3000:]
     # the budgets really differ per prompt (the startup line gives their range)
     assert "slots/seq" in proc.stdout and "each prompt's own length" in proc.stdout, proc.stdout
+    assert "batch invariance: bit for bit" in proc.stdout, proc.stdout          # what the startup line promises
     proc = run_cli(common + ["--output", str(batched), "--gpu-batch-size", "4", "--num-gpu-batches", "2",
                              *batched_flags], env)
     assert proc.returncode == 0, proc.stderr[-3000:]

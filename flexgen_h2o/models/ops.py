@@ -364,7 +364,7 @@ class TorchKernels:
                          scale: float) -> tuple[Tensor, Tensor | None]:
         """A prompt attending to itself (causal, pads hidden), with each key's mass (b, g, t) where the rule wants
         scores. Batch-invariant kernels take each sequence alone on its own tokens (per_sequence_attention)."""
-        if self.batch_invariant and ctx.pad_counts is not None:
+        if self.batch_invariant and q.device.type == "cpu" and ctx.pad_counts is not None:
             return per_sequence_attention(self._prompt_attention, q, k, v, ctx, scale)
         return self._prompt_attention(q, k, v, ctx, scale)
 
