@@ -146,11 +146,14 @@ def engine_scores(engine) -> list:
     return [per_layer[layer] for layer in sorted(per_layer)]
 
 
-def assert_scores_close(mine: list, ref: list, rtol: float = 1e-4, atol: float = 1e-5) -> None:
+def assert_scores_close(mine: list, ref: list, rel: float, sequences) -> None:
+    """The caches' kept positions and scores against the reference's, for the given sequences (those whose runs
+    no near tie split, tolerances.eviction_tie_step): each score within rel of the reference's
+    (tolerances.score_rel_bound: two fp32 orders of the same sums)."""
     for l, (layer_a, layer_b) in enumerate(zip(mine, ref)):
-        for b, (seq_a, seq_b) in enumerate(zip(layer_a, layer_b)):
-            for g, (col_a, col_b) in enumerate(zip(seq_a, seq_b)):
+        for b in sequences:
+            for g, (col_a, col_b) in enumerate(zip(layer_a[b], layer_b[b])):
                 assert col_a.keys() == col_b.keys(), f"layer {l} sequence {b} head {g}"
                 for p in col_a:
-                    assert abs(col_a[p] - col_b[p]) <= atol + rtol * abs(col_b[p]), \
+                    assert abs(col_a[p] - col_b[p]) <= rel * abs(col_b[p]), \
                         f"layer {l} sequence {b} head {g} position {p}: score {col_a[p]} vs {col_b[p]}"

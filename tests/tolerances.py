@@ -8,6 +8,8 @@ within twice that of each other.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 EPS32 = 2.0 ** -24          # fp32 unit roundoff: one rounding moves a value by at most EPS32 * |value|
@@ -139,3 +141,31 @@ def logit_bound(model, logits: torch.Tensor) -> float:
     k = max(cfg.hidden_size, getattr(cfg, "intermediate_size", 0) or getattr(cfg, "ffn_dim", 0))
     n = 6 * cfg.num_hidden_layers + 1
     return 2 * gamma(k) * n * float(logits.abs().max())
+
+
+def score_rel_bound(model, attn_mag: float, n_keys: int, n_terms: int) -> float:
+    """A documented relative bound on |H2O score difference| between two fp32 runs of a whole model (logit_bound's
+    assumption: each of the 6 L + 1 chained products adds 2 gamma(k) relative error and no layer amplifies it),
+    taken at the attention's own scale attn_mag (the largest sum |q k| scale, what an attention logit's rounding
+    is relative to): logits move by e = 2 gamma(k) (6 L + 1) attn_mag, so (attention_bounds) each probability by
+    p (expm1(2 e) + 2 gamma(n_keys + 3)), and a score of n_terms probabilities (queries x heads) by that plus
+    2 gamma(n_terms) of itself."""
+    cfg = model.config
+    k = max(cfg.hidden_size, getattr(cfg, "intermediate_size", 0) or getattr(cfg, "ffn_dim", 0))
+    e = 2 * gamma(k) * (6 * cfg.num_hidden_layers + 1) * attn_mag
+    return math.expm1(2 * e) + 2 * gamma(n_keys + 3) + 2 * gamma(n_terms)
+
+
+def eviction_tie_step(gaps: list[list[float]], rel: float, n_steps: int, what: str = "") -> list[int]:
+    """Per sequence, how many greedy steps two differently rounding runs of the same eviction rule read the same
+    kept keys: gaps[b][t] the reference's least |a - b| / (a + b) across forward t's eviction choices (its
+    eviction dict, tests/reference/h2o_masked); a choice with gap <= rel (each score may move by rel of itself)
+    is a near tie that either run may resolve either way, so logits from t + 1 on may differ. n_steps where
+    none is; each near tie is reported (printed, seen with pytest -s or on failure)."""
+    out = []
+    for b, per_step in enumerate(gaps):
+        tie = next((t for t, g in enumerate(per_step) if g <= rel), None)
+        if tie is not None:
+            print(f"{what}: sequence {b} evicts at a near tie at step {tie} (gap {per_step[tie]:.3g} <= {rel:.3g})")
+        out.append(n_steps if tie is None else min(n_steps, tie + 1))
+    return out

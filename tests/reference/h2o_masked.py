@@ -143,6 +143,11 @@ class _RefState:
         self.quant_log: dict | None = None         # a dict: see reference_generate's quant_log
         self.last_scale: torch.Tensor | None = None
         self.last_key_input: torch.Tensor | None = None
+        # per sequence: the least |a - b| / (a + b) of the two ranking scores closest across each forward's eviction
+        # choices (index 0 the prompt pass, t the decode step whose logits are t), and the largest sum |q k| scale
+        # of any attention logit (what a path's logit rounding is relative to): see tolerances.eviction_tie_step
+        self.gaps: list[list[float]] = [[] for _ in range(attention_mask.shape[0])]
+        self.attn_mag = 0.0
         # per sequence, per cache index: the token's position among the sequence's real tokens, -1 for pads
         self.pos: list[list[int]] = []
         for row in attention_mask.tolist():
@@ -181,6 +186,19 @@ class _RefState:
         if self.rule == "avg":
             score = score / self.seen[layer][b, g, :length].clamp(min=1)
         return score.tolist()
+
+    def record_gap(self, b: int, ranking: list[float], chosen: set[int], others: list[int]) -> None:
+        """The closest pair across one choice: a chosen index (kept, or the victim) against an unchosen candidate.
+        Two exactly zero scores are no near tie: exp underflows to exactly 0 on every path and both resolve the tie
+        by position (tests/test_h2o_decode's tie case)."""
+        while len(self.gaps[b]) <= len(self.pos[b]) - self.prompt_width:
+            self.gaps[b].append(float("inf"))
+        step = len(self.pos[b]) - self.prompt_width
+        for c in chosen:
+            for o in others:
+                a, z = ranking[c], ranking[o]
+                if a + z > 0:
+                    self.gaps[b][step] = min(self.gaps[b][step], abs(a - z) / (a + z))
 
     def budget_args(self, b: int) -> tuple[int, int, int]:
         """Sequence b's own (sink, heavy, recent); the window rule keeps no heavy hitters: their share is window."""
@@ -231,6 +249,7 @@ def masked_h2o_attention(module: torch.nn.Module, query: torch.Tensor, key: torc
     values = torch.stack([value[:, hi // r] for hi in range(h)], dim=1).float()
     mask = torch.stack([allowed[:, hi // r] for hi in range(h)], dim=1)              # (b, h, q, L)
     logits = torch.matmul(query.float(), keys.transpose(-1, -2)) * scale
+    st.attn_mag = max(st.attn_mag, float((query.float().abs() @ keys.abs().transpose(-1, -2)).max()) * abs(scale))
     probs = torch.softmax(logits.masked_fill(~mask, float("-inf")), dim=-1)          # (b, h, q, L) fp32
     out = torch.matmul(probs, values).to(query.dtype)
 
@@ -248,8 +267,17 @@ def masked_h2o_attention(module: torch.nn.Module, query: torch.Tensor, key: torc
                 if st.rule == "full":            # no budget at all: every real prompt token stays
                     st.keep[layer][bi][gi] = {i for i in range(L) if st.pos[bi][i] >= 0}
                 else:
-                    st.keep[layer][bi][gi] = ref_keep_prefill(st.ranking(layer, bi, gi, L), st.pos[bi][:L], sink,
-                                                              heavy, recent, st.flip_ties)
+                    ranking = st.ranking(layer, bi, gi, L)
+                    st.keep[layer][bi][gi] = ref_keep_prefill(ranking, st.pos[bi][:L], sink, heavy, recent,
+                                                              st.flip_ties)
+                    if st.rule != "window":          # the window's choice is by position only
+                        real = [i for i in range(L) if st.pos[bi][i] >= 0]
+                        by_age = sorted(real, key=lambda i: st.pos[bi][i])
+                        fixed = {i for i in real if st.pos[bi][i] < sink} | set(by_age[len(by_age) - recent:]
+                                                                                   if recent > 0 else [])
+                        cand = [i for i in real if i not in fixed]
+                        kept_c = st.keep[layer][bi][gi] & set(cand)
+                        st.record_gap(bi, ranking, kept_c, [i for i in cand if i not in kept_c])
     else:
         for bi in range(b):
             sink, heavy, recent = st.budget_args(bi)
@@ -261,9 +289,19 @@ def masked_h2o_attention(module: torch.nn.Module, query: torch.Tensor, key: torc
                     st.score[layer][bi, gi, idx] += col[idx]     # every kept key, the new one included
                 st.seen[layer][bi, gi, idx] += 1
                 positions = [st.pos[bi][i] if i in kept else -1 for i in range(L)]
-                victim = ref_victim(st.ranking(layer, bi, gi, L), positions, sink, heavy, recent, st.rule,
-                                    st.flip_ties)
+                ranking = st.ranking(layer, bi, gi, L)
+                victim = ref_victim(ranking, positions, sink, heavy, recent, st.rule, st.flip_ties)
                 if victim is not None:
+                    if st.rule not in ("window", "full"):
+                        # the candidates ref_victim ranked: kept non-sinks outside the window, for the port less
+                        # the token leaving the window (admitted whatever its score)
+                        by_age = sorted(kept, key=lambda i: st.pos[bi][i])
+                        window = set(by_age[len(by_age) - recent:]) if recent > 0 else set()
+                        cand = [i for i in kept if st.pos[bi][i] >= sink and i not in window]
+                        if st.rule == "port" and len(cand) > 1:
+                            cand.remove(max(cand, key=lambda i: st.pos[bi][i]))
+                        cand = [i for i in cand if i != victim]
+                        st.record_gap(bi, ranking, {victim}, cand)
                     kept.discard(victim)
     return out.transpose(1, 2).contiguous(), probs
 
@@ -306,7 +344,8 @@ def reference_generate(model: torch.nn.Module, input_ids: torch.Tensor, attentio
                        decode_mass: bool = True, flip_ties: bool = False,
                        kv_bits: tuple[int, int] | None = None,
                        near_ties: list | None = None,
-                       quant_log: dict | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+                       quant_log: dict | None = None,
+                       eviction: dict | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """Greedy generation with simulated eviction.
 
     input_ids (b, p), left-padded; attention_mask (b, p) 1 = real (None = all real); budget: (sink, heavy,
@@ -325,7 +364,10 @@ def reference_generate(model: torch.nn.Module, input_ids: torch.Tensor, attentio
     quant_log: if a dict (kv_bits set), it receives {layer: (key, value, key scale, key input)} as the last decode
     step read them before rounding (key, value (b, g, L, d); scale (b, g, 1, d)); key input (b, g, L - 1, d): the
     older keys as the quantizer takes them (divided by the scale, turned back to position 0 when rolling), to
-    compare an engine's quantizer inputs."""
+    compare an engine's quantizer inputs. eviction: if a dict, it receives "gaps" (per sequence, per forward: the
+    least relative gap of its eviction choices), "attn_mag" (the largest sum |q k| scale) and "width" (the
+    padded prompt's), for
+    tolerances.eviction_tie_step."""
     if rule not in RULES:
         raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
     if score_reduce not in ("sum", "mean"):
@@ -380,6 +422,8 @@ def reference_generate(model: torch.nn.Module, input_ids: torch.Tensor, attentio
             scores.extend(state.kept_scores())
         if near_ties is not None:
             near_ties.extend(state.near_tie)
+        if eviction is not None:
+            eviction.update(gaps=state.gaps, attn_mag=state.attn_mag, width=state.prompt_width)
     finally:
         for m in attn_modules:
             delattr(m, STATE_ATTR)
