@@ -163,19 +163,17 @@ class Engine:
         sequence budget, as the planner counts it) and keeps its own rows' budgets."""
         parts = []
         # attention reads the window on the compute device, or where the KV lives with cpu_cache_compute
-        off_device = any(kind != "compute" for _, _, kind in plan.cache)
-        host_attention = (self.offload.cpu_cache_compute and off_device
+        host_attention = (self.offload.cpu_cache_compute and any(kind != "compute" for _, _, kind in plan.cache)
                           and (self.device.type != "cpu" or self.host_attention_on_cpu))
         attention_on = "cpu" if host_attention else self.device.type
-        in_place = self.offload.kv_read_in_place(attention_on, rolling, plan.size)
         # batch invariance: attention reads the stored rows wherever they were staged from (KVCache.copy_stored)
-        copy_stored = self.kernels.batch_invariant and attention_on == "cpu" and not rolling
+        reads = dict(read_in_place=self.offload.kv_read_in_place(attention_on, rolling, plan.size),
+                     copy_stored=self.kernels.batch_invariant and attention_on == "cpu" and not rolling)
         for lo, hi, kind in plan.cache:
             cache = KVCache(layer.kv_spec(), hi - lo, capacity, policy, budget.part(lo, hi), fmt=self.offload.kv_format,
                             alloc=lambda shape, dtype, kind=kind: self._alloc(kind, shape, dtype), tier_kind=kind,
                             rolling=rolling, generator=None if draws is None else draws.part(lo, hi),
-                            staging=self.kv_staging, read_in_place=in_place, copy_stored=copy_stored,
-                            kernels=self.kernels)
+                            staging=self.kv_staging, kernels=self.kernels, **reads)
             parts.append((lo, hi, cache))
         return SplitKVCache(parts, attention_device=torch.device("cpu") if host_attention else None)
 
