@@ -27,6 +27,8 @@ class EngineQuantInputs:
 
         def commit_prefill(cache, k_new, v_new, scores, token_pos, first_row=0, *a, **kw):
             out = prefill(cache, k_new, v_new, scores, token_pos, first_row, *a, **kw)
+            if k_new.dtype == torch.uint8:        # Engine.prefill's rows, already stored: quantized when made
+                return out
             for b, row in enumerate(token_pos.tolist()):           # after: the channel scale is set by then
                 for j, pos in enumerate(row):
                     if pos >= 0:
@@ -51,14 +53,21 @@ class EngineQuantInputs:
             got[(b, g, int(pos))] = ((k[g] / scale[g]).clone(), v[g].clone())
 
     def by_layer(self, engine) -> dict[int, dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]]]:
-        """{attention layer in order: {(sequence, kv head, position): inputs}} of a run with one cache per layer
-        (one GPU batch, one tier), as the tests that use this run."""
-        assert len(engine.last_caches) == 1, "one GPU batch"
-        out = {}
-        for i, layer in enumerate(sorted(engine.last_caches[0])):          # the engine keys all its layers
-            split = engine.last_caches[0][layer]
-            assert len(split.caches) == 1, "one tier"
-            out[i] = self.rows[id(split.caches[0])]
+        """{attention layer in order: {(sequence, kv head, position): inputs}} of a run's last block: its GPU
+        batches hold consecutive sequences, and a batch split across tiers consecutive rows per tier, so a
+        cache's row b is sequence (rows before its batch and tier) + b."""
+        out: dict = {}
+        first = 0
+        for caches in engine.last_caches:
+            width = 0
+            for i, layer in enumerate(sorted(caches)):                     # the engine keys all its layers
+                row = first
+                for cache in caches[layer].caches:
+                    for (b, g, pos), x in self.rows.get(id(cache), {}).items():
+                        out.setdefault(i, {})[(row + b, g, pos)] = x
+                    row += cache.k.shape[0]
+                width = row - first
+            first += width
         return out
 
 

@@ -7,6 +7,7 @@ import torch
 
 from flexgen_h2o.config import ConfigError
 from tests.helpers import greedy, make_engine, random_prompts, tiny_hf
+from tests.tolerances import assert_within, logit_bound
 
 
 @pytest.mark.parametrize("kind", ["opt", "llama-gqa"])
@@ -22,7 +23,8 @@ def test_forced_logits_match_transformers_full_sequence(kind):
         with torch.no_grad():
             ref = model(ids).logits[0, len(p) - 1:len(p) + len(f) - 1]
         ours = torch.stack(engine.step_logits[s])
-        assert float((ours - ref).abs().max()) < 1e-4
+        # two fp32 orders (the compiled kernels, transformers' GEMMs): the model's derived logit bound
+        assert_within(ours, ref, logit_bound(model, ref), f"sequence {s}")
 
 
 def test_forced_must_cover_every_prompt():

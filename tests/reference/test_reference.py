@@ -7,6 +7,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalLM
 
 from tests.reference.h2o_masked import reference_generate
+from tests.test_h2o_engine import assert_agree
 
 VOCAB = 96
 
@@ -53,9 +54,11 @@ def test_equals_hf_greedy_when_budget_covers_the_run(kind):
     runs = {rule: reference_generate(model, ids, mask, (0, 8, 8), rule=rule, max_new_tokens=n)
             for rule in ("exact", "port", "window")}
     runs["full"] = reference_generate(model, ids, mask, None, rule="full", max_new_tokens=n)
+    per_seq = lambda steps: [[l[i] for l in steps] for i in range(ids.shape[0])]  # noqa: E731
     for rule, (tokens, logits) in runs.items():
-        assert torch.equal(tokens, want_tokens), rule
-        assert max((a - b).abs().max().item() for a, b in zip(logits, want_logits)) < 1e-4, rule
+        # the whole sequence recomputed each step against HF's cached decode: other GEMM shapes, so two fp32
+        # orders (tokens equal but at a near tie, logits within tolerances.logit_bound up to there)
+        assert_agree(model, tokens.tolist(), per_seq(logits), want_tokens.tolist(), per_seq(want_logits), False)
         # identical masks give bit-identical logits, whatever the rule
         assert all(torch.equal(a, b) for a, b in zip(logits, runs["full"][1])), rule
     assert model.config._attn_implementation == "eager"       # the run restored the model
