@@ -325,8 +325,8 @@ class Engine:
         for bp in plan.batches:
             lo, hi = bp.lo, bp.hi
             rows = budget.part(lo, hi)
-            b = BatchState(seq_index=list(range(lo, hi)), prompt_ids=ids[lo:hi], token_valid=valid[lo:hi],
-                           real_len=valid[lo:hi].sum(1), kept_max=torch.tensor(rows.values("budget")))
+            b = BatchState(list(range(lo, hi)), ids[lo:hi], valid[lo:hi], real_len=valid[lo:hi].sum(1),
+                           kept_max=torch.tensor(rows.values("budget")), evicts=tuple(r.evicts for r in rows.rows))
             b.caches = {l: self._make_cache(layer, bp, rows, plan.capacity, policy,
                                             self._draws(ev, l, prompts[lo:hi]), ev.position_rolling)
                         for l, layer in enumerate(self.layers) if layer.kind == "attn" and l in mine}

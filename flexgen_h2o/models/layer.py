@@ -58,6 +58,9 @@ class StepContext:
     # a prompt's leading pads per sequence (left padding), counted on the host; None at decode or where some
     # sequence has a pad after a real token. Batch-invariant kernels attend each sequence on its own tokens alone
     pad_counts: tuple[int, ...] | None = None
+    # a prompt's rows whose own budgets evict, where want_scores holds for the block: sequence by sequence, a row
+    # whose budget keeps its whole run attends as the full cache does, as it would alone (None: every row)
+    score_rows: tuple[bool, ...] | None = None
     kernels: TorchKernels = TORCH  # the math's kernels, resolved once per engine (flexgen_h2o.kernels.resolve)
     # decode: the rows whose results are read (a refilled block's busy rows), None for every row; the linear
     # layers skip the others, whose hidden states and KV writes are never read
@@ -89,8 +92,9 @@ class StepContext:
         """The context of sequences [lo, hi) only (a prefill chunk): a chunk of an unpadded block is unpadded;
         one of a padded block keeps the general mask (still exact) rather than re-checking on the device."""
         pads = None if self.pad_counts is None else self.pad_counts[lo:hi]
+        scored = None if self.score_rows is None else self.score_rows[lo:hi]
         return dataclasses.replace(self, positions=self.positions[lo:hi], token_valid=self.token_valid[lo:hi],
-                                   pad_counts=pads)
+                                   pad_counts=pads, score_rows=scored)
 
     @staticmethod
     def leading_pads(token_valid: Tensor) -> tuple[int, ...] | None:

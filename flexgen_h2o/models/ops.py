@@ -313,16 +313,19 @@ def per_sequence_attention(attend: Callable, q: Tensor, k: Tensor, v: Tensor, ct
                            scale: float) -> tuple[Tensor, Tensor | None]:
     """`attend` once per sequence of a left-padded prompt batch, on that sequence's own tokens, so that each call
     has the shapes and data it has when the prompt runs alone: a sequence's output and key mass then do not
-    depend on its batch-mates, its row or the padding (docs/cli.md, "What is guaranteed"). Pads get zeros."""
+    depend on its batch-mates, its row or the padding (docs/cli.md, "What is guaranteed"). A sequence whose own
+    budget keeps its whole run (ctx.score_rows) is attended as the full cache attends, as it is alone, and gets no
+    mass (it never chooses a victim). Pads get zeros."""
     out = q.new_zeros(q.shape)
     scores = q.new_zeros(k.shape[:3], dtype=torch.float32) if ctx.want_scores else None
     for i, pad in enumerate(ctx.pad_counts):
         one = ctx.rows(i, i + 1)
+        scored = ctx.want_scores and (ctx.score_rows is None or ctx.score_rows[i])
         one = dataclasses.replace(one, positions=one.positions[:, pad:], token_valid=one.token_valid[:, pad:],
-                                  unpadded=True, pad_counts=(0,))
+                                  unpadded=True, pad_counts=(0,), want_scores=scored, score_rows=None)
         o, sc = attend(q[i:i + 1, :, pad:], k[i:i + 1, :, pad:], v[i:i + 1, :, pad:], one, scale)
         out[i, :, pad:] = o[0]
-        if scores is not None:
+        if scored:
             scores[i, :, pad:] = sc[0]
     return out, scores
 

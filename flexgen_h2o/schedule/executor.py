@@ -38,6 +38,8 @@ class BatchState:
     # continuous refill: the token step at which each row's prompt ran (None: step 0 for every row)
     first_step: Tensor | None = None
     live: Tensor | None = None           # continuous refill: the rows holding a prompt, when some are free
+    # whether each row's own budget evicts (its prompt pass is scored); None: every row, as the rule says
+    evicts: tuple[bool, ...] | None = None
 
     def decode_pos(self, token: int) -> Tensor:
         """(b,) original position of the token each row feeds at step `token` (its first is real_len)."""
@@ -200,7 +202,7 @@ class BlockExecutor:
             return StepContext(positions.to(p.device), b.token_valid.to(p.device), p.compute_dtype,
                                want_scores=p.needs_scores, keys_pre_rope=p.rolling, score_reduce=p.score_reduce,
                                unpadded=bool(b.token_valid.all()), kernels=p.kernels,
-                               pad_counts=StepContext.leading_pads(b.token_valid.cpu()))
+                               pad_counts=StepContext.leading_pads(b.token_valid.cpu()), score_rows=b.evicts)
         true_pos = b.decode_pos(token)
         pos = self._new_rank(b, token) if p.rolling else true_pos
         valid = torch.ones(len(true_pos), 1, dtype=torch.bool)

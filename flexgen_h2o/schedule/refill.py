@@ -212,18 +212,20 @@ class RefillRun:
         pad = e.model.pad_id if e.model.pad_id is not None else 0
         ids = torch.full((len(rs), width), pad, dtype=torch.long)
         valid = torch.zeros(len(rs), width, dtype=torch.bool)
+        evicts = []
         for i, (r, s) in enumerate(zip(rs, seqs)):
             p = self.prompts[s]
             ids[i, width - len(p):] = torch.tensor(p)
             valid[i, width - len(p):] = True
             budget = self.ev.resolve(len(p), self.max_new[s])
+            evicts.append(budget.evicts)
             for l, cache in main.caches.items():
                 key = sequence_key(self.ev.seed, l, p) if self.ev.policy == "random" else None
                 cache.reset_row(r, budget, key)
             main.real_len[r], main.first_step[r], main.kept_max[r] = len(p), self.token, budget.budget
             self.row_seq[k][r] = s
         j = BatchState(seq_index=seqs, prompt_ids=ids, token_valid=valid, real_len=valid.sum(1),
-                       caches={l: RowSlots(c, rs) for l, c in main.caches.items()})
+                       caches={l: RowSlots(c, rs) for l, c in main.caches.items()}, evicts=tuple(evicts))
         j.activations = ActivationHome(split_by_fraction(len(rs), e.offload.tier_fractions("act")), e._alloc,
                                        e.device)
         self.metrics["prompt_tokens"] += len(rs) * width
