@@ -123,7 +123,7 @@ class ResultsFile:
                 raise ConfigError(f"--output {self.path}: line {n} has id {key}, which is not in the input; "
                                   "use another --output or pass --overwrite")
             if not same_request(rec, req):
-                what = "request line" if req.url else "prompt"
+                what = "request line" if req.url else "prompt or max_new_tokens"
                 raise ConfigError(f"--output {self.path}: id {key} (line {n}) was generated for a different "
                                   f"{what}; use another --output or pass --overwrite")
             self.done.setdefault(key, rec)

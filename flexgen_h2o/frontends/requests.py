@@ -255,6 +255,10 @@ def same_request(rec: dict, req: Request) -> bool:
     if req.url is not None:
         resp = rec.get("response")
         return isinstance(resp, dict) and resp.get("request_id") == "req_" + req.fingerprint
+    # a line's own max_new_tokens changes its answer (the run's default is in the settings record); a line
+    # written before it was recorded answers any
+    if rec.get("max_new_tokens", req.max_new_tokens) != req.max_new_tokens:
+        return False
     if req.messages is not None:
         return rec.get("messages") == req.messages and "prompt" not in rec
     return rec.get("prompt") == req.prompt and "messages" not in rec
@@ -270,7 +274,7 @@ def record(req: Request, text: str, token_ids: list[int], finish_reason: str, pr
         rec["messages"] = req.messages
     else:
         rec["prompt"] = req.prompt
-    rec.update(text=text, finish_reason=finish_reason, prompt_tokens=prompt_tokens,
+    rec.update(max_new_tokens=req.max_new_tokens, text=text, finish_reason=finish_reason, prompt_tokens=prompt_tokens,
                completion_tokens=len(token_ids), token_ids=list(token_ids))
     return rec
 

@@ -97,7 +97,7 @@ def test_append_load_and_finalize_in_input_order(tmp_path):
     again.finalize(reqs)
     recs = [json.loads(x) for x in out.path.read_text().splitlines()]
     assert [r["id"] for r in recs] == [f"r{i}" for i in range(5)]
-    assert recs[0] == {"id": "r0", "prompt": "prompt 0", "text": "t", "finish_reason": "length",
+    assert recs[0] == {"id": "r0", "prompt": "prompt 0", "max_new_tokens": 4, "text": "t", "finish_reason": "length",
                        "prompt_tokens": 3, "completion_tokens": 2, "token_ids": [1, 2]}
     assert not [p for p in os.listdir(tmp_path) if p.endswith(".tmp")]
     # the rewritten file is readable as the appended one was (mkstemp's own mode is 0600)
@@ -127,6 +127,9 @@ def test_torn_last_line_is_dropped_and_redone(tmp_path):
 @pytest.mark.parametrize("content, why", [
     ('{"id": "zz", "prompt": "p", "text": ""}\n', "not in the input"),
     ('{"id": "r0", "prompt": "other", "text": ""}\n', "different prompt"),
+    # the line's own max_new_tokens changed since: its answer would differ (a line without the field: before it
+    # was recorded, resumed as it is)
+    ('{"id": "r0", "prompt": "prompt 0", "max_new_tokens": 9, "text": ""}\n', "different prompt or max_new_tokens"),
     ('garbage\n', "line 1 is not a result line"),
     ('{"prompt": "prompt 0"}\n', "line 1 is not a result line"),
 ])
@@ -174,3 +177,9 @@ def test_output_lock_takes_over_a_lock_file_nobody_holds(tmp_path):
     with OutputLock(tmp_path / "out.jsonl"):
         assert lock.read_text() == f"{os.getpid()}\n"
     assert not lock.exists()
+
+
+def test_a_line_from_before_max_new_tokens_was_recorded_resumes(tmp_path):
+    path = tmp_path / "out.jsonl"
+    path.write_text('{"id": "r0", "prompt": "prompt 0", "text": "", "token_ids": []}\n')
+    assert ResultsFile(path).load(_reqs(2)) == 1

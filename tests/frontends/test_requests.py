@@ -183,10 +183,10 @@ def test_no_chat_template_refuses_chats_only(tmp_path):
 def test_own_form_records(tmp_path):
     a, b = read_requests(_write(tmp_path / "in.jsonl", [{"prompt": "p", "id": "x"}, {"messages": CHAT}]), 4)
     assert record(a, "t", [5, 6], "eos", 3, model="m") == {
-        "id": "x", "prompt": "p", "text": "t", "finish_reason": "eos", "prompt_tokens": 3, "completion_tokens": 2,
-        "token_ids": [5, 6]}
+        "id": "x", "prompt": "p", "max_new_tokens": 4, "text": "t", "finish_reason": "eos", "prompt_tokens": 3,
+        "completion_tokens": 2, "token_ids": [5, 6]}
     assert record(b, "u", [7], "length", 9) == {
-        "id": 2, "messages": CHAT, "text": "u", "finish_reason": "length", "prompt_tokens": 9,
+        "id": 2, "messages": CHAT, "max_new_tokens": 4, "text": "u", "finish_reason": "length", "prompt_tokens": 9,
         "completion_tokens": 1, "token_ids": [7]}
 
 
