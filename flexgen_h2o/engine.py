@@ -218,8 +218,7 @@ class Engine:
         return out
 
     def generate(self, prompts: Sequence[Sequence[int]], gen: GenerationConfig | None = None,
-                 max_new_tokens: Sequence[int] | None = None,
-                 forced: Sequence[Sequence[int]] | None = None,
+                 max_new_tokens: Sequence[int] | None = None, forced: Sequence[Sequence[int]] | None = None,
                  seeds: Sequence[int] | None = None, eviction: EvictionConfig | None = None,
                  prefilled: Sequence[Prefilled] | None = None) -> GenerationResult:
         """Generate for token-id prompts; blocks of `block_size` run one after another.
@@ -326,7 +325,8 @@ class Engine:
             lo, hi = bp.lo, bp.hi
             rows = budget.part(lo, hi)
             b = BatchState(list(range(lo, hi)), ids[lo:hi], valid[lo:hi], real_len=valid[lo:hi].sum(1),
-                           kept_max=torch.tensor(rows.values("budget")), evicts=tuple(r.evicts for r in rows.rows))
+                           kept_max=torch.tensor(rows.values("budget")),
+                           evicts=None if keep_all else tuple(r.evicts for r in rows.rows))   # a prefill scores all
             b.caches = {l: self._make_cache(layer, bp, rows, plan.capacity, policy,
                                             self._draws(ev, l, prompts[lo:hi]), ev.position_rolling)
                         for l, layer in enumerate(self.layers) if layer.kind == "attn" and l in mine}
