@@ -108,7 +108,7 @@ class ResultsFile:
         if raw and not raw.endswith(b"\n"):      # torn tail: our appends never do this, a power cut might
             raw = raw[:raw.rfind(b"\n") + 1]
             self.repaired = True
-        by_key = {r.key: r for r in requests}
+        by_key, foreign = {r.key: r for r in requests}, ""
         for n, line in enumerate(raw.split(b"\n")[:-1], start=1):
             if not line.strip():
                 continue
@@ -124,12 +124,14 @@ class ResultsFile:
                                   "use another --output or pass --overwrite")
             if not same_request(rec, req):
                 what = "request line" if req.url else "prompt or max_new_tokens"
-                raise ConfigError(f"--output {self.path}: id {key} (line {n}) was generated for a different "
-                                  f"{what}; use another --output or pass --overwrite")
+                foreign = foreign or (f"--output {self.path}: id {key} (line {n}) was generated for a different "
+                                      f"{what}; use another --output or pass --overwrite")
             self.done.setdefault(key, rec)
-        if self.done and self.settings is not None:
+        if self.done and self.settings is not None:      # first: other settings (--gen-len) say more than a line
             from flexgen_h2o.frontends.settings import check_settings
             self._settings_saved = check_settings(self.path, self.settings)
+        if foreign:
+            raise ConfigError(foreign)
         if self.repaired:
             self._truncate(len(raw))
         return sum(1 for r in requests if r.key in self.done)
