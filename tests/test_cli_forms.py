@@ -114,9 +114,10 @@ def test_openai_file_gets_openai_output_and_resumes(models, tmp_path):
     assert again[1] == recs[1] and again[3] == recs[3]
     assert again[0]["id"] != recs[0]["id"]                                          # answered anew
     assert again[0]["response"]["body"]["choices"] == recs[0]["response"]["body"]["choices"]   # greedy: same text
-    # a changed request line is not resumed over
+    # a changed request line is not resumed over (the run's own settings as before: only the line differs)
     rows[2]["body"]["max_tokens"] = 2
-    proc = run_cli(["--model", str(chat), "--input", str(_jsonl(inp, rows)), "--output", str(out)], env)
+    proc = run_cli(["--model", str(chat), "--input", str(_jsonl(inp, rows)), "--output", str(out), "--gen-len", "6"],
+                   env)
     assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
         f"error: --output {out}: id \"c2\" (line 3) was generated for a different request line; use another "
         "--output or pass --overwrite"]
