@@ -12,6 +12,7 @@ from flexgen_h2o.kv import EvictionConfig
 from flexgen_h2o.kernels import build
 from flexgen_h2o.models import build_layers, from_hf_config, ops
 from flexgen_h2o.models.transformer import all_specs
+from tests.tolerances import greedy_agreement, logit_bound
 
 VOCAB = 128
 # The engine under test runs on the CPU. FLEXGEN_H2O_TEST_DEVICE=cuda runs the same tests on a GPU, computing in
@@ -157,3 +158,19 @@ def assert_scores_close(mine: list, ref: list, rel: float, sequences) -> None:
                 for p in col_a:
                     assert abs(col_a[p] - col_b[p]) <= rel * abs(col_b[p]), \
                         f"layer {l} sequence {b} head {g} position {p}: score {col_a[p]} vs {col_b[p]}"
+
+
+def assert_agree(model, tokens, logits, want_tokens, want_logits, bitwise: bool) -> None:
+    """Two engine runs of the same prompts (per sequence tokens and step logits). bitwise: both on the compiled
+    kernels on the CPU, whose every op computes a row in one order whatever its batch-mates, block cut, tier or
+    prefill chunk (tests/test_batch_invariance.py), so bit for bit; else two fp32 orders: tokens equal but at a
+    near tie, logits within tolerances.logit_bound (or a GPU's SAME_RUN_TOL) up to there."""
+    for i in range(len(want_tokens)):
+        want, got = want_logits[i], logits[i]                  # lists, or engine.step_logits' dicts
+        if bitwise and TEST_DEVICE == "cpu":
+            assert tokens[i] == want_tokens[i], f"sequence {i}"
+            assert all(torch.equal(a, b) for a, b in zip(got, want)), f"sequence {i}"
+            continue
+        bound = max(logit_bound(model, torch.stack(want)), SAME_RUN_TOL)
+        n = greedy_agreement(tokens[i], want_tokens[i], want, bound, f"sequence {i}")
+        assert max_logit_diff(got[:n], want[:n]) <= bound, f"sequence {i}"

@@ -8,8 +8,8 @@ import torch
 
 from flexgen_h2o.config import OffloadPolicy
 from flexgen_h2o.kv import EvictionConfig, get_policy
-from tests.helpers import (SAME_RUN_TOL, TEST_DEVICE, assert_scores_close, engine_kept, engine_scores, greedy, make_engine, max_logit_diff,
-                           random_prompts, tiny_hf)
+from tests.helpers import (assert_agree, assert_scores_close, engine_kept, engine_scores, greedy, make_engine,
+                           max_logit_diff, random_prompts, tiny_hf)
 from tests.reference.h2o_masked import RULE_FOR_POLICY, reference_generate
 from tests.tolerances import eviction_tie_step, greedy_agreement, logit_bound, score_rel_bound
 
@@ -100,22 +100,6 @@ def assert_same_as_reference(model, engine, out, ref_tokens, ref_logits, evd: di
         if n == n_new:
             whole.append(i)
     return whole
-
-
-def assert_agree(model, tokens, logits, want_tokens, want_logits, bitwise: bool) -> None:
-    """Two engine runs of the same prompts (per sequence tokens and step logits). bitwise: both on the compiled
-    kernels on the CPU, whose every op computes a row in one order whatever its batch-mates, block cut, tier or
-    prefill chunk (tests/test_batch_invariance.py), so bit for bit; else two fp32 orders: tokens equal but at a
-    near tie, logits within tolerances.logit_bound (or a GPU's SAME_RUN_TOL) up to there."""
-    for i in range(len(want_tokens)):
-        want, got = want_logits[i], logits[i]                  # lists, or engine.step_logits' dicts
-        if bitwise and TEST_DEVICE == "cpu":
-            assert tokens[i] == want_tokens[i], f"sequence {i}"
-            assert all(torch.equal(a, b) for a, b in zip(got, want)), f"sequence {i}"
-            continue
-        bound = max(logit_bound(model, torch.stack(want)), SAME_RUN_TOL)
-        n = greedy_agreement(tokens[i], want_tokens[i], want, bound, f"sequence {i}")
-        assert max_logit_diff(got[:n], want[:n]) <= bound, f"sequence {i}"
 
 
 # --- 1. h2o exact vs the reference, eviction in prefill and decode ---

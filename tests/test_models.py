@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from tests.helpers import greedy, hf_greedy, make_engine, random_prompts, tiny_hf
-from tests.test_h2o_engine import assert_agree
+from tests.helpers import assert_agree
 from tests.tolerances import assert_within, linear_bound
 
 KINDS = ["opt", "opt-post", "llama-mha", "llama-gqa", "llama3"]

@@ -14,7 +14,8 @@ from flexgen_h2o.engine import Engine
 from flexgen_h2o.kv import EvictionConfig
 from flexgen_h2o.loader import load_model
 from tests.reference.h2o_masked import reference_generate
-from tests.test_h2o_engine import assert_agree, assert_same_as_reference
+from tests.helpers import assert_agree
+from tests.test_h2o_engine import assert_same_as_reference
 
 pytestmark = pytest.mark.slow
 QUESTIONS = ["What is the capital of France?", "Name three colours of the rainbow and explain where rainbows come from."]

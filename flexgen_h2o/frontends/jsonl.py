@@ -21,14 +21,9 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from flexgen_h2o.config import ConfigError
+from flexgen_h2o.files import real_path
 # read_requests is re-exported: callers import the batch file's reader from here
 from flexgen_h2o.frontends.requests import Request, read_requests, record, result_key, same_request  # noqa: F401
-
-
-def real_path(path: str | os.PathLike) -> Path:
-    """The file a path names once every symlink is followed: the lock, the rewrite and the files beside the
-    output go by it, so an alias of an output is that output (and a symlinked output stays a symlink)."""
-    return Path(os.path.realpath(Path(path).expanduser()))
 
 
 class OutputWriteError(OSError):

@@ -19,7 +19,8 @@ from typing import Any, Callable, Sequence
 from flexgen_h2o.config import ConfigError
 from flexgen_h2o.distributed.shard import prompt_work, shard_by_tokens
 from flexgen_h2o.distributed.world import World
-from flexgen_h2o.frontends.jsonl import OutputLock, ResultsFile, real_path
+from flexgen_h2o.files import real_path
+from flexgen_h2o.frontends.jsonl import OutputLock, ResultsFile
 from flexgen_h2o.frontends.requests import Request
 from flexgen_h2o.frontends.settings import check_settings, remove_settings, save_settings
 

@@ -18,11 +18,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from flexgen_h2o.config import ConfigError
+from flexgen_h2o.files import real_path, write_atomic
 from flexgen_h2o.kv.registry import cli_variants
 
 VERSION = 1
@@ -35,7 +35,7 @@ FLAGS = {"gen_len": "--gen-len (the default max_new_tokens)", "weights": "--path
 
 def settings_path(output: str | os.PathLike) -> Path:
     """`<output>.settings.json` beside the output's real file (an alias of the output shares its record)."""
-    real = Path(os.path.realpath(Path(output).expanduser()))
+    real = real_path(output)
     return real.with_name(real.name + SUFFIX)
 
 
@@ -50,10 +50,8 @@ def _device(args: argparse.Namespace) -> str:
 def answer_settings(args: argparse.Namespace, gen_len: int) -> dict[str, Any]:
     """The run's settings that change a text (module doc), normalised so two spellings of one run compare equal
     (--full-cache and no budget; stop strings in any order; a local model folder by its real path)."""
-    model = os.path.realpath(os.path.expanduser(args.model)) if os.path.isdir(os.path.expanduser(args.model)) \
-        else args.model
-    weights = "dummy" if args.dummy_weights else (os.path.realpath(os.path.expanduser(args.path)) if args.path
-                                                  else "default store")
+    model = str(real_path(args.model)) if os.path.isdir(os.path.expanduser(args.model)) else args.model
+    weights = "dummy" if args.dummy_weights else (str(real_path(args.path)) if args.path else "default store")
     budget = {k: getattr(args, k) for k in BUDGET if getattr(args, k) is not None}
     policy = "full" if args.full_cache or not budget else cli_variants(args.policy).get(args.h2o_variant, args.policy)
     sampling = args.temperature > 0
@@ -102,25 +100,14 @@ def check_settings(output: str | os.PathLike, settings: dict[str, Any]) -> bool:
 
 
 def save_settings(output: str | os.PathLike, settings: dict[str, Any]) -> None:
-    """Write the record atomically (temporary file, fsync, rename): a reader sees the old record or the new."""
+    """Write the record atomically (files.write_atomic): a reader sees the old record or the new."""
     from flexgen_h2o.frontends.jsonl import OutputWriteError
     path = settings_path(output)
-    tmp = None
     try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-        os.fchmod(fd, 0o644)
-        with os.fdopen(fd, "w") as f:
-            f.write(json.dumps(settings, indent=1, sort_keys=True) + "\n")   # one write: no half record
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException as e:
-        if tmp is not None:
-            Path(tmp).unlink(missing_ok=True)
-        if isinstance(e, OSError):      # before the first line: nothing of the job is lost
-            raise OutputWriteError(f"cannot write {path}: {e.strerror or e}; rerun the same command to resume "
-                                   "the job once it can be written") from None
-        raise
+        write_atomic(path, (json.dumps(settings, indent=1, sort_keys=True) + "\n").encode())
+    except OSError as e:                # before the first line: nothing of the job is lost
+        raise OutputWriteError(f"cannot write {path}: {e.strerror or e}; rerun the same command to resume "
+                               "the job once it can be written") from None
 
 
 def remove_settings(output: str | os.PathLike) -> None:

@@ -21,13 +21,13 @@ import io
 import json
 import os
 import re
-import tempfile
 import zlib
 from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
 
+from flexgen_h2o.files import write_atomic
 from flexgen_h2o.formats import WEIGHT_FORMAT
 from flexgen_h2o.models.config import PRESETS, ModelConfig
 from flexgen_h2o.models.layer import WeightSpec
@@ -155,18 +155,9 @@ def _check_finite(fpath: Path, entry: dict[str, Any], offset: int, shape: Sequen
 def _save_manifest(root: Path, manifest: dict[str, Any]) -> None:
     """Record the flags of a scan, atomically; a read-only store keeps its old manifest (scanned again later)."""
     try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{MANIFEST}.", suffix=".tmp", dir=root)
+        write_atomic(root / MANIFEST, json.dumps(manifest, indent=1).encode())
     except OSError:
-        return
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(json.dumps(manifest, indent=1))
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, root / MANIFEST)
-    except OSError:
-        Path(tmp).unlink(missing_ok=True)
+        pass
 
 
 # --- reader ---

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from flexgen_h2o.kv import NO_VICTIM, Budget, get_policy, pack_kept
-from tests.reference.h2o_masked import RULE_FOR_POLICY, ref_keep_prefill, ref_victim
+from tests.reference.h2o_masked import RULE_FOR_POLICY
+from tests.reference.h2o_rule import ref_keep_prefill, ref_victim
 
 
 def col(scores, positions):

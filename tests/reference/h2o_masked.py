@@ -7,7 +7,7 @@ engine's math and its vectorised policies.
 How it works: `reference_generate` runs the model step by step (greedy) with a DynamicCache that never drops
 anything. Our attention function (registered with transformers' AttentionInterface) builds its own mask per
 (sequence, KV head) from a Python set of kept cache indices, and hides evicted keys from every query head of
-that KV head's group. Scores follow the engine's contract (ANCHORS.md §2.4-2.8):
+that KV head's group. Scores follow the engine's contract (flexgen_h2o/kv/h2o.py):
 - prefill: full causal attention over the real prompt tokens; score of a key = sum over the real queries and
   over the group's query heads ("sum") or that divided by the group size ("mean"); then keep the sinks, the
   `recent` newest real tokens and the `heavy` best-scored others (ties keep the larger position);
@@ -30,12 +30,13 @@ that KV head's group. Scores follow the engine's contract (ANCHORS.md §2.4-2.8)
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 from transformers import AttentionInterface
 
 from tests.reference.fake_quant import fake_quant
+from tests.reference.h2o_rule import prefill_candidates, ref_keep_prefill, ref_victim, victim_candidates
 
 ATTN_NAME = "h2o_reference_masked"
 NEAR_TIE = 3e-7         # a compressed cache's rounding this close to a boundary may go either way (fake_quant)
@@ -45,48 +46,6 @@ RULE_FOR_POLICY = {"h2o": "exact", "h2o-port": "port", "h2o-avg": "avg", "local"
                    "full": "full"}
 
 STATE_ATTR = "_h2o_reference_state"   # set on every attention module for the duration of a run
-
-
-# --- the rule, on plain lists (also the brute-force oracle for tests/kv) ---
-
-def ref_keep_prefill(scores: Sequence[float], positions: Sequence[int], sink: int, heavy: int,
-                     recent: int, flip_ties: bool = False) -> set[int]:
-    """Indices of the prompt rows to keep. positions[i] = -1 marks a pad. flip_ties: equal scores keep the older
-    token (the wrong order: tests show with it that a run's choices depend on the tie order)."""
-    real = [i for i, p in enumerate(positions) if p >= 0]
-    if len(real) <= sink + heavy + recent:
-        return set(real)
-    by_age = sorted(real, key=lambda i: positions[i])
-    keep = {i for i in real if positions[i] < sink}
-    if recent > 0:
-        keep |= set(by_age[-recent:])
-    others = [i for i in real if i not in keep]
-    tie = 1 if flip_ties else -1
-    others.sort(key=lambda i: (-scores[i], tie * positions[i]))     # best score first; ties keep the newer token
-    keep |= set(others[:heavy])
-    return keep
-
-
-def ref_victim(scores: Sequence[float], positions: Sequence[int], sink: int, heavy: int, recent: int,
-               rule: str, flip_ties: bool = False) -> int | None:
-    """Index to evict among the slots with positions[i] >= 0, or None while within the budget. flip_ties: equal
-    scores evict the newer token (the wrong order, see ref_keep_prefill)."""
-    valid = [i for i, p in enumerate(positions) if p >= 0]
-    if rule == "full" or len(valid) <= sink + heavy + recent:
-        return None
-    non_sinks = [i for i in valid if positions[i] >= sink]
-    if rule == "window":
-        return min(non_sinks, key=lambda i: positions[i])
-    by_age = sorted(valid, key=lambda i: positions[i])
-    window = set(by_age[len(by_age) - recent:]) if recent > 0 else set()
-    candidates = [i for i in non_sinks if i not in window]
-    if rule == "port":
-        leaving = max(candidates, key=lambda i: positions[i])
-        others = [i for i in candidates if i != leaving]
-        if not others:                       # no heavy hitter at all: the leaving token must go
-            return leaving
-        candidates = others
-    return min(candidates, key=lambda i: (scores[i], -positions[i] if flip_ties else positions[i]))
 
 
 # --- the simulated cache ---
@@ -271,11 +230,7 @@ def masked_h2o_attention(module: torch.nn.Module, query: torch.Tensor, key: torc
                     st.keep[layer][bi][gi] = ref_keep_prefill(ranking, st.pos[bi][:L], sink, heavy, recent,
                                                               st.flip_ties)
                     if st.rule != "window":          # the window's choice is by position only
-                        real = [i for i in range(L) if st.pos[bi][i] >= 0]
-                        by_age = sorted(real, key=lambda i: st.pos[bi][i])
-                        fixed = {i for i in real if st.pos[bi][i] < sink} | set(by_age[len(by_age) - recent:]
-                                                                                   if recent > 0 else [])
-                        cand = [i for i in real if i not in fixed]
+                        _, cand = prefill_candidates(st.pos[bi][:L], sink, recent)
                         kept_c = st.keep[layer][bi][gi] & set(cand)
                         st.record_gap(bi, ranking, kept_c, [i for i in cand if i not in kept_c])
     else:
@@ -292,16 +247,9 @@ def masked_h2o_attention(module: torch.nn.Module, query: torch.Tensor, key: torc
                 ranking = st.ranking(layer, bi, gi, L)
                 victim = ref_victim(ranking, positions, sink, heavy, recent, st.rule, st.flip_ties)
                 if victim is not None:
-                    if st.rule not in ("window", "full"):
-                        # the candidates ref_victim ranked: kept non-sinks outside the window, for the port less
-                        # the token leaving the window (admitted whatever its score)
-                        by_age = sorted(kept, key=lambda i: st.pos[bi][i])
-                        window = set(by_age[len(by_age) - recent:]) if recent > 0 else set()
-                        cand = [i for i in kept if st.pos[bi][i] >= sink and i not in window]
-                        if st.rule == "port" and len(cand) > 1:
-                            cand.remove(max(cand, key=lambda i: st.pos[bi][i]))
-                        cand = [i for i in cand if i != victim]
-                        st.record_gap(bi, ranking, {victim}, cand)
+                    if st.rule not in ("window", "full"):      # the candidates ref_victim ranked
+                        cand = victim_candidates(positions, sink, recent, st.rule)
+                        st.record_gap(bi, ranking, {victim}, [i for i in cand if i != victim])
                     kept.discard(victim)
     return out.transpose(1, 2).contiguous(), probs
 

@@ -7,7 +7,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalLM
 
 from tests.reference.h2o_masked import reference_generate
-from tests.test_h2o_engine import assert_agree
+from tests.helpers import assert_agree
 
 VOCAB = 96
 

@@ -1,0 +1,55 @@
+"""The H2O rule on plain Python lists: which prompt rows a prefill keeps and which slot a decode step evicts.
+
+The masked reference (h2o_masked.py) applies it to a full-cache model, and tests/kv uses it as the brute-force
+oracle of the engine's vectorised policies. Nothing here imports flexgen_h2o."""
+from __future__ import annotations
+
+from typing import Sequence
+
+
+def prefill_candidates(positions: Sequence[int], sink: int, recent: int) -> tuple[set[int], list[int]]:
+    """A prompt's rows kept whatever their scores (the sinks and the `recent` newest real tokens), and the other
+    real rows, which compete on score. positions[i] = -1 marks a pad."""
+    real = [i for i, p in enumerate(positions) if p >= 0]
+    by_age = sorted(real, key=lambda i: positions[i])
+    fixed = {i for i in real if positions[i] < sink}
+    if recent > 0:
+        fixed |= set(by_age[-recent:])
+    return fixed, [i for i in real if i not in fixed]
+
+
+def ref_keep_prefill(scores: Sequence[float], positions: Sequence[int], sink: int, heavy: int,
+                     recent: int, flip_ties: bool = False) -> set[int]:
+    """Indices of the prompt rows to keep. positions[i] = -1 marks a pad. flip_ties: equal scores keep the older
+    token (the wrong order: tests show with it that a run's choices depend on the tie order)."""
+    if sum(p >= 0 for p in positions) <= sink + heavy + recent:
+        return {i for i, p in enumerate(positions) if p >= 0}
+    keep, others = prefill_candidates(positions, sink, recent)
+    tie = 1 if flip_ties else -1
+    others.sort(key=lambda i: (-scores[i], tie * positions[i]))     # best score first; ties keep the newer token
+    return keep | set(others[:heavy])
+
+
+def victim_candidates(positions: Sequence[int], sink: int, recent: int, rule: str) -> list[int]:
+    """The kept slots (positions[i] >= 0) a score-ranking rule may evict: the non-sinks outside the recent window;
+    the port's also less the token leaving the window (admitted whatever its score) unless it is the only one."""
+    valid = [i for i, p in enumerate(positions) if p >= 0]
+    by_age = sorted(valid, key=lambda i: positions[i])
+    window = set(by_age[len(by_age) - recent:]) if recent > 0 else set()
+    candidates = [i for i in valid if positions[i] >= sink and i not in window]
+    if rule == "port" and len(candidates) > 1:
+        candidates.remove(max(candidates, key=lambda i: positions[i]))
+    return candidates
+
+
+def ref_victim(scores: Sequence[float], positions: Sequence[int], sink: int, heavy: int, recent: int,
+               rule: str, flip_ties: bool = False) -> int | None:
+    """Index to evict among the slots with positions[i] >= 0, or None while within the budget. flip_ties: equal
+    scores evict the newer token (the wrong order, see ref_keep_prefill)."""
+    valid = [i for i, p in enumerate(positions) if p >= 0]
+    if rule == "full" or len(valid) <= sink + heavy + recent:
+        return None
+    if rule == "window":
+        return min((i for i in valid if positions[i] >= sink), key=lambda i: positions[i])
+    candidates = victim_candidates(positions, sink, recent, rule)
+    return min(candidates, key=lambda i: (scores[i], -positions[i] if flip_ties else positions[i]))
