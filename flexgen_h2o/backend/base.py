@@ -1,8 +1,8 @@
 """The hardware protocol: every device-specific call of the engine goes through a `Backend`.
 
 Owns lanes (named copy streams), pinning, the compute dtype and device memory stats. Imports only torch and the
-stdlib (level 0 of the import rules, LAYOUT.md §8.3). `cpu.py` implements it synchronously; `cuda.py` is the
-only module of the package that touches the CUDA runtime (LAYOUT.md §8.5, ANCHORS.md §1.12).
+stdlib (level 0 of the import rules, `docs/architecture.md`). `cpu.py` implements it synchronously; `cuda.py` is
+the only module of the package that touches the CUDA runtime (`docs/architecture.md`, level 0).
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ class Backend(ABC):
     name: str                          # "cpu" or "cuda"
     is_cuda: bool
     compute_device: torch.device
-    compute_dtype: torch.dtype         # fp32 on CPU (fp16 GEMM is ~500x slower there), fp16 on CUDA
+    compute_dtype: torch.dtype         # fp32 on CPU (docs/architecture.md "Numerics"), fp16 on CUDA
     storage_dtype: torch.dtype = torch.float16   # weights and KV are stored fp16 on every tier
 
     @abstractmethod

@@ -1,7 +1,7 @@
 """CPU backend: synchronous lanes, no pinning, fp32 compute.
 
 Everything is already ordered on the host, so lanes and events are no-ops; the engine still calls them, so the
-same schedule code runs here and on CUDA (LAYOUT.md §8.5).
+same schedule code runs here and on CUDA.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ class CPUBackend(Backend):
 
     def __init__(self, compute_dtype: torch.dtype = torch.float32) -> None:
         self.compute_device = torch.device("cpu")
-        # fp32 by default: fp16 matmul on CPU runs through slow scalar paths (~500x slower than fp32).
+        # fp32 by default: fp16 matmul on CPU runs through slow scalar paths (docs/architecture.md "Numerics").
         self.compute_dtype = compute_dtype
 
     def pin(self, t: Tensor) -> Tensor:

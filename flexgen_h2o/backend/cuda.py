@@ -1,7 +1,7 @@
 """CUDA backend: one stream per named lane, events, pinned host memory and device memory stats.
 
 This is the only module of flexgen_h2o that may touch `torch.cuda` (tests/memory/test_layering greps for it).
-Mirrors FlexGen's three copy streams, but named and created lazily (ANCHORS.md §1.3, §1.12).
+Mirrors FlexGen's three copy streams, but named and created lazily (`docs/architecture.md` "Copy lanes").
 """
 from __future__ import annotations
 
