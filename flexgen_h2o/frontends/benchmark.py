@@ -1,4 +1,4 @@
-"""Benchmark mode: FlexGen's runner (ANCHORS.md §1.10) with real prompts and nothing projected by default.
+"""Benchmark mode: FlexGen's runner (`docs/cli.md` "Benchmark mode") with real prompts and nothing projected by default.
 
 One block of corpus text cut to exactly prompt_len tokens (FlexGen left-padded one short sentence instead),
 a warm-up generate (32-token prompts, 2 new tokens: the prefill and one decode step; on a GPU also one prefill

@@ -1,4 +1,4 @@
-"""The flags of `python -m flexgen_h2o.run`, with FlexGen's names where FlexGen has the flag (ANCHORS.md §1.10).
+"""The flags of `python -m flexgen_h2o.run`, with FlexGen's names where FlexGen has the flag (`docs/cli.md`).
 
 Parsing is strict and cheap: no prefix matching (FlexGen's scripts relied on it), ranges checked by the flag
 types, and any parse error is one line on stderr with exit code 2. Stdlib only, so bad flags fail in
