@@ -1,6 +1,6 @@
 """Eviction configuration: what the user asked for (EvictionConfig) and the slot counts it means (Budget).
 
-Counting rules (ANCHORS.md §2.2, §2.5, §2.11):
+Counting rules (the flags' meanings: `docs/cli.md` "KV cache (H2O)"):
 - `hh_ratio r` names heavy hitters only, as in the H2O FlexGen port: heavy = int(r * prompt_len); the recent
   window defaults to the same count, so `--hh-ratio 0.1` is a 20 % cache of the prompt ("H2O 0.1 + 0.1").
   For `h2o-port` the recent window defaults to heavy - 1, so heavy + recent + the current slot = 2 * hh_k rows,

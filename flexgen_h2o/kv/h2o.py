@@ -3,7 +3,7 @@
 Per (sequence, KV head) column, once the valid slots exceed the budget:
 - candidates = valid slots that are neither sinks (position < sink) nor among the `recent` newest;
   that is the heavy hitters plus the token just leaving the recent window (or the new token when recent = 0);
-- exact (default): evict the lowest accumulated score among the candidates (ANCHORS.md §2.5): a leaving
+- exact (default): evict the lowest accumulated score among the candidates (the H2O paper's rule): a leaving
   token that scores below every heavy hitter is simply dropped;
 - port: the leaving token (the newest candidate) is always admitted and the victim is the lowest-scored of
   the others, as in FMInference/H2O h2o_flexgen, where one heavy slot behaves like an extra recent slot;

@@ -24,7 +24,7 @@ class SplitKVCache:
     def __init__(self, parts: list[tuple[int, int, KVCache]], attention_device: torch.device | None = None):
         self.parts = parts                     # (first sequence, end sequence, cache over that range)
         # cpu_cache_compute: the window is staged (fp32) where the KV lives and attention runs there, so only
-        # the query and the output cross the link (FlexGen's CPU attention, ANCHORS.md §1.7)
+        # the query and the output cross the link (FlexGen's CPU attention)
         self.attention_device = attention_device
 
     @property

@@ -1,7 +1,7 @@
 """The EvictionPolicy protocol and the registry of policies by name.
 
 A policy is stateless: pure functions of the tensors the cache keeps per slot (fp32 scores, original
-positions with -1 for empty). The cache owns bytes and state; the policy owns decisions (LAYOUT.md §8.2).
+positions with -1 for empty). The cache owns bytes and state; the policy owns decisions (`docs/architecture.md`).
 """
 from __future__ import annotations
 

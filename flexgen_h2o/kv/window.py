@@ -1,9 +1,9 @@
 """Score-free baselines at equal budgets: the full cache, a local window, and sinks + window (StreamingLLM).
 
 `local` and `sink` are one rule: keep the `sink` first tokens and the newest tokens, evict the oldest
-non-sink. They differ only in the sink count the budget carries (0 for local, 4 by default for sink,
-ANCHORS.md §2.11). Any heavy share in a hand-built Budget is treated as window, so the kept count is always
-the budget.
+non-sink. They differ only in the sink count the budget carries (0 for local, 4 by default for sink, as in
+StreamingLLM). Any heavy share in a hand-built Budget is treated as window, so the kept count is always the
+budget.
 """
 from __future__ import annotations
 
