@@ -10,7 +10,7 @@ and recency never depend on slot numbers.
 A decode step writes the new token into a free slot (the attention layer does it in the staged view), adds
 this step's attention to the scores, then asks the eviction policy for one victim per (b, g), whose slot is
 marked free for the next step. Nothing is moved: the bytes written per step are one K/V row per (b, g) plus
-the scores, whatever the tier. The cache owns bytes; the policy owns decisions (LAYOUT.md §8.2).
+the scores, whatever the tier. The cache owns bytes; the policy owns decisions (`docs/architecture.md`).
 """
 from __future__ import annotations
 
@@ -41,9 +41,9 @@ def _plain_alloc(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
 class StagingBuffers:
     """Reused flat buffers for staged KV windows on a CPU. A fresh multi-MB tensor per (layer, step) is a fresh
     allocation whose pages fault on first touch, and they are freed on another thread than the one that made
-    them. With fresh windows an H2O decode at batch 54 slowed from ~440 to ~580 ms per step over 512 steps; with
-    this pool its first and last tenths stayed within 414-461 ms (`python -m benchmarks.suite --workload s2048+512
-    --systems ours-h2o-20`, the report's first / last 10 % step table).
+    them. With fresh windows an H2O decode step grew slower over a long generation; with this pool its first and
+    last tenths of steps stay level (the suite report's first / last 10 % step table, `docs/suite.md`:
+    `python -m benchmarks.suite --workload s2048+512 --systems ours-h2o-20`).
     Buffers are sized to a cache's
     capacity (one key per cache shape, however long the window) and come back when the step's KV is committed
     (KVView.release).
@@ -116,9 +116,9 @@ class KVCache:
         self.k.zero_()
         self.v.zero_()
         # a quantized cache stores keys divided by a per-channel scale taken from each sequence's prompt (the
-        # largest |k| of the channel): outlier channels would otherwise set every token's group range. Per
-        # token int4 groups cost 1.06-1.07x perplexity without it (`python -m flexgen_h2o.eval --kv-bits 4`),
-        # and KIVI's per-channel keys recover most of that (`python -m benchmarks.studies.kv_group_dim`)
+        # largest |k| of the channel): outlier channels would otherwise set every token's group range. The
+        # perplexity of per-token int4 groups with and without it, and of KIVI's per-channel keys:
+        # `docs/compression.md` "Quality"
         self.k_scale = (torch.ones(batch, g, 1, d, dtype=torch.float32, device=self.k.device)
                         if self.fmt.quantized else None)                  # (b, g, 1, d)
         self.n_used = 0                    # high-water mark: slots [n_used, capacity) have never held a token
@@ -173,8 +173,8 @@ class KVCache:
             self.k_scale[rows] = key_scale.to(self.k_scale.device)
         positions = token_pos[:, None, :].expand(b, g, p).long()
         if unpadded and trait(self.policy.name, "keeps_every_row"):
-            # every row, in order: slices, with no keep mask, packing, gather or host sync (the gathers alone
-            # were 59 ms of an H100's 1,183 ms full-cache prompt pass, `bash scripts/gpu_profile.sh DIR`)
+            # every row, in order: slices, with no keep mask, packing, gather or host sync (the gathers show in
+            # a GPU's full-cache prompt pass: `bash scripts/gpu_profile.sh DIR`)
             n_keep = self._room_for(p)
             k_rows, v_rows, pos_rows = k_new, v_new, positions
             score_rows = 0.0 if scores is None else scores
@@ -243,8 +243,8 @@ class KVCache:
     def free_slots(self) -> Tensor:
         """(b, g) the lowest free slot of each (sequence, KV head); one always exists (capacity = budget + 1).
         A free slot holds position -1, below every kept one, and argmin returns the first of equal minima: one
-        op where compare, cast and argmax were three (each a parallel region on a CPU: 0.2-0.4 ms a call at batch
-        120: `python -m benchmarks.studies.profile_decode --batch 120 --prompt-len 512 --steps 16 --cases h2o`)."""
+        op where compare, cast and argmax were three (each a parallel region on a CPU, which wakes the sleeping
+        OpenMP threads: `docs/architecture.md` "How a token flows")."""
         return self.pos.argmin(dim=-1)
 
     def stage(self, device: torch.device, dtype: torch.dtype, new_rank: Tensor | None = None) -> KVView:
