@@ -28,8 +28,8 @@ def newest_mask(positions: Tensor, valid: Tensor, k: int | Tensor, n_valid: Tens
     caller has it already (one reduction less per decode step and layer).
 
     Positions are unique among the valid slots of a column. A recent window is never evicted from, so in a
-    cache the k newest positions are consecutive and "position > newest - k" finds them without a top-k, a sort
-    of every column that each decode step and layer would pay. The shortcut is checked (a column's
+    cache the k newest positions are consecutive and "position > newest - k" finds them without a top-k over
+    every column, which each decode step and layer would pay. The shortcut is checked (a column's
     count under it must be min(k, its valid count)); any column with a gap falls back to the exact ranking."""
     per_row = isinstance(k, Tensor)
     if not per_row and k <= 0:
