@@ -2,7 +2,7 @@
 out, one-slot ValueHolders for the schedule's buffers, the copy lanes the executor runs staging jobs on
 (`Transfer`), and the offload folder's hygiene (a private per-run folder, stale-folder sweep, space check).
 
-Level 1 of the import rules (LAYOUT.md §8.3): imports only torch, numpy, the stdlib and `backend/`.
+Level 1 of the import rules (`docs/architecture.md`): imports only torch, numpy, the stdlib and `backend/`.
 """
 from .holder import HolderStateError, ValueHolder
 from .offload_dir import DiskSpaceError, OffloadDir, OffloadDirError, check_space

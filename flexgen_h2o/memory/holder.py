@@ -1,4 +1,4 @@
-"""`ValueHolder`: a one-slot box for the schedule's staging buffers (FlexGen's ValueHolder, ANCHORS.md §1.3).
+"""`ValueHolder`: a one-slot box for the schedule's staging buffers (FlexGen's ValueHolder).
 
 Storing into a full slot or popping an empty one is a schedule ordering bug, so it raises at once instead of
 silently overwriting a buffer that is still in use.

@@ -1,6 +1,6 @@
 """`TieredTensor`: a handle on bytes a tier handed out (shape, dtype, tier, payload; no math).
 
-Payloads: a torch.Tensor (compute, host) or a `DiskFile` (disk). FlexGen's `TorchTensor` (ANCHORS.md §1.3).
+Payloads: a torch.Tensor (compute, host) or a `DiskFile` (disk). FlexGen's `TorchTensor`.
 Imports only torch and the stdlib.
 """
 from __future__ import annotations

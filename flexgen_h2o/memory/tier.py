@@ -2,7 +2,7 @@
 
 ComputeTier (the GPU on CUDA; a budgeted host pool on CPU, so placements like `--percent 20 80` mean the same
 thing everywhere), HostTier (CPU RAM, optionally pinned) and DiskTier (one real `.npy` file per tensor). FlexGen's
-TorchDevice / TorchDisk (ANCHORS.md §1.3). Every tier counts `current_bytes` and `peak_bytes` of what it handed
+TorchDevice / TorchDisk. Every tier counts `current_bytes` and `peak_bytes` of what it handed
 out; the engine reads and writes the payloads (or a disk tensor's `torch_view`) itself.
 """
 from __future__ import annotations

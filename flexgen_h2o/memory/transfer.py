@@ -63,8 +63,8 @@ class Transfer:
     def collect(self, fut: Future) -> Any:
         """A submitted job's value, safe to read on the caller's stream: waits for the job on the host, then makes
         the caller's stream wait (on the device) for the copies the job enqueued on its lane. Without the second
-        wait a CUDA kernel could read staged weights or KV before their copy landed: an H100 under 8 test
-        processes read out-of-range slot indices that way (2026-11-26)."""
+        wait a CUDA kernel could read staged weights or KV before their copy landed (`docs/architecture.md`
+        "Copy lanes"; `tests/test_cuda.py::test_a_staged_tensor_is_read_after_its_copy_lands`)."""
         value = fut.result()
         if isinstance(value, LaneResult):
             self.backend.wait_event(value.event)
