@@ -1,7 +1,7 @@
 """Throughput (FlexGen's three definitions), memory readouts (engine accounting and the OS), and the log.
 
 prefill tok/s = B * prompt_len / prefill_s; decode tok/s = B * (gen_len - 1) / decode_s;
-total tok/s = B * gen_len / (prefill_s + decode_s)   (ANCHORS.md §1.10).
+total tok/s = B * gen_len / (prefill_s + decode_s)   (`docs/cli.md` "Benchmark mode").
 """
 from __future__ import annotations
 
