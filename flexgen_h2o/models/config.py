@@ -2,7 +2,7 @@
 
 Owns shapes and hyper-parameters only; imports nothing from the package (reading a config.json asks the
 family registry, models/families.py, which family reads it). Sources for the preset numbers:
-the HF config.json of each checkpoint (ANCHORS.md §3.4, §3.5).
+the HF config.json of each checkpoint.
 """
 from __future__ import annotations
 
@@ -55,18 +55,17 @@ class ModelConfig:
         return dict(self.rope_scaling) if self.rope_scaling else None
 
     def kv_bytes_per_token(self, dtype_bytes: int = 2) -> int:
-        """K and V bytes one token costs across all layers (ANCHORS.md §5.5)."""
+        """K and V bytes one token costs across all layers."""
         return 2 * self.n_layers * self.n_kv_heads * self.head_dim * dtype_bytes
 
     def workspace_bytes(self, batch: int, tokens: int, itemsize: int = 4, score_block_bytes: int = 0) -> int:
         """Estimated transient bytes of the largest single layer forward for `batch` sequences of `tokens` new
         tokens (a prefill chunk is the peak): the layer's output next to its input, plus the attention block
         (q/k/v and output, and when scores are wanted (score_block_bytes > 0: the largest fp32 logits block,
-        `ops.score_block_bytes`) that block's logits and probabilities; measured ~120 MiB for one SmolLM2
-        sequence of 2048 in 256-query blocks, allocator slack included, hence 4 copies) or the MLP's ffn-wide
-        intermediates, or the head's last-token logits. Without scores the fused SDPA kernel keeps O(tokens)
-        state (measured on CPU: 43 MiB for 2 x 2048 SmolLM2 tokens, not the 600 MiB of a materialised score
-        matrix)."""
+        `ops.score_block_bytes`) that block's logits and probabilities, 4 copies with the allocator's slack)
+        or the MLP's ffn-wide intermediates, or the head's last-token logits. Without scores the fused SDPA
+        kernel keeps O(tokens) state, not a materialised score matrix. Checked against the OS's peak RSS:
+        `tests/memory/test_rss_agreement.py` (`docs/architecture.md` "Memory accounting")."""
         h, f, d = self.hidden_size, self.ffn_size, self.head_dim
         bt = batch * tokens
         hidden = 2 * bt * h * itemsize
