@@ -1,7 +1,7 @@
 """Data contracts between the model math and everything that places or schedules it.
 
 A layer receives tensors that are already staged on the compute device and returns tensors. It never sees a
-tier, a stream or the schedule's indices (LAYOUT.md §8.2). Shape letters: b sequences, t new tokens, s KV slots,
+tier, a stream or the schedule's indices (`docs/architecture.md`). Shape letters: b sequences, t new tokens, s KV slots,
 h query heads, g KV heads, d head dim, m model width, V vocab.
 """
 from __future__ import annotations
@@ -70,8 +70,8 @@ class StepContext:
 
     def rope(self, inv_freq: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """cos, sin (b, t, d) of these positions, computed once per step: a model's layers share one frequency
-        tensor (transformer._inv_freq), and each computation is a few parallel regions on a CPU (~0.35 ms at
-        batch 120 on 2 threads, benchmarks/studies/layer_math_cost.py)."""
+        tensor (transformer._inv_freq), and each computation is a few parallel regions on a CPU, each of which
+        wakes the sleeping OpenMP threads (`docs/architecture.md` "How a token flows")."""
         key = (id(inv_freq), dtype)
         if key not in self._rope:
             self._rope[key] = (inv_freq, *rope_cos_sin(self.positions, inv_freq, dtype))   # holds the id's owner

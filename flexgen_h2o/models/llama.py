@@ -2,7 +2,7 @@
 `LlamaForCausalLM` layout, assembled into the shared layer kinds.
 
 RoPE on q and k (inv_freq computed from theta, never loaded), RMSNorm, SwiGLU, no biases, GQA with K/V stored
-at n_kv_heads (ANCHORS.md §2.7, §3.1).
+at n_kv_heads.
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """OPT: weight names and shapes (HF `OPTForCausalLM` layout), assembled into the shared layer kinds.
 
 Learned positions with offset 2, LayerNorm, ReLU, biases everywhere; opt-350m is post-LN with project_in/out
-and no final LayerNorm (ANCHORS.md §3.3).
+and no final LayerNorm.
 """
 from __future__ import annotations
 
