@@ -1,6 +1,6 @@
 """WeightPlacement: the home tier of every weight tensor, and staging a layer's weights for compute.
 
-FlexGen's rule (ANCHORS.md §1.4): per schedule layer, tensors in spec order; the midpoint of each tensor's
+FlexGen's rule (its `init_weight_list`): per schedule layer, tensors in spec order; the midpoint of each tensor's
 cumulative byte range falls in a band ordered disk, host, compute, and that band is its home. So `--percent 20 80`
 puts about 20 % of each layer's bytes on the compute tier, by whole tensors.
 
@@ -85,11 +85,9 @@ def model_bytes(layers: list, fmt: StorageFormat = WEIGHT_FORMAT) -> int:
 
 def resident_dtype(shape: tuple[int, ...], device: torch.device, compute_dtype: torch.dtype) -> torch.dtype:
     """The dtype a compute-homed weight is kept in. On a CPU a matrix stays fp16: ops.linear upcasts it a few MB
-    of rows at a time, which on 2 cores was no slower than an fp32 copy (SmolLM2 decode at batch 54, prompt 2048:
-    336 ms a step with fp16 matrices against 353 ms with fp32 ones: `python -m benchmarks.studies.profile_decode
-    --batch 54 --cases h2o --percent 0 100 100 0 100 0`, against `--percent 100 0 100 0 100 0`) and
-    halves the weights' RAM,
-    which the KV of more sequences can use. Vectors (norms, biases) and every weight on a GPU: the compute dtype."""
+    of rows at a time, which was no slower than an fp32 copy (`docs/architecture.md` "Numerics") and halves the
+    weights' RAM, which the KV of more sequences can use. Vectors (norms, biases) and every weight on a GPU: the
+    compute dtype."""
     return torch.float16 if device.type == "cpu" and len(shape) > 1 else compute_dtype
 
 
@@ -153,7 +151,7 @@ class WeightPlacement:
                     self._disk[spec.name] = array
                     self.resident_bytes["disk"] += array.nbytes
         # placing (packing, drawing dummy weights) left freed blocks between live ones: hand their pages back, or
-        # they stay in the RSS (OPT-1.3B int8 dummy weights: 0.7 GiB beyond the placed bytes)
+        # they stay in the RSS beyond the placed bytes (`docs/architecture.md` "Memory accounting")
         release_free_heap()
 
     def stored_shape(self, spec: WeightSpec) -> tuple[int, ...]:
