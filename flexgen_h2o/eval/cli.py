@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")        # spin-waiting made small ops 70x slower on busy VMs
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")        # idle threads sleep: spinning ones take a shared CPU's cores
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import argparse  # noqa: E402

@@ -1,8 +1,8 @@
 """RULER's needle tasks niah_single_1, niah_multikey_2 and niah_multikey_3, built offline as lm-eval 0.4.13 builds them.
 
 lm-eval generates these samples itself (lm_eval/tasks/ruler/prepare_niah.py) from a tokenizer and Python's global
-`random`. Importing it pulls in datasets, pandas, pyarrow, scipy and scikit-learn (~700 MB), tries an NLTK
-download, and builds a 6.2M-word list (~30 s, 1.3 GB). This module reproduces that generator draw for draw for
+`random`. Importing it pulls in datasets, pandas, pyarrow, scipy and scikit-learn, tries an NLTK download, and
+builds a word list of millions of entries. This module reproduces that generator draw for draw for
 the three tasks (their haystacks are repeated lines and other needles, not essays), with a random.Random(seed)
 in place of the global generator: the samples equal lm-eval's after random.seed(seed) (tests/eval/test_ruler.py
 compares them where lm-eval is importable). Only wonderwords is needed: RULER's word keys come from its lists.

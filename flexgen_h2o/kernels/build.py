@@ -5,8 +5,8 @@ flexgen_h2o/kernels/_kernels (setup.py), stamped with source_hash() of csrc/, th
 version; load() uses that build while the stamp matches the files on disk. A missing or stale one (a .cpp edited
 since, another CPU's flags, FLEXGEN_H2O_KERNEL_ISA=portable) is compiled by torch's C++ extension loader (a C++
 compiler and ninja) into TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions), in a folder named after this
-source tree, so only the first process after a change pays (65 s from scratch on this project's 2-core VM;
-README.md has the command), and two checkouts never evict each other's builds. That build holds a flock in its
+source tree, so only the first process after a change pays for the compile (`make install` pays it ahead), and
+two checkouts never evict each other's builds. That build holds a flock in its
 folder, so a `lock` file left by a killed build is removed instead of waited on forever. `build_ahead()` readies
 them before any timed run (`make install` calls it). Where they cannot be built, load() gives None, the reason
 is printed once, and kernels.Kernels runs the torch ops. On a CPU with AVX2, FMA and F16C they are built with
