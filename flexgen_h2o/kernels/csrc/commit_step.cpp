@@ -4,8 +4,8 @@
 //
 // The decisions are kv/h2o.py's (the exact rule, h2o-avg's ranking, the port's), which stays the reference and
 // runs everywhere else (GPU caches, the random and window rules). As torch ops they are ~40 passes over the whole
-// (b, g, s) window per layer, 4-6 ms at SmolLM2's batch 120 x 3 heads x 410 slots on this project's VM; here each
-// column is one pass over its own slots, while they are in cache.
+// (b, g, s) window per layer; here each column is one pass over its own slots, while they are in cache
+// (docs/architecture.md "How a token flows"; `python -m benchmarks.studies.commit_cost --batch 120`).
 #include "kernels.h"
 
 #include <ATen/Parallel.h>

@@ -3,11 +3,10 @@
 //
 // The torch-op path (ops.narrow_decode_attention) upcasts the window to fp32 a block of sequences at a time with
 // copy_ and multiplies it with batched GEMMs of r query rows. At SmolLM2's batch 120 x 3 KV heads x 409 slots that
-// is ~565 M elements converted per step (~1.6 G elements/s through copy_ on this project's VM) and bmm at
-// ~19 GFLOP/s. Here each thread takes one (sequence, KV head) at a time and reads its window once, as fp16: each
-// key or value vector is converted in a register and used there by up to three query heads of the group at once.
-// (Converting rows into an fp32 scratch first, the previous version, spent a third of the kernel's time storing
-// the converted rows and loading them back.)
+// is ~565 M elements converted per step, and GEMMs of 3 rows run far below the machine's peak (docs/architecture.md
+// "How a token flows"). Here each thread takes one (sequence, KV head) at a time and reads its window once, as
+// fp16: each key or value vector is converted in a register and used there by up to three query heads of the
+// group at once. (Converting rows into an fp32 scratch first would store the converted rows and load them back.)
 //
 // Built with -mavx2 -mfma -mf16c where the CPU has them (kernels/build.py decides); elsewhere the same loops run
 // as plain C++, which the compiler vectorises as it can.
@@ -44,8 +43,8 @@ struct HalfRows {
   __m256 load8(int64_t i, int64_t c) const {
     return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rows + i * d + c)));
   }
-  // ask for rows [i, i + n) ahead of their use: a column's window comes from DRAM (the whole cache is ~0.5 GB at
-  // the s2048 batch), and the loops below are short enough to wait on every line
+  // ask for rows [i, i + n) ahead of their use: a column's window comes from DRAM (a long prompt's batch holds a
+  // cache many times the L3), and the loops below are short enough to wait on every line
   void prefetch(int64_t i, int64_t n, int64_t s) const {
     const int64_t end = std::min(i + n, s) * d;
     for (int64_t e = i * d; e < end; e += 32) __builtin_prefetch(rows + e);   // 32 halves: one 64-byte line
@@ -366,7 +365,8 @@ std::vector<at::Tensor> decode(const at::Tensor& q, const at::Tensor& k, const a
             v_new_c.data_ptr<float>(), static_cast<float>(scale), mean_pool ? 1.0f / static_cast<float>(r) : 1.0f,
             out.data_ptr<float>(), want_mass ? mass.data_ptr<float>() : nullptr};
   // a thread takes at least MIN_SLOTS_PER_THREAD (sequence, KV head, slot) rows: waking the sleeping OpenMP thread
-  // (OMP_WAIT_POLICY=PASSIVE) costs ~0.1 ms on this project's VM, more than a small step's whole attention
+  // (OMP_WAIT_POLICY=PASSIVE) costs more than a small step's whole attention (docs/architecture.md "How a token
+  // flows")
   const int64_t grain = std::max<int64_t>(1, MIN_SLOTS_PER_THREAD / std::max<int64_t>(1, s));
   at::parallel_for(0, b * g, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> qs(r * d), probs(r * s);
