@@ -61,8 +61,8 @@ inline void tile(const float* x, int64_t mr, const float* w, int64_t k, float* o
 
 // Threads split the weight rows only where each gets enough work: below it, waking the sleeping OpenMP thread
 // (OMP_WAIT_POLICY=PASSIVE) costs more than the thread saves. Few rows are bound by reading the weight (bytes),
-// more rows by their multiply-adds (FLOPs). At one row on this project's 2-core VM the whole decode step took
-// 1.17x as long with 1 MB a thread as with 4 MB, where only the 57 MB head is split (docs/suite.md).
+// more rows by their multiply-adds (FLOPs). At one row only the largest matrices (SmolLM2's LM head) are split:
+// smaller shares a thread made the whole decode step slower (docs/architecture.md "How a token flows").
 constexpr int64_t MIN_BYTES_PER_THREAD = 4 << 20;
 constexpr int64_t MIN_FLOPS_PER_THREAD = 8 << 20;
-constexpr int64_t DIRECT_MAX_ROWS = 6;       // above it the buffered tiles were faster (8 and 16 rows measured)
+constexpr int64_t DIRECT_MAX_ROWS = 6;       // above it a converted weight tile has enough rows to pay for its store

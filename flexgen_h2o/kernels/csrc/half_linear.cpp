@@ -11,7 +11,7 @@
 //
 // With at most DIRECT_MAX_ROWS rows of x (batch-1 decoding, a few streams) each weight element is used by so few
 // rows that storing it converted into L1 and reading it back costs more than converting it in a register at each
-// use: direct_tile converts in registers and never stores it (1.5x the batch-1 step's linear layers).
+// use: direct_tile converts in registers and never stores it.
 #include "kernels.h"
 
 #include <ATen/Parallel.h>
