@@ -61,7 +61,7 @@ inline __m256 quant8(const uint8_t* row, int64_t c) {
 #endif
 
 // nr weight rows' k values as fp32 into dst (rows of k), rounded as direct_tile's registers round them. Out of
-// line: inlined beside tile, its constants took registers that tile's rows of x need (load-bound, 1.2x slower).
+// line: inlined beside tile, its constants took registers that tile's rows of x need, and the loop is load-bound.
 template <int64_t BITS>
 __attribute__((noinline)) void dequant_rows(const uint8_t* w, int64_t nr, const Layout& l, float* dst) {
   for (int64_t j = 0; j < nr; ++j) {
