@@ -39,12 +39,11 @@ LAYER_MATH_SWITCH = "FLEXGEN_H2O_FUSED_LAYER_MATH"  # "0": the layer math alone 
 GEMM_SWITCH = "FLEXGEN_H2O_CPU_GEMM"                # "blas": a prompt's GEMMs on MKL's sgemm instead of oneDNN's
 INVARIANT_SWITCH = "FLEXGEN_H2O_BATCH_INVARIANT"    # "0": a prompt's GEMMs on the BLAS, attention batched (A/B runs)
 # queries per block: 3 heads x 128 queries x 2,048 keys of fp32 logits is 3 MB, about one core's L2 plus its
-# share of L3 (a sweep of 64-256 at SmolLM2's 2,048-token prompts moved the kernel's time by a few % at most)
+# share of L3
 Q_BLOCK = 128
 HALF_LINEAR_MAX_ROWS = 256       # rows of x up to which the fp16-weight kernel beats upcast chunks + the BLAS
-# the same for a packed int4 weight (8192 x 2048): the kernel took 39/55 ms at 64/128 rows against 54/63 for
-# dequantized blocks + the GEMM, 105/597 ms at 256/1024 against 81/208 (`python -m
-# benchmarks.studies.quant_linear_rows`)
+# the same for a packed weight: above it dequantized blocks + the GEMM are faster (docs/compression.md
+# "Throughput")
 QUANT_LINEAR_MAX_ROWS = 128
 ONEDNN_MIN_ROWS = 512            # below this the call's fixed cost outweighs its faster kernel
 
@@ -54,11 +53,10 @@ _onednn: dict[str, object] = {}  # "op": torch.ops.mkldnn._linear_pointwise once
 def onednn_gemm():
     """oneDNN's linear op where it works in this process, else None; checked on the first prompt-sized call, not
     at import, so a process that never runs a prompt pass never loads oneDNN's kernels (the preflight's RSS
-    reading at startup stays what it was). On this project's AMD EPYC VM MKL's sgemm, torch's default, ran
-    SmolLM2's projections (4096 rows by 576..1536) 15-27 % slower, and SmolLM2's prompt pass at batch 32 x 512
-    took 1.05x (full cache) and 1.21x (H2O) as long (`FLEXGEN_H2O_CPU_GEMM=blas|onednn python -m flexgen_h2o.run
+    reading at startup stays what it was). MKL's sgemm, torch's default, runs SmolLM2's prompt-sized projections
+    and so its prompt pass slower; to compare, `FLEXGEN_H2O_CPU_GEMM=blas|onednn python -m flexgen_h2o.run
     --model smollm2-135m --prompt-len 512 --gen-len 2 --gpu-batch-size 32 [--hh-ratio 0.1]`, prefill_s from
-    --metrics-json, interleaved). oneDNN is also what OpenVINO's prompt pass runs on."""
+    --metrics-json, interleaved. oneDNN is also what OpenVINO's prompt pass runs on."""
     if "op" not in _onednn:
         _onednn["op"] = None
         try:
