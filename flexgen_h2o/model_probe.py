@@ -1,13 +1,13 @@
 """A model's own decode cost, timed once per model shape and weight format (the cost model's decode rates).
 
-Machine rates on synthetic shapes (calibrate.py) predicted a run's decode steps 1.2-2.2x too fast
-(`benchmarks/studies/cost_model_check.py`, 2026-11-29): what a real layer does between its matrix products
+Machine rates on synthetic shapes (calibrate.py) predicted a run's decode steps too fast (`docs/planner.md`
+"The machine's rates"): what a real layer does between its matrix products
 (norms, rotary, the KV write and its scores, the gathers of live rows, dispatch) is no FLOP count, and a model's
 matrices run at their own speed. So the probe runs the real engine on the model itself cut to 1 block and to
 3 or more (its own widths, heads, MLP and weight format, a 512-token vocabulary), all in RAM, at each decode row
 count, and takes the difference: seconds per block per decode step (the window's attention beyond its 16-token
 prompt is the cost model's to add). Median step. The larger cut holds more weight bytes than the last-level
-cache, as a whole model does: 3 of SmolLM2's blocks fit this VM's 36 MB L3 and timed its int4 decode 1.5x fast.
+cache, as a whole model does: blocks that stay in the cache time a decode step too fast (`docs/planner.md`).
 The prompt pass stays on the machine rates: timed on one short prompt the probe's GEMMs ran at far fewer rows
 than a run's prefill chunks.
 """
@@ -103,7 +103,7 @@ def measure_matrices(cfg: Any, fmt_name: str, kernels: Any, device: torch.device
     block = [packed_weight(w, fmt_name, device) for w in one]
     nbytes = sum(w.rows.nbytes if hasattr(w, "rows") else w.nbytes for w in block)
     # at most MAX_COPIES: a block under LLC_BYTES / MAX_COPIES (1 MiB; SmolLM2's int4 block is 1.9 MB) is a toy
-    # model whose own run keeps every weight in the cache anyway; packing thousands of its copies took 12 s
+    # model whose own run keeps every weight in the cache anyway, and packing thousands of its copies is slow
     n_copies = min(MAX_COPIES, LLC_BYTES // max(1, nbytes))
     copies = [block] + [[packed_weight(w, fmt_name, device) for w in one] for _ in range(n_copies)]
     flops = sum(2 * n * k for n, k in shapes)
