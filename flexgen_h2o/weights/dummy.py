@@ -3,8 +3,8 @@
 Matrices are N(0, 0.02) values like a freshly initialised model, norm gains are ones and biases zeros, so
 activations stay in range and nothing is an all-ones matrix (which would make every attention score tie).
 
-Drawing a normal per weight is far slower than a copy (minutes for OPT-30B's 60 GB); one pool of 4 Mi normals is
-drawn once, and row r of a tensor is the pool's window starting at (key + r * STRIDE) mod POOL, key from
+Drawing a normal per weight is far slower than a copy, which a model of tens of GB feels; one pool of 4 Mi
+normals is drawn once, and row r of a tensor is the pool's window starting at (key + r * STRIDE) mod POOL, key from
 `(seed, crc32(spec.name))` (stable across processes, unlike `hash()`). Filling a tensor is then a gather of
 rows, a copy: the same bytes on every machine and device, whatever order tensors are made in or however they
 are chunked. Rows of one tensor never repeat (an odd stride cycles through every start of a power-of-two pool
