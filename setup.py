@@ -57,8 +57,8 @@ def kernels() -> dict:
         stamp_file.parent.mkdir(parents=True, exist_ok=True)
         stamp_file.write_text(stamp)
     sources = [str(p.relative_to(HERE)) for p in kbuild.SOURCES] + [str(STAMP_CPP)]
-    # after build.py's flags, undo what Python's own CFLAGS add (-g: a 15 MB .so; -fwrapv, -DNDEBUG), so this build
-    # compiles as the JIT one does
+    # after build.py's flags, undo what Python's own CFLAGS add (-g: debug info that bloats the .so; -fwrapv,
+    # -DNDEBUG), so this build compiles as the JIT one does
     ext = CppExtension("flexgen_h2o.kernels._kernels", sources, include_dirs=[str(kbuild.CSRC)],
                        extra_compile_args=[*kbuild.cflags(flags), "-g0", "-fno-wrapv", "-UNDEBUG"],
                        extra_link_args=kbuild.LDFLAGS)
