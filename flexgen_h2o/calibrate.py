@@ -11,9 +11,9 @@ Each rate is the engine's own code path timed on synthetic shapes, not a vendor 
 - fixed cost: a tiny model's decode step through the real engine, per schedule layer and GPU batch (the Python,
   dispatch and small-op time no byte or FLOP count sees).
 
-`rates()` returns the cached constants for this machine, measuring them (well under a minute) when there are
-none or `refresh` is asked for (`--calibrate`). The identity: CPU model, cores, threads, torch version, whether
-the compiled kernels load, GPU name, and the offload folder's file system.
+`rates()` returns the cached constants for this machine, measuring them when there are none or `refresh` is
+asked for (`--calibrate`; `docs/planner.md` "The machine's rates"). The identity: CPU model, cores, threads,
+torch version, whether the compiled kernels load, GPU name, and the offload folder's file system.
 """
 from __future__ import annotations
 
