@@ -5,7 +5,7 @@
 // The decisions are kv/h2o.py's (the exact rule, h2o-avg's ranking, the port's), which stays the reference and
 // runs everywhere else (GPU caches, the random and window rules). As torch ops they are ~40 passes over the whole
 // (b, g, s) window per layer; here each column is one pass over its own slots, while they are in cache
-// (docs/architecture.md "How a token flows"; `python -m benchmarks.studies.commit_cost --batch 120`).
+// (docs/architecture.md "How a token flows" compares the two).
 #include "kernels.h"
 
 #include <ATen/Parallel.h>

@@ -1,9 +1,8 @@
 // The element-wise layer math, one pass each: RMSNorm, SwiGLU's gate and RoPE. As torch ops they are 2-6 passes
 // each, and every pass over a decode step's ~100k floats is a parallel region; with OMP_WAIT_POLICY=PASSIVE each
-// region wakes the sleeping OpenMP threads (docs/architecture.md "How a token flows";
-// `python -m benchmarks.studies.layer_math_cost`). So a decode step's tensors (up to SERIAL_FLOATS) run on the
-// calling thread; a prompt's are split across torch's threads, where one pass instead of several still saves
-// memory traffic.
+// region wakes the sleeping OpenMP threads (docs/architecture.md "How a token flows"). So a decode step's tensors
+// (up to SERIAL_FLOATS) run on the calling thread; a prompt's are split across torch's threads, where one pass
+// instead of several still saves memory traffic.
 #include "kernels.h"
 
 #include <ATen/Parallel.h>
