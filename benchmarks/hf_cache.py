@@ -27,33 +27,13 @@ import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 from benchmarks.common import CaseFailed, RssSampler, bench_env, interleaved, median, run_json  # noqa: E402
+from benchmarks.systems.hf_generate import load_smollm2  # noqa: E402
 
 CASES = ("dynamic", "h2o")
 MIB, GIB = 1 << 20, 1 << 30
 
 
 # --- one case (child process) ---
-
-def load_smollm2(device: str, dtype):
-    """SmolLM2-135M as a transformers LlamaForCausalLM, from the project's converted weight store."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from flexgen_h2o.loader import load_model
-    loaded = load_model("smollm2-135m", progress=False)
-    c = loaded.config
-    cfg = LlamaConfig(vocab_size=c.vocab_size, hidden_size=c.hidden_size, num_hidden_layers=c.n_layers,
-                      intermediate_size=c.ffn_size, num_attention_heads=c.n_heads, num_key_value_heads=c.n_kv_heads,
-                      max_position_embeddings=c.max_seq_len, rms_norm_eps=c.norm_eps, tie_word_embeddings=True,
-                      rope_parameters={"rope_type": "default", "rope_theta": c.rope_theta},
-                      bos_token_id=1, eos_token_id=2, pad_token_id=2)
-    model = LlamaForCausalLM(cfg)
-    state = {name: torch.from_numpy(loaded.read(name.removeprefix("model.") if name != "lm_head.weight"
-                                                 else "embed_tokens.weight").copy()).to(dtype)
-             for name in model.state_dict()}
-    model.load_state_dict(state)
-    return model.to(device=device, dtype=dtype).eval(), loaded.tokenizer
-
 
 def run_case(a: argparse.Namespace) -> dict:
     import torch

@@ -41,7 +41,7 @@ class Workload:
     gen_len: int
     budget_bytes: int            # peak RSS (or, budget_kind "gpu", peak GPU memory) every system must stay under
     weights: str                 # "ram", "disk" (decoder weights homed on disk, read cold) or "host" (GPU runs)
-    dummy: bool                  # random weights in the real shapes (no OPT weights exist offline, ANCHORS §6.3)
+    dummy: bool                  # random weights in the real shapes (no OPT weights ship offline)
     systems: tuple[str, ...]     # the default system list
     max_batch: int = 64          # the batch search stops here
     runtime_bytes: int = GIB // 2  # interpreter + torch + tokenizer, added to planner estimates (ours)
@@ -96,7 +96,7 @@ def _disk(gen: int, with_accelerate: bool) -> Workload:
 WORKLOADS: dict[str, Workload] = {w.name: w for w in (
     _smollm2(512, 32, 128), _smollm2(512, 128, 128), _smollm2(512, 512, 128), _smollm2(512, 1024, 128),
     _smollm2(2048, 512, 128),
-    # Accelerate reads ~0.4 GB/s cold (ANCHORS §6.7): 512+512 would take hours per run, so it runs at 512+128
+    # Accelerate runs at 512+128 only: its cold reads make 512+512 take hours per run (docs/suite.md "Workloads")
     _disk(128, True), _disk(512, False), _disk(1024, False),
     # scripts/gpu_bench.sh: FlexGen's headline shape on one GPU, weights (60 GB fp16) streamed from host RAM; the
     # budget is the GPU's memory (the script passes the device's size with --budget-gib)

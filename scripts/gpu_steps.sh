@@ -1,4 +1,4 @@
-# Sourced by the GPU scripts (gpu_check.sh, gpu_profile.sh) after they set OUT: the Python to use, the thread and
+# Sourced by scripts/gpu_check.sh after it sets OUT: the Python to use, the thread and
 # offline settings, the refusal on a machine without CUDA, and `step`, which runs one command with a time limit,
 # logs it to OUT/NAME.log, prints its tail and counts it in `failed` when it fails (the next step still runs).
 PY=${PY:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}

@@ -39,8 +39,8 @@ def base_package(rev: str, folder: Path) -> str:
     here = REPO_ROOT / ab.CSRC_FOLDERS[0]
     there = next(folder / c for c in ab.CSRC_FOLDERS if (folder / c).is_dir())
     if build.source_hash(here) != build.source_hash(there):
-        raise SystemExit(f"error: {rev}'s compiled kernels differ from this tree's; compare them with "
-                         "benchmarks.studies.decode_ab --base instead")
+        raise SystemExit(f"error: {rev}'s compiled kernels differ from this tree's; this study runs both engines "
+                         "on one build of them")
     for so in here.parent.glob("_kernels*.so"):
         shutil.copy(so, there.parent)
     tree = folder / BASE_NAME

@@ -1,6 +1,6 @@
 """Decode step time against sequence length, measured so that the machine's drift cannot fake a slope.
 
-Reading a slope off one long decode's step times (benchmarks/h2o_throughput.py) confounds sequence length with
+Reading a slope off one long decode's step times (the suite's steps_<workload>.png) confounds sequence length with
 wall time: on a shared VM whose speed drifts by 10 % within minutes, that drift is larger than the whole growth
 of a full cache's step. Here every sequence length gets its own prefill (kept with Engine.prefill), and then
 short decodes at each (length, case) run in a shuffled order, repeated: drift spreads over all lengths alike

@@ -1,6 +1,6 @@
 """`accelerate`: HF Accelerate disk offload (`device_map` with the decoder layers on "disk", an offload folder of
-fp16 tensors, fp32 compute), as FlexGen's `hf_opt.py` baseline. The case itself is `benchmarks/accelerate_peer.py`
-(written for issue 3; its docstring lists the fairness choices); this adapter only schedules it.
+fp16 tensors, fp32 compute), as FlexGen's `hf_opt.py` baseline. The case itself is
+`benchmarks/systems/accelerate_child.py` (its docstring lists the fairness choices); this adapter only schedules it.
 
 Timing there is from outside `generate`: prefill = a cold `generate(max_new_tokens=1)`, decode = a cold full
 `generate` minus that, so it reports no per-step times. Its device map is explicit (embeddings resident, every
@@ -31,12 +31,12 @@ class Accelerate(System):
         return None
 
     def _folder(self, w: Workload) -> Path:
-        from benchmarks.accelerate_peer import default_offload_folder
+        from benchmarks.systems.accelerate_child import default_offload_folder
         return default_offload_folder(w.model)
 
     def prepare(self, w: Workload, env: dict[str, str], out: Path) -> str | None:
         """Write the dummy store and Accelerate's offload folder once (outside any timed run)."""
-        proc = subprocess.run([sys.executable, "-m", "benchmarks.accelerate_peer", "--model", w.model,
+        proc = subprocess.run([sys.executable, "-m", "benchmarks.systems.accelerate_child", "--model", w.model,
                                "--prepare-only"], cwd=REPO_ROOT, env=env, capture_output=True, text=True)
         if proc.returncode != 0:
             lines = (proc.stdout + proc.stderr).strip().splitlines()
@@ -44,12 +44,12 @@ class Accelerate(System):
         return None
 
     def cold_files(self, w: Workload) -> list[Path]:
-        from benchmarks.accelerate_peer import offload_files
+        from benchmarks.systems.accelerate_child import offload_files
         return offload_files(self._folder(w))
 
     def command(self, w: Workload, c: Candidate, gen_len: int, json_path: Path, work: Path) -> list[str]:
         from flexgen_h2o.weights import default_store_path
-        return ["-m", "benchmarks.accelerate_peer", "--model", w.model, "--store",
+        return ["-m", "benchmarks.systems.accelerate_child", "--model", w.model, "--store",
                 str(default_store_path(w.model + "-dummy")), "--offload-folder", str(self._folder(w)),
                 "--batch", str(c.batch), "--prompt-len", str(w.prompt_len), "--gen-len", str(gen_len),
                 "--metrics-json", str(json_path)]

@@ -48,7 +48,7 @@ def parse_batches(specs: list[str]) -> dict[str, Candidate]:
 
 
 def rates(batch: int, prompt_len: int, gen_len: int, prefill_s: float, decode_s: float) -> dict[str, float]:
-    """FlexGen's definitions (ANCHORS §1.10): prefill = B*P/t_prefill, decode = B*(G-1)/t_decode,
+    """FlexGen's definitions (its benchmark's log lines): prefill = B*P/t_prefill, decode = B*(G-1)/t_decode,
     total = B*G/(t_prefill + t_decode)."""
     return {"prefill_tok_s": batch * prompt_len / max(prefill_s, 1e-9),
             "decode_tok_s": batch * max(gen_len - 1, 0) / max(decode_s, 1e-9),

@@ -49,11 +49,11 @@ def build_model(model: str, dtype: Any) -> tuple[Any, Any]:
     from flexgen_h2o.models import resolve_model
     cfg = resolve_model(model)
     if cfg.family == "llama":
-        from benchmarks.hf_cache import load_smollm2
+        from benchmarks.systems.hf_generate import load_smollm2
         return load_smollm2("cpu", dtype)[0], cfg
     from transformers import AutoModelForCausalLM
 
-    from benchmarks.accelerate_peer import hf_config
+    from benchmarks.systems.accelerate_child import hf_config
     # from_config (not the constructor) is where transformers enters deepspeed.zero.Init under ZeRO-3
     return AutoModelForCausalLM.from_config(hf_config(cfg), dtype=dtype).eval(), cfg
 

@@ -1,6 +1,6 @@
 """`flexgen`: the `flexgen==0.1.8` package itself (FMInference/FlexGen @ 19753bc), OPT shapes with dummy weights
 (`--path _DUMMY_`), the workload's placement as its six-int `--percent`. GPU only: FlexGen allocates pinned
-memory and CUDA streams in its constructors (ANCHORS §6.6), so without CUDA the row is skipped ("needs a CUDA
+memory and CUDA streams in its constructors, so without CUDA the row is skipped ("needs a CUDA
 GPU"). Written for scripts/gpu_bench.sh; it has not run on the CPU-only development machines.
 
 Child: `python -m benchmarks.systems.flexgen --model opt-1.3b ... --json F` calls `flexgen.flex_opt.run_flexgen`

@@ -54,7 +54,7 @@ class HFGenerate(System):
 
 def load_smollm2(device: str, dtype: Any) -> tuple[Any, Any]:
     """SmolLM2 as a LlamaForCausalLM from our converted store, filled one tensor at a time: building a whole
-    state dict first (as benchmarks/hf_cache.py does) would double the loading peak that the budget counts."""
+    state dict first would double the loading peak that the budget counts."""
     import numpy as np
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM

@@ -2,7 +2,7 @@
 StreamingLLMPress (sinks + recent window), at the same KV budgets as ours-h2o.
 
 kvpress 0.5.x pins transformers < 5.3, which would downgrade the main environment, so it lives in its own
-virtualenv (ANCHORS §6.5), created on first use under ~/.cache/flexgen_h2o/venvs/kvpress with the main
+virtualenv, created on first use under ~/.cache/flexgen_h2o/venvs/kvpress with the main
 environment's exact torch build (same kernels, so the comparison measures the algorithms). The case runs
 `kvpress_child.py` with that venv's interpreter; the child reads SmolLM2 from our converted store (fp16 .npy +
 manifest) and the prompt ids from a file the parent writes, so its inputs are the very tokens ours and hf get.
@@ -22,7 +22,7 @@ from benchmarks.systems import venvs
 from benchmarks.systems.base import Candidate, System
 from benchmarks.workloads import Workload
 
-KVPRESS_SPEC = "kvpress==0.5.5"          # the version ANCHORS §6.5 checked on this machine kind
+KVPRESS_SPEC = "kvpress==0.5.5"          # the version the suite's runs used (docs/suite.md "Systems")
 CHILD = Path(__file__).resolve().parent / "kvpress_child.py"
 PRESSES = {"observed": "ObservedAttentionPress", "streaming": "StreamingLLMPress"}
 

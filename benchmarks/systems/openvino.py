@@ -6,15 +6,15 @@
 - `openvino-evict-20`, `openvino-evict-20-f16`: `use_cache_eviction` with `AggregationMode.SUM` (attention summed
   over the evictable area: its H2O-like mode) at ours-h2o-20's budget.
 
-The optimum-intel exporter pins transformers < 5.6, so OpenVINO lives in its own virtualenv (ANCHORS §8.1), created
+The optimum-intel exporter pins transformers < 5.6, so OpenVINO lives in its own virtualenv, created
 on first use under `<store_root>/venvs/openvino` with the main environment's torch build. The IR is exported once
 per model from the HF folder every peer reads (`benchmarks.model_formats.hf_folder`: the store's fp16 values as
 fp32), into `<store_root>/formats/<model>-ov-fp32`, weights kept fp32. Each case runs `openvino_child.py` with the
 venv's interpreter on the engine's own prompt token ids (`kvpress.write_prompt_ids`): identical tokens for all.
 Compute precision is the plugin's default, which on a CPU with AVX512_BF16 or AMX (this VM's EPYC) is bf16
 matmuls over the fp32 weights; the extras name it (`inference_precision`). With f32 forced, OpenVINO's greedy ids
-equal HF's on every prompt of benchmarks/studies/check_formats.py; with bf16, one 128-token news prompt flips a
-near-tie at its 10th token.
+equal HF's on four prompts; with bf16, one 128-token news prompt flips a near-tie at its 10th token (docs/suite.md
+"Systems").
 
 Budget mapping (`eviction_sizes`). ours-h2o-20 is `--hh-ratio 0.1`: heavy = recent = int(0.1 * P) slots, no sinks
 (P 512: 51 + 51 = 102 slots; P 2048: 204 + 204 = 408). OpenVINO's CacheEvictionConfig takes three sizes in
@@ -50,7 +50,7 @@ from benchmarks.systems import venvs
 from benchmarks.systems.base import Candidate, System
 from benchmarks.workloads import Workload
 
-GENAI_VERSION = "2026.4.1"                     # ANCHORS §8.1, checked on this machine kind
+GENAI_VERSION = "2026.4.1"                     # the release the suite's runs used (docs/suite.md "Systems")
 PINS = [f"openvino-genai=={GENAI_VERSION}.0", f"openvino=={GENAI_VERSION}", f"openvino-tokenizers=={GENAI_VERSION}.0",
         "optimum-intel==2.2.0", "optimum==2.3.0", "nncf==3.4.0", "transformers==5.5.4"]
 CHILD = Path(__file__).resolve().parent / "openvino_child.py"

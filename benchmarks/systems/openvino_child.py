@@ -2,7 +2,6 @@
 
     <venv>/bin/python benchmarks/systems/openvino_child.py --ir ~/.cache/flexgen_h2o/formats/smollm2-135m-ov-fp32 \
         --ids prompt_ids.json --batch 8 --gen-len 32 --num-kv-blocks 152 --json F [--evict-start 32 ...]
-    ... --check-greedy prompts.json --gen-len 16 --json F      # token ids of a few prompts, no timing
     ... --chat job.json --batch 32 --num-kv-blocks 1120 --json F   # benchmarks/chat.py's workload (chat())
 
 The pipeline is `ContinuousBatchingPipeline` on the CPU with the properties INFERENCE_NUM_THREADS (from
@@ -250,111 +249,11 @@ def chat(a: argparse.Namespace) -> dict[str, Any]:
             "threads": int(os.environ.get("OMP_NUM_THREADS", "2")), **versions()}
 
 
-def profiled_model(a: argparse.Namespace) -> Any:
-    """The IR as GenAI's runner compiles it: SDPA turned into PagedAttention (the same transformation GenAI
-    applies), and a Gather of each sequence's last row before the LM head (GenAI's gather-before-matmul: logits
-    only where a token is sampled), compiled with PERF_COUNT and the run's own properties."""
-    import openvino as ov
-    import openvino.opset13 as ops
-    from openvino._offline_transformations import paged_attention_transformation
-    core = ov.Core()
-    model = core.read_model(str(Path(a.ir) / "openvino_model.xml"))
-    paged_attention_transformation(model)
-    head = model.get_result().input_value(0).get_node()          # the LM head MatMul
-    rows = ops.parameter([-1], ov.Type.i64, name="sampled_tokens_indices")
-    rows.output(0).get_tensor().set_names({"sampled_tokens_indices"})
-    head.input(0).replace_source_output(ops.gather(head.input_value(0), rows, 0).output(0))
-    model.add_parameters([rows])
-    model.validate_nodes_and_infer_types()
-    return core.compile_model(model, "CPU", {**properties(a), "PERF_COUNT": True})
-
-
-def paged_inputs(batch: int, new: int, past: int, blocks_per_seq: int) -> dict[str, Any]:
-    """PagedAttention inputs for `batch` sequences each adding `new` tokens after `past` cached ones, sequence i
-    owning blocks [i * blocks_per_seq, (i + 1) * blocks_per_seq) (what GenAI's runner fills in from its block
-    tables)."""
-    import numpy as np
-    pos = np.tile(np.arange(past, past + new, dtype=np.int64), batch)
-    return {"input_ids": np.full(batch * new, 100, dtype=np.int64), "position_ids": pos,
-            "past_lens": np.full(batch, past, dtype=np.int32),
-            "subsequence_begins": np.arange(0, batch * new + 1, new, dtype=np.int32),
-            "block_indices": np.arange(batch * blocks_per_seq, dtype=np.int32),
-            "block_indices_begins": np.arange(0, batch * blocks_per_seq + 1, blocks_per_seq, dtype=np.int32),
-            "max_context_len": np.array(past + new, dtype=np.int32),
-            "sampled_tokens_indices": np.arange(new - 1, batch * new, new, dtype=np.int64)}
-
-
-def node_ms(req: Any) -> dict[tuple[str, str, str], float]:
-    """(node name, type, kernel) -> ms of every executed node in the request's profile."""
-    return {(i.node_name, i.node_type, i.exec_type): i.real_time.total_seconds() * 1e3
-            for i in req.get_profiling_info() if i.status == i.Status.EXECUTED}
-
-
-def by_node_type(ms: dict[tuple[str, str, str], float]) -> dict[str, Any]:
-    """Node times summed by node type, and within each type by the kernel that ran."""
-    out: dict[str, dict[str, Any]] = {}
-    for (_, node_type, exec_type), t in ms.items():
-        e = out.setdefault(node_type, {"ms": 0.0, "nodes": 0, "exec_types": {}})
-        e["ms"] += t
-        e["nodes"] += 1
-        e["exec_types"][exec_type] = e["exec_types"].get(exec_type, 0.0) + t
-    total = sum(e["ms"] for e in out.values())
-    for e in out.values():
-        e["share"] = e["ms"] / max(total, 1e-9)
-    return {"total_ms": total, "by_node_type": dict(sorted(out.items(), key=lambda kv: -kv[1]["ms"]))}
-
-
-def profile(a: argparse.Namespace) -> dict[str, Any]:
-    """Per-op-type times of one prompt pass (batch x prompt tokens) and one decode step after a prompt. GenAI
-    keeps its infer request to itself, so this runs the same compiled graph directly (profiled_model) with a
-    cache of batch x blocks_per_seq blocks, one compiled model per phase. The CPU plugin reports each node's
-    mean over every inference of the graph so far, so each phase runs twice and the second run is recovered as
-    2 x mean(2) - mean(1) (the first pays one-off allocations and kernel generation)."""
-    import openvino as ov
-    prompt_len = len(json.loads(Path(a.ids).read_text())[0])
-    per_seq = -(-(prompt_len + 1) // BLOCK)
-    out: dict[str, Any] = {"batch": a.batch, "prompt_len": prompt_len, "kv_precision": a.kv_precision,
-                           "inference_precision": inference_precision(a), **versions()}
-    for phase, feed in (("prefill", paged_inputs(a.batch, prompt_len, 0, per_seq)),
-                        ("decode", paged_inputs(a.batch, 1, prompt_len, per_seq))):
-        cm = profiled_model(a)
-        req = cm.create_infer_request()
-        for port in cm.inputs:             # a cache tensor per layer for K and for V, shaped by the plugin
-            if port.get_any_name().startswith(("key_cache", "value_cache")):
-                shape = [a.batch * per_seq] + [d.get_length() for d in list(port.get_partial_shape())[1:]]
-                req.set_tensor(port.get_any_name(), ov.Tensor(port.get_element_type(), shape))
-        means, walls = [], []
-        for _ in range(2):
-            t0 = time.perf_counter()
-            req.infer({k: ov.Tensor(v) for k, v in feed.items()})
-            walls.append(time.perf_counter() - t0)
-            means.append(node_ms(req))
-        second = {k: max(2 * t - means[0].get(k, 0.0), 0.0) for k, t in means[1].items()}
-        out[phase] = {"wall_s": walls[1], "first_wall_s": walls[0], **by_node_type(second)}
-        del req, cm
-    out["peak_rss_bytes"] = peak_rss_bytes()
-    return out
-
-
-def check_greedy(a: argparse.Namespace) -> dict[str, Any]:
-    """Greedy token ids of a few prompts of any lengths (benchmarks/studies/check_formats.py compares them with
-    HF's)."""
-    prompts = json.loads(Path(a.check_greedy).read_text())
-    if not a.num_kv_blocks:
-        a.num_kv_blocks = sum(-(-(len(p) + a.gen_len) // BLOCK) + 1 for p in prompts)
-    pipe = load(a, len(prompts), max(len(p) for p in prompts))
-    r = drive(pipe, prompts, a.gen_len)
-    return {"tokens": r["tokens"], "kv_precision": a.kv_precision, "inference_precision": inference_precision(a),
-            **versions()}
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--ir", required=True, help="folder of the exported OpenVINO IR (openvino_model.xml)")
     p.add_argument("--ids", help="JSON list of prompts (token id lists of one length)")
     p.add_argument("--chat", metavar="JOB_JSON", help="the chat workload: {prompts, max_new_tokens, eos_id} (chat())")
-    p.add_argument("--check-greedy", metavar="PROMPTS_JSON",
-                   help="instead of a timed case: greedy token ids of these prompts (token id lists)")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--gen-len", type=int, default=8)
     p.add_argument("--kv-precision", default="u8", choices=("u8", "f16", "f32"))
@@ -367,20 +266,14 @@ def main() -> int:
     p.add_argument("--evict-max", type=int, default=0, help="max_cache_size; 0: no eviction (full cache)")
     p.add_argument("--snapkv-window", type=int, default=0, help="prompt queries scored (0: the whole prompt)")
     p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--profile", action="store_true",
-                   help="instead of a timed case: per-op-type times of a prompt pass and a decode step (profile())")
     p.add_argument("--json", required=True)
     a = p.parse_args()
-    if a.check_greedy:
-        out = check_greedy(a)
-    elif a.chat:
+    if a.chat:
         out = chat(a)
-    elif a.profile and a.ids:
-        out = profile(a)
     elif a.ids:
         out = run(a)
     else:
-        p.error("--ids, --chat or --check-greedy is required")
+        p.error("--ids or --chat is required")
     Path(a.json).write_text(json.dumps(out, indent=2))
     return 0
 

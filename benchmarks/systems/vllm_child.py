@@ -2,10 +2,8 @@
 
     <venv>/bin/python benchmarks/systems/vllm_child.py --model ~/.cache/flexgen_h2o/formats/smollm2-135m-hf \
         --ids prompt_ids.json --batch 8 --gen-len 32 --kv-cache-bytes 300000000 --json F
-    <venv>/bin/python benchmarks/systems/vllm_child.py --model DIR --ids prompts.json --gen-len 16 \
-        --greedy-ids --json F          # the greedy ids of each prompt (a list of id lists of any lengths)
 
-Engine: `LLM(dtype="float32", enforce_eager=True)` (ANCHORS §8.2), prefix caching off (the prompts are distinct,
+Engine: `LLM(dtype="float32", enforce_eager=True)`, prefix caching off (the prompts are distinct,
 and a warmup must not pre-fill the timed prompts' cache), `max_num_seqs = batch` and `max_num_batched_tokens =
 batch * prompt_len` (at least max_model_len), so the whole batch is admitted at once and prefilled in one engine
 step, as FlexGen and every other system here prefill. Greedy: temperature 0, `ignore_eos` and `min_tokens =
@@ -288,15 +286,6 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
             "torch_version": torch.__version__}
 
 
-def greedy(a: argparse.Namespace) -> dict[str, Any]:
-    """The greedy continuation of each prompt (prompts of any lengths, submitted together)."""
-    prompts = json.loads(Path(a.ids).read_text())
-    longest = max(len(p) for p in prompts)
-    llm = make_llm(a, a.max_model_len or longest + a.gen_len, len(prompts), max(sum(map(len, prompts)), 256))
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sampling(a.gen_len), use_tqdm=False)
-    return {"ids": [list(o.outputs[0].token_ids) for o in outs]}
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", required=True, help="HF folder (config.json, safetensors, tokenizer)")
@@ -308,13 +297,9 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS") or os.cpu_count() or 1))
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--inproc", action="store_true", help="engine core and model in this process (no workers)")
-    p.add_argument("--greedy-ids", action="store_true", help="print the greedy ids of each prompt instead")
     p.add_argument("--json", required=True)
     a = p.parse_args()
-    out = greedy(a) if a.greedy_ids else run(a)
-    Path(a.json).write_text(json.dumps(out, indent=2))
-    if a.greedy_ids:
-        print("GREEDY_IDS " + json.dumps(out["ids"]), flush=True)
+    Path(a.json).write_text(json.dumps(run(a), indent=2))
     return 0
 
 

@@ -1,6 +1,7 @@
 """benchmarks/studies/engine_ab.py: another revision's package beside this one, under its own name."""
 import pytest
 
+from benchmarks.common import REPO_ROOT
 from benchmarks.studies import engine_ab
 
 
@@ -22,7 +23,7 @@ def test_a_revision_whose_kernels_differ_is_refused(tmp_path, monkeypatch):
     real_run = engine_ab.subprocess.run
     monkeypatch.setattr(engine_ab, "REPO_ROOT", here)
     monkeypatch.setattr(engine_ab.subprocess, "run", lambda cmd, **kw: real_run(
-        cmd, **{**kw, "cwd": engine_ab.ab.REPO_ROOT} if cmd[:2] == ["git", "archive"] else kw))
+        cmd, **{**kw, "cwd": REPO_ROOT} if cmd[:2] == ["git", "archive"] else kw))
     scratch = tmp_path / "scratch"
     scratch.mkdir()
     with pytest.raises(SystemExit, match="compiled kernels differ"):

@@ -12,7 +12,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU: the scripts would run")
-@pytest.mark.parametrize("script", ["gpu_bench.sh", "gpu_check.sh", "gpu_profile.sh"])
+@pytest.mark.parametrize("script", ["gpu_bench.sh", "gpu_check.sh"])
 def test_gpu_script_refuses_without_cuda(script, tmp_path):
     r = subprocess.run(["bash", str(REPO / "scripts" / script), str(tmp_path / "out")], capture_output=True,
                        text=True, env={"PATH": "/usr/bin:/bin", "PY": sys.executable}, timeout=120)

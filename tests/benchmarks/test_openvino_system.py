@@ -1,6 +1,6 @@
 """The OpenVINO adapter's pure parts: the budget mapping onto CacheEvictionConfig (block rounding), the cache
 sizing, the command, the venv's and the exporter's failure reasons, child_metrics on a fake child JSON, and the
-child's own helpers (scheduler token cap, PagedAttention inputs, profile aggregation). No OpenVINO runs here."""
+child's own helper (the scheduler's token cap). No OpenVINO runs here."""
 from __future__ import annotations
 
 import subprocess
@@ -147,15 +147,3 @@ def test_child_helpers():
     assert child.batched_tokens(64, 512) == child.TOKEN_CAP == 4096   # our engine's prefill chunk
     assert child.batched_tokens(4, 8192) == 8192                      # never less than one whole prompt
     assert child.batched_tokens(64, 512, cap=32768) == 32768
-    feed = child.paged_inputs(batch=3, new=4, past=0, blocks_per_seq=2)
-    assert feed["subsequence_begins"].tolist() == [0, 4, 8, 12]
-    assert feed["block_indices_begins"].tolist() == [0, 2, 4, 6] and feed["block_indices"].tolist() == list(range(6))
-    assert feed["sampled_tokens_indices"].tolist() == [3, 7, 11] and feed["max_context_len"].shape == ()
-    dec = child.paged_inputs(batch=2, new=1, past=512, blocks_per_seq=17)
-    assert dec["position_ids"].tolist() == [512, 512] and dec["past_lens"].tolist() == [512, 512]
-    agg = child.by_node_type({("fc1", "FullyConnected", "brgemm_avx512_bf16"): 30.0,
-                              ("fc2", "FullyConnected", "brgemm_avx512_bf16"): 50.0,
-                              ("pa", "PagedAttentionExtension", "ref_any_bf16"): 20.0})
-    assert agg["total_ms"] == 100.0 and list(agg["by_node_type"]) == ["FullyConnected", "PagedAttentionExtension"]
-    fc = agg["by_node_type"]["FullyConnected"]
-    assert (fc["nodes"], fc["share"], fc["exec_types"]) == (2, 0.8, {"brgemm_avx512_bf16": 80.0})

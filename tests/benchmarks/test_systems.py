@@ -41,7 +41,7 @@ def test_commands(tmp_path):
     assert args[args.index("--hh-ratio") + 1] == "0.05" and args[args.index("--percent") + 1] == "0"
     assert "--full-cache" in systems["ours-full"].command(w, Candidate(1, 1), 8, tmp_path / "x.json", tmp_path)
     acc = systems["accelerate"].command(w, Candidate(2, 2), 8, tmp_path / "x.json", tmp_path)
-    assert acc[:2] == ["-m", "benchmarks.accelerate_peer"] and acc[acc.index("--batch") + 1] == "2"
+    assert acc[:2] == ["-m", "benchmarks.systems.accelerate_child"] and acc[acc.index("--batch") + 1] == "2"
     kv = systems["kvpress-streaming-40"]
     kv._ids["s"] = tmp_path / "ids.json"
     sw = smoke(WORKLOADS["s512+32"])

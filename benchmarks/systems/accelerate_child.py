@@ -1,8 +1,8 @@
-"""The HF Accelerate disk-offload peer for `benchmarks/studies/offload.py` (FlexGen's baseline harness, ANCHORS.md
-§1.11).
+"""The `accelerate` system's case: HF Accelerate disk offload of an OPT shape, as FlexGen's `hf_opt.py` baseline
+(benchmarks/systems/accelerate.py schedules it).
 
-One process = one measured case: `python -m benchmarks.accelerate_peer --model opt-1.3b --batch 4 --prompt-len 64
---gen-len 16 --metrics-json out.json`. The parent (`offload.py`) runs it as a subprocess, interleaved with the engine.
+One process = one measured case: `python -m benchmarks.systems.accelerate_child --model opt-1.3b --batch 4
+--prompt-len 64 --gen-len 16 --metrics-json out.json`; `--prepare-only` writes the offload folder and exits.
 
 Fairness choices (said again in the report):
 - Same weights: `OPTForCausalLM` gets the engine's dummy store tensor by tensor (`WeightSpec.hf_name`), so both
@@ -11,10 +11,10 @@ Fairness choices (said again in the report):
   **fp16** `.dat` files in Accelerate's own offload format, while the module itself is built in **fp32**. Accelerate's
   `AlignDevicesHook` loads each layer's weights just before its forward through `set_module_tensor_to_device`, which
   casts to the parameter's dtype, so every forward reads fp16 from disk and computes in fp32, exactly what the engine
-  does (fp16 matmul is ~500x slower on this CPU, ANCHORS §6.7; an fp32 offload folder would double the bytes read).
+  does (fp16 matmul is far slower than fp32 on a CPU; an fp32 offload folder would double the bytes read).
 - Device map as FlexGen's `hf_opt.py`: embeddings (and the tied lm_head) stay resident ("cpu" here, GPU 0 there);
   `decoder.layers.*` and the final LayerNorm go to "disk". The map is explicit, so `max_memory` plays no part in the
-  placement; the memory budget is enforced by `offload.py` on the measured peak RSS instead.
+  placement; the suite enforces the memory budget on the measured peak RSS instead.
 - Timing from outside, as modern transformers has no `timers` hook: prefill = wall time of
   `generate(max_new_tokens=1)`, decode = wall time of `generate(max_new_tokens=G)` minus prefill. The page cache of
   the offload files is dropped before each of the two calls, so both start cold and the subtraction cancels the cold
@@ -36,8 +36,8 @@ import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
-if __package__ in (None, ""):                               # `python benchmarks/accelerate_peer.py` also works
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+if __package__ in (None, ""):                   # `python benchmarks/systems/accelerate_child.py` also works
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.common import RssSampler, drop_page_cache  # noqa: E402
 
@@ -203,7 +203,7 @@ def run_case(a: argparse.Namespace) -> dict[str, Any]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.accelerate_peer", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.systems.accelerate_child", description=__doc__.split("\n")[0])
     p.add_argument("--model", default="opt-1.3b", help="an OPT preset of flexgen_h2o")
     p.add_argument("--store", help="the engine's dummy store (default: materialise ~/.cache/flexgen_h2o/<model>-dummy)")
     p.add_argument("--offload-folder", help="Accelerate's offload folder (default: next to the store)")
