@@ -16,7 +16,7 @@ _EXPORTS = {
     "OffloadPolicy": "flexgen_h2o.config", "GenerationConfig": "flexgen_h2o.config",
     "GenerationResult": "flexgen_h2o.config", "ConfigError": "flexgen_h2o.config",
     "EvictionConfig": "flexgen_h2o.kv.budget", "Engine": "flexgen_h2o.engine",
-    "PreflightError": "flexgen_h2o.planner.preflight",
+    "PreflightError": "flexgen_h2o.planner.preflight", "auto_offload": "flexgen_h2o.calibrate",
 }
 __all__ = sorted(_EXPORTS)
 

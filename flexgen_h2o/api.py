@@ -20,10 +20,11 @@ from typing import Any, Iterator, Mapping, Sequence
 
 from flexgen_h2o.config import ConfigError, GenerationConfig, OffloadPolicy
 from flexgen_h2o.formats import WEIGHT_FORMAT
-from flexgen_h2o.schedule.blocks import (BlockResult, Job, add_metrics, encode_prompts, plan_job, refill_totals,
-                                         run_blocks, run_refill)
 from flexgen_h2o.kv import EvictionConfig
 from flexgen_h2o.planner import PARTS, preflight as run_preflight
+from flexgen_h2o.planner.job import JobPlan
+from flexgen_h2o.schedule.blocks import (BlockResult, add_metrics, encode_prompts, refill_totals, run_blocks,
+                                         run_refill)
 
 DEFAULT_OFFLOAD_DIR = "~/flexgen_offload_dir"
 
@@ -95,7 +96,7 @@ class LLM:
 
         offload, eviction = _offload(offload), _eviction(eviction)
         cfg = resolve_model(model)
-        on_disk = offload.tier_fractions("weights")[2] > 0
+        on_disk = offload.weights_on_disk
         if preflight:       # the weights alone, before anything is read; batches are checked in generate()
             store = path or default_store_path(cfg.name + "-dummy")
             pending = dummy_weights and on_disk and not os.path.isfile(os.path.join(store, "manifest.json"))
@@ -133,10 +134,8 @@ class LLM:
         self.preflight, self.progress = preflight, progress
         self.offload_dir = os.path.expanduser(offload_dir or DEFAULT_OFFLOAD_DIR)
         decode = (lambda ids: loaded.tokenizer.decode(ids, skip_special_tokens=True)) if loaded.tokenizer else None
-        # generate_blocks checks each prompt against the context window once (plan_job): the engine does not
         self.engine = Engine(loaded.config, loaded.read, offload=offload, eviction=eviction, device=device,
-                             offload_dir=self.offload_dir, decode=decode, locate=loaded.locate, check_context=False,
-                             stage=stage)
+                             offload_dir=self.offload_dir, decode=decode, locate=loaded.locate, stage=stage)
         self.last_metrics: dict = {}
 
     # --- generation ---
@@ -195,32 +194,32 @@ class LLM:
     def generate_blocks(self, ids: Sequence[Sequence[int]], gen: GenerationConfig, max_new: Sequence[int], *,
                         progress: bool | None = None, label=lambda i: f"prompt {i}",
                         bucket: bool = True, seeds: Sequence[int] | None = None,
-                        job: Job | None = None) -> Iterator[BlockResult]:
-        """The block loop behind generate(): checks, bucketing, preflight, then results as they finish: one per
+                        job: JobPlan | None = None) -> Iterator[BlockResult]:
+        """The block loop behind generate(): the job's plan, the preflight, then results as they finish: one per
         block, or with refill, per group of prompts that finished together (prompts join in the given order).
-        job: these prompts already checked and cut (plan_job, the CLI's); otherwise they are checked here.
+        job: these prompts' plan (LLM.plan, the CLI's), made here when not given; nothing checks them again.
         Metrics of the whole call land in `last_metrics` once the iterator is exhausted."""
-        lens = [len(p) for p in ids]
         if job is None:
-            job = plan_job(self.config, self.eviction, self.offload.block_size, lens, max_new, label, bucket=bucket,
-                           refill=self.refill)
-        blocks = job.blocks
-        if self.preflight and blocks:   # KV, activations, workspace of the largest block, weights already placed
-            n_seqs = min(self.offload.block_size, len(lens)) if self.refill else max(len(b) for b in blocks)
-            run_preflight(self.config, self.offload, self.eviction, prompt_len=max(lens), gen_len=max(max_new),
-                          n_seqs=n_seqs, backend=self.engine.backend,
+            job = self.plan(ids, max_new, label=label, bucket=bucket)
+        if self.preflight and job.peak is not None:   # KV, activations, workspace of the largest block
+            run_preflight(self.config, self.offload, self.eviction, plan=job.peak, backend=self.engine.backend,
                           offload_root=self.offload_dir, parts=tuple(p for p in PARTS if p != "weights"))
         show = self.progress if progress is None else progress
-        if self.refill and lens:
-            yield from run_refill(self.engine, ids, gen, max_new, range(len(ids)), progress=show, seeds=seeds,
-                                  share=self.refill_share)
-            self.last_metrics = dict(refill_totals(self.engine.last_refill_metrics, lens, range(len(ids))))
+        if job.refill and job.lens:
+            yield from run_refill(self.engine, ids, gen, job, progress=show, seeds=seeds, share=self.refill_share)
+            self.last_metrics = dict(refill_totals(self.engine.last_refill_metrics, job.lens, job.blocks[0]))
             return
         total: Counter = Counter()
-        for res in run_blocks(self.engine, ids, gen, max_new, blocks, progress=show, seeds=seeds):
-            add_metrics(total, res, lens)
+        for res in run_blocks(self.engine, ids, gen, job, progress=show, seeds=seeds):
+            add_metrics(total, res, job.lens)
             yield res
         self.last_metrics = dict(total)
+
+    def plan(self, ids: Sequence[Sequence[int]], max_new: Sequence[int], *, label=lambda i: f"prompt {i}",
+             bucket: bool = True) -> JobPlan:
+        """The job's plan (planner/job.plan_job): every prompt checked against the context window and its budget,
+        blocks cut (bucketed by length unless bucket=False), one continuously refilled block with refill."""
+        return self.engine.plan(ids, max_new, label=label, bucket=bucket, refill=self.refill)
 
     # --- lifetime ---
 

@@ -24,8 +24,7 @@ def split_by_fraction(n: int, fractions: tuple[float, float, float]) -> list[tup
 
 PREFILL_TOKENS = 4096     # default prompt tokens per prefill forward: GEMMs this tall already run at full rate
 # on a GPU each chunk's few hundred small kernels, and the H2O commit's host sync, leave the device idle between
-# chunks: OPT-1.3B at 256 x 512 on an H100 was busy 794 of 1183 ms with 8-sequence chunks
-# (`bash scripts/gpu_profile.sh DIR`: profile_decode --device cuda --phase prefill --model opt-1.3b --batch 256)
+# small chunks (`bash scripts/gpu_profile.sh DIR` shows the idle time per chunk size)
 PREFILL_TOKENS_GPU = 16384
 
 
@@ -67,17 +66,6 @@ class OffloadPolicy:
                               f"got {len(percent)}")
         return cls(**dict(zip(PERCENT_FIELDS, (float(p) for p in percent))), **kw)
 
-    @classmethod
-    def auto(cls, model, *, prompt_len: int, gen_len: int, n_prompts: int, eviction=None, device: str | None = None,
-             offload_dir: str = "~/flexgen_offload_dir", base: "OffloadPolicy | None" = None,
-             calibrate: bool = False) -> "OffloadPolicy":
-        """The placement, GPU batch and compression the cost model predicts fastest for this job on this machine
-        (`--percent auto`; `flexgen_h2o.calibrate.auto_offload` also returns the prediction). model: a ModelConfig
-        or a preset name; eviction: the user's KV rule (default full). Raises PreflightError when nothing fits."""
-        from flexgen_h2o.calibrate import auto_offload   # the planner sits above config: imported when asked
-        return auto_offload(model, prompt_len=prompt_len, gen_len=gen_len, n_prompts=n_prompts, eviction=eviction,
-                            device=device, offload_dir=offload_dir, base=base or cls(), calibrate=calibrate)[0]
-
     def with_percent(self, percent: Sequence[float]) -> "OffloadPolicy":
         """This policy with another placement; every other field (batch, prefill rows, KV dtype, ...) kept."""
         return self.replace(**dict(zip(PERCENT_FIELDS, (float(p) for p in percent))))
@@ -90,6 +78,16 @@ class OffloadPolicy:
     def percent(self) -> tuple[float, ...]:
         return (self.weights_gpu_pct, self.weights_cpu_pct, self.cache_gpu_pct, self.cache_cpu_pct,
                 self.act_gpu_pct, self.act_cpu_pct)
+
+    @property
+    def uses_disk(self) -> bool:
+        """Whether KV or resting activations get files in the offload folder."""
+        return any(self.tier_fractions(what)[2] > 0 for what in ("cache", "act"))
+
+    @property
+    def weights_on_disk(self) -> bool:
+        """Whether some weights are homed on disk (streamed from the store at every pass)."""
+        return self.tier_fractions("weights")[2] > 0
 
     def tier_fractions(self, what: str) -> tuple[float, float, float]:
         """(compute, host, disk) fractions for "weights", "cache" or "act"."""
@@ -132,7 +130,7 @@ class OffloadPolicy:
         are used where they lie), so the zig-zag's one weight pass per block saves nothing at prefill, while
         resting the whole GPU batch's prompt hidden state between layers costs batch x prompt x width in fp32
         (SmolLM2 at 54 x 2048: 243 MiB). Chunk by chunk, only one chunk's hidden state exists at a time."""
-        return device_type == "cpu" and self.tier_fractions("weights")[2] == 0
+        return device_type == "cpu" and not self.weights_on_disk
 
     def kv_read_in_place(self, attention_device_type: str, rolling: bool, batch: int) -> bool:
         """Whether decode attention reads a GPU batch's fp16 cache where it lies instead of an upcast copy

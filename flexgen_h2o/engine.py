@@ -17,18 +17,20 @@ from torch import Tensor
 
 from flexgen_h2o.backend import get_backend
 from flexgen_h2o.config import ConfigError, GenerationConfig, GenerationResult, OffloadPolicy
-from flexgen_h2o.kv import EvictionConfig, RowBudgets, get_policy
-from flexgen_h2o.kv.cache import KVCache, StagingBuffers
+from flexgen_h2o.kv import EvictionConfig, get_policy
+from flexgen_h2o.kv.cache import StagingBuffers
 from flexgen_h2o.kv.draws import KeyedDraws
 from flexgen_h2o.kv.mixed import SplitKVCache, prompt_layout
-from flexgen_h2o.memory import ComputeTier, DiskTier, HostTier, OffloadDir, check_space
+from flexgen_h2o.memory import ComputeTier, DiskTier, HostTier, OffloadDir
 from flexgen_h2o.kernels import resolve as resolve_kernels
 from flexgen_h2o.models import ModelConfig, build_layers, schedule_groups
 from flexgen_h2o.models.layer import ElsewhereLayer
-from flexgen_h2o.planner.plan import BatchPlan, Plan
+from flexgen_h2o.planner.job import JobPlan, plan_job
+from flexgen_h2o.planner.plan import Plan
 from flexgen_h2o.sampling import Sampler, StopTracker
-from flexgen_h2o.schedule.activations import ActivationHome
-from flexgen_h2o.schedule.executor import BatchState, BlockExecutor, RunParts
+from flexgen_h2o.schedule.block import Runtime
+from flexgen_h2o.schedule.executor import BatchState
+from flexgen_h2o.schedule.refill import RefillRun
 from flexgen_h2o.weights.compressed import compressed_weights
 from flexgen_h2o.weights.placement import WeightPlacement
 from flexgen_h2o.weights.staging import StagingPool
@@ -70,7 +72,7 @@ class Engine:
         flat layer list: only its weights are placed and only its caches made (distributed/pipeline.py)."""
         self.model = model
         self.offload = (offload or OffloadPolicy()).validate()
-        self.eviction = self._checked(eviction or EvictionConfig(policy="full"))
+        self.eviction = self.checked(eviction or EvictionConfig(policy="full"))
         self.check_context = check_context
         self.backend = get_backend(device, compute_dtype)
         self.device, self.compute_dtype = self.backend.compute_device, self.backend.compute_dtype
@@ -86,10 +88,8 @@ class Engine:
         self.groups = [g for g in schedule_groups([layer.kind for layer in self.layers], self.offload.sep_layer)
                        if lo <= g[0] and g[-1] < hi]
         own = [layer if lo <= i < hi else ElsewhereLayer(layer.kind) for i, layer in enumerate(self.layers)]
-        self.link = None                # a pipeline stage's StageLink (set by the caller), None in one process
         self.decode = decode
-        uses_disk = any(self.offload.tier_fractions(what)[2] > 0 for what in ("cache", "act"))
-        self.offload_dir = OffloadDir(offload_dir) if (offload_dir and uses_disk) else None
+        self.offload_dir = OffloadDir(offload_dir) if (offload_dir and self.offload.uses_disk) else None
         self.tiers = {"compute": ComputeTier(self.backend, self.offload.compute_budget_bytes),
                       "host": HostTier(self.backend, pin=self.backend.is_cuda)}
         if self.offload_dir is not None:
@@ -104,33 +104,28 @@ class Engine:
                                            pool=StagingPool(self.tiers["compute"], reuse=not self.backend.is_cuda),
                                            uncached_disk=self.offload.uncached_disk_weights,
                                            tiers=self.tiers, fmt=self.offload.weight_format)
+        self.runtime = Runtime(self.backend, self.layers, self.groups, self.stage, self.weights, self.kernels,
+                               self.offload, self.tiers, offload_root=self.offload_dir and self.offload_dir.root,
+                               kv_staging=self.kv_staging, host_attention_on_cpu=self.host_attention_on_cpu)
         self.last_caches: list[dict[int, SplitKVCache]] = []     # the last block's caches, for inspection
         self.last_plan: Plan | None = None                       # and its plan (budgets, splits, bytes)
-        self._handles: list = []                                 # tier allocations of the current block
         # optional hook (token step, sequence indices, logits (b, V)): tests and per-step timing use it
         self.on_step_logits: Callable[[int, list[int], Tensor], None] | None = None
 
-    # --- allocation on tiers ---
+    @property
+    def link(self):
+        """A pipeline stage's StageLink (set by frontends/scale_out.attach_link), None in one process."""
+        return self.runtime.link
 
-    def _alloc(self, kind: str, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
-        """A tensor homed on a tier, charged to that tier's accounting; disk gives a writable memmap view."""
-        if kind not in self.tiers:
-            raise ConfigError("the placement puts tensors on disk: pass an --offload-dir")
-        tier = self.tiers[kind]
-        handle = tier.allocate(shape, dtype)
-        self._handles.append(handle)
-        return tier.torch_view(handle) if kind == "disk" else handle.payload
+    @link.setter
+    def link(self, link) -> None:
+        self.runtime.link = link
 
     def release(self) -> None:
         """Free every tensor the last run allocated on the tiers (disk files are deleted), and drop the last block's
         caches, which would otherwise keep that KV in memory the tiers no longer count."""
-        self.backend.synchronize()      # no copy still queued on a lane may read or write what is freed
         self.last_caches = []
-        for handle in self._handles:
-            handle.free()
-        if self.kv_staging is not None:
-            self.kv_staging.clear()
-        self._handles = []
+        self.runtime.release()
 
     def close(self) -> None:
         """Free tier allocations and staging buffers, and remove this run's offload folder."""
@@ -147,45 +142,20 @@ class Engine:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _checked(self, eviction: EvictionConfig) -> EvictionConfig:
+    def checked(self, eviction: EvictionConfig) -> EvictionConfig:
         if eviction.position_rolling and self.model.positions != "rope":
             raise ConfigError("--position-rolling applies to RoPE models (Llama); OPT keys carry no rotation")
         return eviction
 
-    @staticmethod
-    def _draws(ev: EvictionConfig, layer: int, prompts: Sequence[Sequence[int]]) -> KeyedDraws | None:
-        """The random rule's draws for one layer's rows, keyed by each prompt's tokens (kv/draws.py)."""
-        return KeyedDraws.for_prompts(ev.seed, layer, prompts) if ev.policy == "random" else None
-
-    def _make_cache(self, layer, plan: BatchPlan, budget: RowBudgets, capacity: int, policy,
-                    draws: KeyedDraws | None, rolling: bool) -> SplitKVCache:
-        """One GPU batch's cache of one layer: every tier's part allocates the block's capacity (its largest
-        sequence budget, as the planner counts it) and keeps its own rows' budgets."""
-        parts = []
-        # attention reads the window on the compute device, or where the KV lives with cpu_cache_compute
-        host_attention = (self.offload.cpu_cache_compute and any(kind != "compute" for _, _, kind in plan.cache)
-                          and (self.device.type != "cpu" or self.host_attention_on_cpu))
-        attention_on = "cpu" if host_attention else self.device.type
-        # batch invariance: attention reads the stored rows wherever they were staged from (KVCache.copy_stored)
-        reads = dict(read_in_place=self.offload.kv_read_in_place(attention_on, rolling, plan.size),
-                     copy_stored=self.kernels.batch_invariant and attention_on == "cpu" and not rolling)
-        for lo, hi, kind in plan.cache:
-            cache = KVCache(layer.kv_spec(), hi - lo, capacity, policy, budget.part(lo, hi), fmt=self.offload.kv_format,
-                            alloc=lambda shape, dtype, kind=kind: self._alloc(kind, shape, dtype), tier_kind=kind,
-                            rolling=rolling, generator=None if draws is None else draws.part(lo, hi),
-                            staging=self.kv_staging, kernels=self.kernels, **reads)
-            parts.append((lo, hi, cache))
-        return SplitKVCache(parts, attention_device=torch.device("cpu") if host_attention else None)
-
-    def _async_lanes(self) -> frozenset:
-        """Lanes worth a worker thread: on CUDA every copy is a DMA that runs beside the kernels. On a CPU a
-        RAM-to-RAM copy or conversion is compute too, and a second thread only steals the cores the layer
-        math was using (measured on 2 cores: an H2O decode step 0.52 s with a KV thread, 0.41 s inline), so a
-        lane gets a thread only where its reads wait on the disk."""
-        if self.backend.is_cuda:
-            return frozenset({"weights", "kv"})
-        return frozenset(lane for lane, what in (("weights", "weights"), ("kv", "cache"))
-                         if self.offload.tier_fractions(what)[2] > 0)
+    def plan(self, prompts: Sequence[Sequence[int]], max_new: Sequence[int], eviction: EvictionConfig | None = None,
+             **kw) -> JobPlan:
+        """This engine's plan of a job (planner/job.plan_job): prompts checked, budgets, blocks in the given order
+        unless kw says bucket=True; kw: plan_job's label, bucket, refill, keep_all."""
+        ev = self.checked(eviction) if eviction is not None else self.eviction
+        kw.setdefault("bucket", False)
+        return plan_job(self.model, self.offload, ev, [len(p) for p in prompts], list(max_new),
+                        device_type=self.device.type, compute_itemsize=self.compute_dtype.itemsize,
+                        check_window=self.check_context, **kw)
 
     # --- generation ---
 
@@ -199,13 +169,13 @@ class Engine:
         for start in range(0, len(prompts), block):
             chunk = [list(p) for p in prompts[start:start + block]]
             longest = max(len(p) for p in chunk)
-            keep_all = self._checked(EvictionConfig(policy="h2o", hh_size=longest, recent_size=longest,
-                                                    position_rolling=rolling))
+            keep_all = EvictionConfig(policy="h2o", hh_size=longest, recent_size=longest, position_rolling=rolling)
+            job = self.plan(chunk, [1] * len(chunk), keep_all, keep_all=True)
             step0: dict[int, Tensor] = {}
             hook, self.on_step_logits = self.on_step_logits, None       # step 0 is reported by each decode
             try:
-                self._generate_block(chunk, list(range(len(chunk))), GenerationConfig(max_new_tokens=1,
-                                     stop_at_eos=False), None, None, range(len(chunk)), keep_all, capture=step0)
+                self.generate_block(job, 0, chunk, GenerationConfig(max_new_tokens=1, stop_at_eos=False),
+                                    range(len(chunk)), capture=step0)
             finally:
                 self.on_step_logits = hook
             gbs = self.offload.gpu_batch_size
@@ -213,7 +183,6 @@ class Engine:
             layers = [{l: prompt_layout(split.snapshot(), n, longest) for l, split in caches.items()}
                       for caches, n in zip(self.last_caches, lengths)]
             out.append(Prefilled(chunk, rolling, layers, [step0[k] for k in range(len(layers))]))
-            self.last_caches = []
             self.release()
         return out
 
@@ -221,7 +190,7 @@ class Engine:
                  max_new_tokens: Sequence[int] | None = None, forced: Sequence[Sequence[int]] | None = None,
                  seeds: Sequence[int] | None = None, eviction: EvictionConfig | None = None,
                  prefilled: Sequence[Prefilled] | None = None) -> GenerationResult:
-        """Generate for token-id prompts; blocks of `block_size` run one after another.
+        """Generate for token-id prompts; blocks of `block_size` run one after another, in the given order.
 
         forced (teacher forcing, for evaluation and streaming): per prompt, the tokens fed back at steps 0, 1,
         ... instead of the sampled ones; SAMPLE (or the end of the list) means "sample here", END finishes that
@@ -239,30 +208,24 @@ class Engine:
         if seeds is not None and len(seeds) != len(prompts):
             raise ConfigError(f"seeds has {len(seeds)} entries for {len(prompts)} prompts")
         gen = (gen or GenerationConfig()).validate()
-        ev = self._checked(eviction) if eviction is not None else self.eviction
-        block = self.offload.block_size
-        n_blocks = -(-len(prompts) // block)
-        if prefilled is not None and (len(prefilled) != n_blocks or any(
-                pre.prompts != [list(p) for p in prompts[k * block:(k + 1) * block]]
-                for k, pre in enumerate(prefilled))):
+        job = self.plan(prompts, max_new_tokens or [gen.max_new_tokens] * len(prompts), eviction)
+        if prefilled is not None and (len(prefilled) != len(job.blocks) or any(
+                pre.prompts != [list(prompts[i]) for i in block] for pre, block in zip(prefilled, job.blocks))):
             raise ConfigError("prefilled was made for other prompts (or another block size): call "
                               "Engine.prefill(prompts) on these prompts first")
         result = GenerationResult(token_ids=[], texts=[], finish_reasons=[], prompt_lens=[])
         totals: Counter = Counter()
         per_block: dict = {}
-        for start in range(0, len(prompts), block):
-            chunk = list(range(start, min(len(prompts), start + block)))
-            per_seq_max = [max_new_tokens[i] for i in chunk] if max_new_tokens is not None else None
-            tokens, texts, reasons, times = self._generate_block(
-                [prompts[i] for i in chunk], chunk, gen, per_seq_max,
-                [forced[i] for i in chunk] if forced is not None else None,
-                [seeds[i] for i in chunk] if seeds is not None else chunk, ev,
-                prefilled[start // block] if prefilled is not None else None)
+        for k, block in enumerate(job.blocks):
+            tokens, texts, reasons, times = self.generate_block(
+                job, k, [prompts[i] for i in block], gen, [seeds[i] for i in block] if seeds is not None else block,
+                forced=[forced[i] for i in block] if forced is not None else None,
+                prefilled=prefilled[k] if prefilled is not None else None)
             result.token_ids += tokens
             result.texts += texts
             result.finish_reasons += reasons
-            result.prompt_lens += [len(prompts[i]) for i in chunk]
-            totals.update({k: times.pop(k) for k in ADDITIVE_METRICS})
+            result.prompt_lens += [len(prompts[i]) for i in block]
+            totals.update({key: times.pop(key) for key in ADDITIVE_METRICS})
             per_block = times                    # block shape and step times: the last block's
         result.metrics = {**per_block, **totals}
         return result
@@ -270,83 +233,42 @@ class Engine:
     def generate_refill(self, prompts: Sequence[Sequence[int]], gen: GenerationConfig | None = None,
                         max_new_tokens: Sequence[int] | None = None, seeds: Sequence[int] | None = None,
                         eviction: EvictionConfig | None = None, share: float | None = None,
-                        on_tokens: Callable[[int], None] | None = None) -> Iterator:
-        """Continuous refill (schedule/refill.py): lists of Finished as prompts finish; then last_refill_metrics."""
-        from flexgen_h2o.schedule.refill import RefillRun
-        run = RefillRun(self, prompts, gen or GenerationConfig(), max_new_tokens, seeds, eviction, share, on_tokens)
+                        on_tokens: Callable[[int], None] | None = None, job: JobPlan | None = None) -> Iterator:
+        """Continuous refill (schedule/refill.py): lists of Finished as prompts finish; then last_refill_metrics.
+        job: these prompts' refilled plan (plan(..., refill=True)), in join order; made here when not given."""
+        gen = (gen or GenerationConfig()).validate()
+        if seeds is not None and len(seeds) != len(prompts):
+            raise ConfigError(f"seeds has {len(seeds)} entries for {len(prompts)} prompts")
+        job = job or self.plan(prompts, max_new_tokens or [gen.max_new_tokens] * len(prompts), eviction,
+                               refill=True)
+        run = RefillRun(self.runtime, job, prompts, gen, seeds, self.model, self.decode, share, on_tokens,
+                        hook=lambda: self.on_step_logits)
+        self.last_plan = job.plans[0] if job.plans else None
         yield from run.run()
+        self.last_caches = run.caches()
         self.last_refill_metrics = run.metrics
 
-    def _generate_block(self, prompts: list[Sequence[int]], seq_index: list[int], gen: GenerationConfig,
-                        per_seq_max: list[int] | None, forced: list[Sequence[int]] | None,
-                        seeds: Sequence[int], ev: EvictionConfig, prefilled: Prefilled | None = None,
-                        capture: dict | None = None):
-        """capture: filled with each GPU batch's step-0 logits (Engine.prefill)."""
-        plan, batches = self._prepare_block(prompts, gen, per_seq_max, ev, prefilled, capture is not None)
-        return self._run_block(plan, batches, seq_index, gen, per_seq_max, forced, seeds, prefilled, capture)
-
-    def _prepare_block(self, prompts: list[Sequence[int]], gen: GenerationConfig, per_seq_max: list[int] | None,
-                       ev: EvictionConfig, prefilled: Prefilled | None,
-                       keep_all: bool) -> tuple[Plan, list[BatchState]]:
-        """Check the block, plan it, and allocate its GPU batches: padded ids, caches (cut to this rule from a
-        kept prefill), activation homes. The previous block's tensors are freed first."""
-        if prefilled is not None and prefilled.rolling != ev.position_rolling:
-            state = "on" if prefilled.rolling else "off"
-            raise ConfigError(f"this prefill stored its keys for position rolling {state}; call "
-                              f"Engine.prefill(prompts, rolling={ev.position_rolling}) for this rule")
-        if any(len(p) == 0 for p in prompts):
-            raise ConfigError("empty prompt: every prompt needs at least one token")
-        prompt_len = max(len(p) for p in prompts)
-        n_new = max(per_seq_max) if per_seq_max else gen.max_new_tokens
-        if self.check_context and prompt_len + n_new > self.model.max_seq_len and not ev.position_rolling:
-            raise ConfigError(f"prompt ({prompt_len}) + new tokens ({n_new}) exceed the context window "
-                              f"({self.model.max_seq_len}) of {self.model.name}; shorten them or use "
-                              "--position-rolling (Llama)")
-        # each sequence's budget from its own real prompt length (h2o-port: the block's, as the port does); a
-        # prefill kept for later rules keeps every token and still needs the scores, which `full` skips
-        plan = Plan.for_block(self.model, self.offload, ev, [len(p) for p in prompts],
-                              per_seq_max or [gen.max_new_tokens] * len(prompts), device_type=self.device.type,
-                              compute_itemsize=self.compute_dtype.itemsize, keep_all=keep_all)
-        budget, policy = plan.budgets, get_policy(plan.policy)
-        self.last_plan = plan
-        self.release()                 # the previous block's KV goes before this block's is allocated
-        pad_id = self.model.pad_id if self.model.pad_id is not None else 0
-        ids = torch.full((len(prompts), prompt_len), pad_id, dtype=torch.long)
-        valid = torch.zeros(len(prompts), prompt_len, dtype=torch.bool)
-        for r, p in enumerate(prompts):
-            ids[r, prompt_len - len(p):] = torch.tensor(list(p), dtype=torch.long)
-            valid[r, prompt_len - len(p):] = True
-        # the transient tensors of one layer forward are real memory too: charge the compute tier an estimate
-        self._handles.append(self.tiers["compute"].reserve(plan.layer_workspace(), "workspace (estimated)"))
-        if "disk" in self.tiers:                # before the first file: enough room for this block?
-            check_space(self.offload_dir.root, plan.disk_bytes())
-        batches, mine = [], range(*self.stage)
-        for bp in plan.batches:
-            lo, hi = bp.lo, bp.hi
-            rows = budget.part(lo, hi)
-            b = BatchState(list(range(lo, hi)), ids[lo:hi], valid[lo:hi], real_len=valid[lo:hi].sum(1),
-                           kept_max=torch.tensor(rows.values("budget")),
-                           evicts=None if keep_all else tuple(r.evicts for r in rows.rows))   # a prefill scores all
-            b.caches = {l: self._make_cache(layer, bp, rows, plan.capacity, policy,
-                                            self._draws(ev, l, prompts[lo:hi]), ev.position_rolling)
-                        for l, layer in enumerate(self.layers) if layer.kind == "attn" and l in mine}
-            if prefilled is not None:          # this rule's choice of the kept prompt rows, as a prefill makes it
-                for l, (k, v, score, pos, *key_scale) in prefilled.layers[len(batches)].items():
-                    b.caches[l].commit_prefill(k, v, score if policy.needs_scores else None, pos,
-                                               key_scale=key_scale[0] if key_scale else None)
-            b.activations = ActivationHome(list(bp.act), self._alloc, self.device)
-            batches.append(b)
-        return plan, batches
-
-    def _run_block(self, plan: Plan, batches: list[BatchState], seq_index: list[int], gen: GenerationConfig,
-                   per_seq_max: list[int] | None, forced: list[Sequence[int]] | None, seeds: Sequence[int],
-                   prefilled: Prefilled | None, capture: dict | None):
-        """Walk the block through the zig-zag schedule (from step 1 after a kept prefill), sampling and
-        tracking stops; return its tokens, texts, finish reasons and metrics."""
-        ev, policy, prompt_len, n_new = plan.eviction, get_policy(plan.policy), plan.prompt_len, plan.gen_len
-        n_seqs = plan.n_seqs
+    def generate_block(self, job: JobPlan, k: int, prompts: list[Sequence[int]], gen: GenerationConfig,
+                       seeds: Sequence[int], forced: list[Sequence[int]] | None = None,
+                       prefilled: Prefilled | None = None, capture: dict | None = None) -> tuple:
+        """Block k of `job` (its `prompts`, in block order): allocate from its Plan, walk it through the zig-zag
+        schedule (from step 1 after a kept prefill), sample and track stops; return its tokens, texts, finish
+        reasons and metrics. capture: filled with each GPU batch's step-0 logits (Engine.prefill)."""
+        plan, batches = self._allocate(job, k, prompts, prefilled)
+        per_seq_max = [job.max_new[i] for i in job.blocks[k]]
+        n_new = plan.gen_len
         sampler = Sampler(gen, seeds)
-        stops = StopTracker(n_seqs, gen, self.model.eos_id, self.decode, per_seq_max)
+        stops = StopTracker(plan.n_seqs, gen, self.model.eos_id, self.decode, per_seq_max)
+        seq_index = list(job.blocks[k])
+
+        def took(token: int, batch: int) -> None:     # batch's next ids are chosen: ends, and stops after the last
+            b = batches[batch]
+            if forced is not None:
+                for s in b.seq_index:
+                    if token < len(forced[s]) and forced[s][token] == END:
+                        stops.end(s)
+            if batch == len(batches) - 1:
+                stops.update(torch.cat([x.next_ids for x in batches]).tolist())
 
         def on_logits(token: int, batch: int, logits: Tensor) -> None:
             b = batches[batch]
@@ -354,47 +276,68 @@ class Engine:
             if forced is not None:
                 for row, s in enumerate(b.seq_index):
                     entry = forced[s][token] if token < len(forced[s]) else SAMPLE
-                    if entry == END:
-                        stops.end(s)
-                    elif entry >= 0:
+                    if entry >= 0:
                         b.next_ids[row] = int(entry)
             if capture is not None and token == 0:
                 capture[batch] = logits.detach().clone()
             if self.on_step_logits is not None:
                 self.on_step_logits(token, [seq_index[i] for i in b.seq_index], logits)
-            if batch == len(batches) - 1:
-                stops.update(torch.cat([x.next_ids for x in batches]).tolist())
+            took(token, batch)
 
-        parts = RunParts(backend=self.backend, layers=self.layers, groups=self.groups, weights=self.weights,
-                         device=self.device, compute_dtype=self.compute_dtype, needs_scores=policy.needs_scores,
-                         rolling=ev.position_rolling, score_reduce=ev.score_reduce,
-                         prefill_rows=plan.prefill_rows, async_lanes=self._async_lanes(),
-                         prefill_by_rows=plan.prefill_by_rows and self.link is None, kernels=self.kernels,
-                         on_logits=on_logits, link=self.link,
-                         should_stop=lambda token: stops.all_done or token + 1 >= n_new)
-        if self.link is not None:       # the last stage decides when the block stops; the others are told
-            parts.should_stop = self.link.stop_rule(batches, parts.should_stop)
-        # a pipeline stage with every weight resident may take each batch through its layers in turn, so the next
-        # stage starts on the first batch while this one computes the rest (frontends/scale_out.attach_link)
-        batch_major = self.link is not None and self.link.batch_major and self.offload.tier_fractions("weights")[0] == 1
+        def on_ids(token: int, batch: int, ids: Tensor) -> None:      # a pipeline stage without the head
+            batches[batch].next_ids = ids
+            took(token, batch)
+
+        def should_stop(token: int) -> bool:
+            return stops.all_done or token + 1 >= n_new
+
         t0 = time.perf_counter()
+        run = dict(on_logits=on_logits, on_ids=on_ids, should_stop=should_stop)
         if prefilled is None:
-            times = BlockExecutor(parts, batches, n_new, self.offload.overlap, batch_major=batch_major).run()
+            times = self.runtime.run(plan, batches, n_new, **run)
         else:
-            for k, logits in enumerate(prefilled.logits):
-                on_logits(0, k, logits)
+            for b, logits in enumerate(prefilled.logits):
+                on_logits(0, b, logits)
             times = [time.perf_counter()]
-            if not parts.should_stop(0):
-                times += BlockExecutor(parts, batches, n_new, self.offload.overlap, first_token=1).run()
-        if self.link is not None:
-            self.link.flush()
+            if not should_stop(0):
+                times += self.runtime.run(plan, batches, n_new, first_token=1, **run)
         t_end = time.perf_counter()
         self.last_caches = [b.caches for b in batches]
         tokens, texts, reasons = stops.finish()
         n_gen = sum(len(t) for t in tokens)
-        metrics = {"prefill_s": times[0] - t0, "decode_s": t_end - times[0], "prompt_tokens": n_seqs * prompt_len,
-                   "generated_tokens": n_gen, "decode_steps": len(times) - 1, "block_size": n_seqs,
-                   "padded_prompt_len": prompt_len,
+        metrics = {"prefill_s": times[0] - t0, "decode_s": t_end - times[0], "prompt_tokens": plan.n_seqs *
+                   plan.prompt_len, "generated_tokens": n_gen, "decode_steps": len(times) - 1, "block_size": plan.n_seqs,
+                   "padded_prompt_len": plan.prompt_len,
                    # wall time of decode step i (i >= 1), which attends prompt_len + i tokens (or the budget)
                    "step_times_s": [b - a for a, b in zip(times, times[1:])]}
         return tokens, texts, reasons, metrics
+
+    def _allocate(self, job: JobPlan, k: int, prompts: list[Sequence[int]],
+                  prefilled: Prefilled | None) -> tuple[Plan, list[BatchState]]:
+        """Block k's GPU batches allocated from its plan: padded ids, caches (cut to this rule from a kept
+        prefill), activation homes. The previous block's tensors are freed first."""
+        plan, ev = job.plans[k], job.eviction
+        if prefilled is not None and prefilled.rolling != ev.position_rolling:
+            state = "on" if prefilled.rolling else "off"
+            raise ConfigError(f"this prefill stored its keys for position rolling {state}; call "
+                              f"Engine.prefill(prompts, rolling={ev.position_rolling}) for this rule")
+        self.last_plan = plan
+        self.last_caches = []
+        prompt_len = plan.prompt_len
+        pad_id = self.model.pad_id if self.model.pad_id is not None else 0
+        ids = torch.full((len(prompts), prompt_len), pad_id, dtype=torch.long)
+        valid = torch.zeros(len(prompts), prompt_len, dtype=torch.bool)
+        for r, p in enumerate(prompts):
+            ids[r, prompt_len - len(p):] = torch.tensor(list(p), dtype=torch.long)
+            valid[r, prompt_len - len(p):] = True
+        random = ev.policy == "random"     # its draws keyed by each prompt's tokens (kv/draws.py)
+        batches = self.runtime.allocate(
+            plan, ids, valid, lambda l, lo, hi: KeyedDraws.for_prompts(ev.seed, l, prompts[lo:hi]) if random else None,
+            evicts=None if job.keep_all else [b.evicts for b in plan.budgets.rows])   # a prefill scores every row
+        if prefilled is not None:          # this rule's choice of the kept prompt rows, as a prefill makes it
+            policy = get_policy(plan.policy)
+            for b, kept in zip(batches, prefilled.layers):
+                for l, (key, value, score, pos, *key_scale) in kept.items():
+                    b.caches[l].commit_prefill(key, value, score if policy.needs_scores else None, pos,
+                                               key_scale=key_scale[0] if key_scale else None)
+        return plan, batches

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")        # spin-waiting made small ops 70x slower on busy VMs
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")        # idle threads sleep: spinning ones take a shared CPU's cores
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import argparse  # noqa: E402
@@ -169,7 +169,7 @@ def _generate(args, mode, offload, eviction, gen_len, prompt_len, log_path, requ
     from flexgen_h2o.loader import fallback_tokenizer
     from flexgen_h2o.models import resolve_model
     from flexgen_h2o.planner import summary_line
-    from flexgen_h2o.schedule.blocks import plan_job
+    from flexgen_h2o.planner.job import plan_job
 
     if args.world is None:
         torch.set_num_threads(max(1, min(torch.get_num_threads(), os.cpu_count() or 1)))
@@ -183,29 +183,36 @@ def _generate(args, mode, offload, eviction, gen_len, prompt_len, log_path, requ
                           f"({where}); drop the flag")
     # dummy weights homed on disk become a store on disk: write it only after the preflight said it fits (and
     # after the search chose where they live)
-    deferred = args.dummy_weights and (args.auto is not None or offload.tier_fractions("weights")[2] > 0)
+    deferred = args.dummy_weights and (args.auto is not None or offload.weights_on_disk)
     loaded = None if deferred else _load(args)
     tok = fallback_tokenizer() if deferred else loaded.tokenizer
     texts, prompts, max_new, label = _prompts(args, mode, cfg, tok, offload, pending, prompt_len, gen_len)
     refill = mode != "benchmark" and not args.no_refill       # benchmark mode keeps FlexGen's synchronous blocks
-    if getattr(args, "dp_job", None) is not None:    # every rank checks every prompt, then keeps its share
+
+    def plan(offload, prompts, max_new, label):       # the job's one plan (planner/job.py), handed down from here
+        return plan_job(cfg, offload, eviction, [len(p) for p in prompts], max_new, label=label, refill=refill,
+                        device_type=backend.compute_device.type, compute_itemsize=backend.compute_dtype.itemsize)
+
+    job = plan(offload, prompts, max_new, label)      # every rank checks every prompt, then keeps its share
+    if getattr(args, "dp_job", None) is not None:
         from flexgen_h2o.frontends.scale_out import idle_rank, take_share
-        plan_job(cfg, eviction, offload.block_size, [len(p) for p in prompts], max_new, label, refill=refill)
-        pending, prompts, max_new = take_share(args.dp_job, pending, prompts, max_new)
-        if not pending:
+        keep = take_share(args.dp_job, prompts, max_new)
+        if not keep:
             return idle_rank(args, results, requests)
+        pending, prompts, max_new = [pending[i] for i in keep], [prompts[i] for i in keep], [max_new[i] for i in keep]
         label = lambda i: f"{args.input}: line {pending[i].line}"  # noqa: E731
-    job = plan_job(cfg, eviction, offload.block_size, [len(p) for p in prompts], max_new, label, refill=refill)
+        job = job.replan(keep=keep, label=label)
     prediction = None
     if args.auto:
         # a benchmark's --cut-gen-len runs fewer steps and reports the full length: the plan is for the full one
         offload, prediction = _auto(args, cfg, eviction, backend, offload, job, gen_len if mode == "benchmark"
                                     else max(job.max_new))
-        if prediction is not None:        # the block may have changed: so may a benchmark's prompts and the job
+        if prediction is not None and mode == "benchmark":   # a block of placeholder prompts: its size may change
             texts, prompts, max_new, label = _prompts(args, mode, cfg, tok, offload, pending, prompt_len, gen_len)
-            job = plan_job(cfg, eviction, offload.block_size, [len(p) for p in prompts], max_new, label,
-                           refill=refill)
-    on_disk = args.dummy_weights and offload.tier_fractions("weights")[2] > 0
+            job = plan(offload, prompts, max_new, label)
+        elif prediction is not None:
+            job = job.replan(offload=offload, label=label)
+    on_disk = args.dummy_weights and offload.weights_on_disk
     stage = getattr(args, "stage", None)          # a pipeline stage: its own layers are checked
     if stage is not None:
         from flexgen_h2o.frontends.scale_out import stage_model
@@ -295,32 +302,32 @@ def _preflight(args, cfg, offload, eviction, backend, deferred, job) -> tuple:
     from flexgen_h2o.formats import WEIGHT_FORMAT
     from flexgen_h2o.kv import describe_rows
     from flexgen_h2o.memory.offload_dir import sweep_stale
-    from flexgen_h2o.planner import estimate, preflight
-    from flexgen_h2o.planner.memory import kv_slot_bytes
+    from dataclasses import replace
+
+    from flexgen_h2o.planner import preflight
+    from flexgen_h2o.planner.memory import kv_slot_bytes, plan_bytes
     from flexgen_h2o.weights import default_store_path
-    n_seqs = min(offload.block_size, len(job.lens))
-    uses_disk = any(offload.tier_fractions(w)[2] > 0 for w in ("cache", "act"))
-    if uses_disk:
+    plan = job.peak if cfg is job.model else replace(job.peak, model=cfg)     # a pipeline stage counts its layers
+    if offload.uses_disk:
         check_folder_writable(args.offload_dir, "--offload-dir")
         # before the preflight's disk check: folders of killed runs would count against the free space
         sweep_stale(os.path.expanduser(args.offload_dir))
     store = args.path or str(default_store_path(cfg.name + "-dummy"))
     new_store = deferred and not os.path.isfile(os.path.join(store, "manifest.json"))
-    plan = dict(prompt_len=max(job.lens), gen_len=max(job.max_new), n_seqs=n_seqs,
-                dummy_store_bytes=WEIGHT_FORMAT.nbytes(cfg.n_params()) if new_store else 0,
-                real_weights=not args.dummy_weights)
+    weights = dict(dummy_store_bytes=WEIGHT_FORMAT.nbytes(cfg.n_params()) if new_store else 0,
+                   real_weights=not args.dummy_weights)
     if args.skip_preflight:
-        est = estimate(cfg, offload, eviction, compute_dtype_bytes=2 if backend.is_cuda else 4, **plan)
-        checked = None
+        est, checked = plan_bytes(plan, **weights), None
     else:
         est, checked = preflight(cfg, offload, eviction, backend=backend, store_dir=store if new_store else None,
-                                 offload_root=os.path.expanduser(args.offload_dir) if uses_disk else None, **plan)
+                                 offload_root=os.path.expanduser(args.offload_dir) if offload.uses_disk else None,
+                                 plan=plan, **weights)
     print(f"model: {cfg.name} ({cfg.family}, {cfg.n_layers} layers, width {cfg.hidden_size}) | {len(job.lens)} "
           f"prompt(s), block {offload.block_size} = {offload.gpu_batch_size} x {offload.num_gpu_batches} | "
           f"--percent {' '.join(f'{x:g}' for x in offload.percent)}")
     # slot bytes as allocated: K, V, score, position
     print(describe_rows(job.budgets, job.lens, job.max_new,
-                        kv_slot_bytes(cfg, offload.kv_format) * cfg.n_layers * n_seqs))
+                        kv_slot_bytes(cfg, offload.kv_format) * cfg.n_layers * plan.n_seqs))
     print(est.plan.describe())
     return est, checked
 

@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from flexgen_h2o.config import OffloadPolicy
-from flexgen_h2o.schedule.blocks import padding_tokens, plan_blocks
+from flexgen_h2o.planner.job import padding_tokens, plan_blocks
 from flexgen_h2o.kv import EvictionConfig
 from flexgen_h2o.loader import load_model
 from flexgen_h2o.models import resolve_model

@@ -7,6 +7,7 @@ import math
 
 import pytest
 
+from flexgen_h2o import auto_offload
 from flexgen_h2o.config import OffloadPolicy
 from flexgen_h2o.kv import EvictionConfig
 from flexgen_h2o.models import PRESETS
@@ -111,8 +112,8 @@ def test_disk_weights_cost_their_bytes_at_the_page_cache_or_the_disk_rate():
     cold = predict(_plan(off), RATES, free_ram=0)              # they do not fit the page cache: the disk's rate
     assert ram.decode_s < cached.decode_s < cold.decode_s
     # a page-cache read is a copy the compute cores make, at the page-cache rate (1 GB/s here), added to compute
-    from flexgen_h2o.planner.cost import _groups
-    disk = sum(g.disk_bytes for g in _groups(TINY, off.tier_fractions("weights"), off.weight_format, off.sep_layer))
+    from flexgen_h2o.planner.cost import layer_costs
+    disk = sum(g.disk_bytes for g in layer_costs(TINY, off.tier_fractions("weights"), off.weight_format, off.sep_layer))
     assert cached.decode_s == pytest.approx(ram.decode_s + 4 * disk / 1e9, rel=1e-9)
     assert cold.limits["decode"] == "weights"
     no_overlap = predict(_plan(off.replace(overlap=False)), RATES, free_ram=0)
@@ -257,11 +258,12 @@ def test_a_given_benchmark_plan_is_predicted_at_its_full_length_beside_the_runs_
 
 
 def test_the_api_chooses_from_cached_rates(tmp_path, monkeypatch):
-    """OffloadPolicy.auto: the search's best plan for this machine, from the cached rates (nothing measured)."""
+    """flexgen_h2o.auto_offload: the search's best plan for this machine, from the cached rates (nothing
+    measured)."""
     rates = _cached_rates(tmp_path, monkeypatch)
     ev = EvictionConfig(policy="h2o", hh_ratio=0.1)
-    got = OffloadPolicy.auto(TINY, prompt_len=64, gen_len=8, n_prompts=4, eviction=ev, device="cpu",
-                             offload_dir=str(tmp_path / "off"))
+    got, _ = auto_offload(TINY, prompt_len=64, gen_len=8, n_prompts=4, eviction=ev, device="cpu",
+                          offload_dir=str(tmp_path / "off"))
     machine = Machine.probe()
     want = search(TINY, ev, OffloadPolicy(), rates, prompt_len=64, gen_len=8, n_prompts=4,
                   device_type="cpu", machine=machine, offload_root=tmp_path / "off", keep=1)[0].offload

@@ -194,22 +194,26 @@ STAGES = {2: [["0", "100", "100", "0", "100", "0"], ["100", "0", "0", "0", "100"
               ["0", "0", "50", "50", "100", "0"]]}
 
 
-# Llama's second stage takes each GPU batch through its layers in turn (the default order for resident weights);
-# OPT's stages keep the zig-zag order, which a stage that streams its weights (stage 1 here) always runs
-@pytest.mark.parametrize("model,stages,order", [("llama", 2, "auto"), ("opt", 3, "zigzag")])
+# Llama's second stage takes each GPU batch through its layers in turn (the default order for resident weights)
+# and runs the job continuously refilled (every stage joins the same prompts into the same rows, from the ids the
+# last stage sends); OPT's stages keep the zig-zag order, which a stage that streams its weights (stage 1 here)
+# always runs, and FlexGen's synchronous blocks
+@pytest.mark.parametrize("model,stages,order,refill", [("llama", 2, "auto", True), ("opt", 3, "zigzag", False)])
 def test_pipeline_stages_give_one_process_greedy_tokens(tiny, tiny_opt, one_process, tmp_path, job, model, stages,
-                                                        order):
+                                                        order, refill):
     ckpt, env = tiny
     folder = ckpt if model == "llama" else tiny_opt
     common = ["--model", str(folder), "--input", str(job), "--gen-len", "40", "--no-progress",
-              "--gpu-batch-size", "2", "--num-gpu-batches", "2"]
-    out = tmp_path / "pp.jsonl"
+              "--gpu-batch-size", "2", "--num-gpu-batches", "2", *(() if refill else ("--no-refill",))]
+    out, metrics = tmp_path / "pp.jsonl", tmp_path / "metrics.json"
     placements = [a for p in STAGES[stages] for a in ("--stage-percent", *p)]
     proc = torchrun(stages, [*common, "--output", str(out), "--pipeline-stages", str(stages), *placements,
-                             "--stage-order", order,
+                             "--stage-order", order, "--metrics-json", str(metrics),
                              "--offload-dir", str(tmp_path / "off")], {**env, "FLEXGEN_H2O_ALL_RANKS": "1"})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert results(out) == one_process(model, ())
+    joins = json.loads(metrics.read_text()).get("joins", 0)
+    assert (joins >= 2) if refill else joins == 0, joins
     said = proc.stdout
     assert all(f"pipeline: stage {s + 1} of {stages} holds layers" in said for s in range(stages))
     assert "disk peak" in said and re.search(r"host peak [1-9]", said)   # stage 2's KV on disk, 1's weights on host

@@ -4,20 +4,20 @@ Rank s holds a contiguous run of schedule layers (split_layers) with its own pla
 schedule over them: for each token step, layer by layer, every GPU batch of the block. A GPU batch's hidden
 state leaves the stage's last layer with a non-blocking send, so the stage goes on with its next batch while
 the state travels, and the next stage starts that batch's first layer as soon as it arrives. The last stage
-holds the LM head: it samples, keeps the stop rules, and sends each batch's next ids back to the first stage
-with the step's stop decision; the first stage passes the decision down the line. H2O caches live with their
-attention layers, so no KV ever crosses a link.
+holds the LM head: it samples and sends each batch's next ids to every other stage, which feeds them to its
+own stop rules (and, on the first stage, to the embedding), so every stage decides the same stops and the same
+refill joins without another message. H2O caches live with their attention layers, so no KV ever crosses a link.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-TAG_HIDDEN, TAG_IDS, TAG_STOP = 11, 12, 13
+TAG_HIDDEN, TAG_IDS = 11, 12
 
 
 def split_work(work: Sequence[float], n_stages: int) -> list[tuple[int, int]]:
@@ -56,18 +56,18 @@ def split_layers(cfg: Any, n_stages: int, sep_layer: bool, rates: dict | None = 
     row lookup: no FLOPs; the LM head weighs its whole vocabulary matrix."""
     from flexgen_h2o.formats import WEIGHT_FORMAT
     from flexgen_h2o.models import build_layers, schedule_groups
-    from flexgen_h2o.planner.cost import _groups, decode_layer_s
+    from flexgen_h2o.planner.cost import decode_layer_s, layer_costs
     layers = build_layers(cfg)
     groups = schedule_groups([layer.kind for layer in layers], sep_layer)
     work = (decode_layer_s(cfg, rates, rows, sep_layer) if rates is not None
-            else [g.flops_per_row for g in _groups(cfg, (1.0, 0.0, 0.0), WEIGHT_FORMAT, sep_layer)])
+            else [g.flops_per_row for g in layer_costs(cfg, (1.0, 0.0, 0.0), WEIGHT_FORMAT, sep_layer)])
     return [(groups[a][0], groups[b - 1][-1] + 1) for a, b in split_work(work, n_stages)]
 
 
 @dataclass
 class StageLink:
-    """One stage's sends and receives. Hidden states go to the next stage, ids and stop decisions from the last
-    stage to the first, stop decisions down the line; every message between two ranks comes in the order sent."""
+    """One stage's sends and receives. Hidden states go to the next stage, sampled ids from the last stage to
+    every other; every message between two ranks comes in the order sent."""
     stage: int
     n_stages: int
     hidden_size: int
@@ -97,35 +97,15 @@ class StageLink:
     def recv_hidden(self, rows: int, length: int) -> Tensor:
         return self._recv((rows, length, self.hidden_size), self.dtype, self.stage - 1, TAG_HIDDEN)
 
-    def send_ids(self, ids: Tensor, stop: bool) -> None:
-        """Last stage: a GPU batch's sampled ids, and after the step's last batch whether the run stops."""
-        msg = torch.cat([ids.view(-1).to(torch.long).cpu(), torch.tensor([int(stop)])]).to(self.device)
-        self._isend(msg, 0, TAG_IDS)
+    def send_ids(self, ids: Tensor) -> None:
+        """Last stage: a GPU batch's sampled ids, to every other stage."""
+        msg = ids.view(-1).to(torch.long)
+        for stage in range(self.n_stages - 1):
+            self._isend(msg.to(self.device), stage, TAG_IDS)
 
-    def recv_step(self, batches: Sequence[Any]) -> bool:
-        """First stage, after a token step: every batch's next ids from the last stage; the stop decision."""
-        stop = False
-        for b in batches:
-            msg = self._recv((len(b.seq_index) + 1,), torch.long, self.n_stages - 1, TAG_IDS).cpu()
-            b.next_ids, stop = msg[:-1], bool(msg[-1])
-        if self.n_stages > 2:
-            self._isend(torch.tensor([int(stop)], device=self.device), 1, TAG_STOP)
-        return stop
-
-    def recv_stop(self) -> bool:
-        """A middle stage, after a token step: the decision, passed on unless the next stage is the last."""
-        stop = bool(self._recv((1,), torch.long, self.stage - 1, TAG_STOP).item())
-        if self.stage + 1 < self.n_stages - 1:
-            self._isend(torch.tensor([int(stop)], device=self.device), self.stage + 1, TAG_STOP)
-        return stop
-
-    def stop_rule(self, batches: Sequence[Any], local: Callable[[int], bool]) -> Callable[[int], bool]:
-        """The executor's should_stop on this stage: the last stage decides (local), the others are told."""
-        if self.last:
-            return local
-        if self.first:
-            return lambda token: self.recv_step(batches)
-        return lambda token: self.recv_stop()
+    def recv_ids(self, batches: Sequence[Any]) -> list[Tensor]:
+        """Any other stage, after a token step: every batch's ids as the last stage sampled them."""
+        return [self._recv((len(b.seq_index),), torch.long, self.n_stages - 1, TAG_IDS).cpu() for b in batches]
 
     def flush(self) -> None:
         """Wait for every send still in flight (end of a block: its tensors may be freed after)."""

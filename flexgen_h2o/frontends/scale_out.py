@@ -49,7 +49,6 @@ def join(args: argparse.Namespace, mode: str) -> None:
             args.percent = [f"{x:g}" for x in args.stage_percent[world.rank]]
         elif args.percent is None:      # no search per stage yet: everything on its compute device
             args.percent = ["100", "0", "100", "0", "100", "0"]
-        args.no_refill = True           # stages run FlexGen's synchronous blocks in lockstep
 
 
 def _split(args: argparse.Namespace, stages: int, cuda: bool) -> tuple[str, list[tuple[int, int]]]:
@@ -89,10 +88,9 @@ def batch_job(args: argparse.Namespace, generate: Callable[..., int], gen_len: i
         return generate(requests, pending, results)
 
 
-def take_share(job: Any, pending: list, prompts: list[list[int]], max_new: list[int]) -> tuple[list, list, list]:
-    """This rank's share of the tokenized pending prompts (balanced by tokens), in input order."""
-    keep = job.share([len(p) for p in prompts], max_new)
-    return [pending[i] for i in keep], [prompts[i] for i in keep], [max_new[i] for i in keep]
+def take_share(job: Any, prompts: list[list[int]], max_new: list[int]) -> list[int]:
+    """The indices of this rank's share of the tokenized pending prompts (balanced by tokens), in input order."""
+    return list(job.share([len(p) for p in prompts], max_new))
 
 
 def idle_rank(args: argparse.Namespace, results: Any, requests: list) -> int:
@@ -126,8 +124,8 @@ def attach_link(args: argparse.Namespace, llm: Any) -> None:
     """Give this stage's engine its link to the neighbours, and say which layers it holds."""
     from flexgen_h2o.distributed.pipeline import StageLink
     e, world = llm.engine, args.world
-    # at the same block shape the batch order won: SmolLM2 on 2 stages, 4 GPU batches of 2, total 22.2 / 19.9 tok/s
-    # against 14.4 / 14.8 in zig-zag order (benchmarks/results/scale-38c); with one GPU batch the orders are one
+    # at the same block shape the batch order is the faster (docs/distributed.md, "Measured on this machine");
+    # with one GPU batch the orders are one
     batch_major = args.stage_order != "zigzag"
     e.link = StageLink(world.rank, world.size, llm.config.hidden_size, e.compute_dtype, e.device,
                        world.data_group, batch_major)

@@ -4,9 +4,8 @@ A job under Docker, Kubernetes or Slurm (or `systemd-run -p MemoryMax=`) runs in
 the kernel reclaims the group's page cache and then kills, whatever the machine has free. psutil reports the
 machine's memory, so a planner that trusts it alone plans for RAM the job cannot have. This reads the limits of
 the process's cgroup and its ancestors (v1 `memory.limit_in_bytes`, v2 `memory.max`) and what each already uses
-(less its clean file cache, which the kernel reclaims before it kills, as the machine's MemAvailable counts it:
-counting only the inactive part, a job's third run in a 3 GiB group saw 2.2 GiB free, the page cache of the first
-two's weight files charged to the group and refused a plan the first run fitted).
+(less its clean file cache, which the kernel reclaims before it kills, as the machine's MemAvailable counts it;
+counting only the inactive part would charge the page cache of earlier runs' weight files to the job).
 """
 from __future__ import annotations
 

@@ -9,15 +9,13 @@ batches. With overlap the reads (weights and KV, one lane: one disk, or one link
 compute, so a layer takes the longer of the two; without it, their sum. A prompt pass
 is the same with each GPU batch's prompt rows (in prefill chunks) and the prompt's attention. What it does not
 model: a run's first pass over weights that are not in the page cache yet (every pass is predicted at the rate
-of the later ones), and the VM's drift (up to 1.6x an hour here).
+of the later ones), and a VM's speed drift (docs/planner.md, "How good the predictions are").
 
 Disk-homed weights and KV (memmaps of the offload files) are read through the page cache. Of what a step passes
 over, the share that fits the RAM the run leaves free (the machine's, or a container's limit, less the run's own
 predicted peak) is served by the page cache, a copy at its rate that the compute cores make; the rest waits for
-the disk (Linux's refault detection keeps a cyclic pass's cached share resident rather than thrashing it: in a
-3 GiB cgroup OPT-1.3B with 1.05 GB of disk weights beside 0.7 GB of room ran at 4.3 tok/s where all-from-disk
-priced 2.5; `python -m benchmarks.studies.choice_check --only opt1.3b-disk512+512-3gib`), and KV writes at the
-disk's write rate.
+the disk (Linux's refault detection keeps a cyclic pass's cached share resident rather than thrashing it;
+docs/planner.md, "Does it choose well?"), and KV writes at the disk's write rate.
 """
 from __future__ import annotations
 
@@ -121,7 +119,8 @@ def _rate(pts: list[tuple[int, float]], rows: float) -> float:
 
 
 @dataclass(frozen=True)
-class _Group:
+class LayerCost:
+    """One schedule layer as the cost model counts it."""
     flops_per_row: float                 # linear FLOPs per token row
     attn: bool                           # holds an attention layer (reads KV)
     disk_bytes: int                      # its weights' bytes homed on disk
@@ -131,8 +130,8 @@ class _Group:
 
 
 @functools.lru_cache(maxsize=512)
-def _groups(cfg: ModelConfig, fractions: tuple[float, float, float], fmt: StorageFormat,
-            sep_layer: bool) -> tuple[_Group, ...]:
+def layer_costs(cfg: ModelConfig, fractions: tuple[float, float, float], fmt: StorageFormat,
+                sep_layer: bool) -> tuple[LayerCost, ...]:
     """Each schedule layer's FLOPs per row and weight bytes by home (cached: the search asks for the same few
     placements at every batch size)."""
     layers = build_layers(cfg)
@@ -154,11 +153,12 @@ def _groups(cfg: ModelConfig, fractions: tuple[float, float, float], fmt: Storag
                     disk += nbytes
                 elif homes[spec.name] == "host":
                     host += nbytes
-        out.append(_Group(flops, attn, disk, host, head, block))
+        out.append(LayerCost(flops, attn, disk, host, head, block))
     return tuple(out)
 
 
-def _decode_matrices_s(g: _Group, rows: int, linear: list, probed: list, block_flops: float, fixed: float) -> float:
+def _decode_matrices_s(g: LayerCost, rows: int, linear: list, probed: list, block_flops: float,
+                       fixed: float) -> float:
     """One GPU batch of `rows` through a schedule layer in a decode step, attention's window aside: the model's own
     block, its share by FLOPs, where it was probed; else its matrices at the measured rate and a fixed call cost."""
     if probed and g.block:
@@ -169,7 +169,7 @@ def _decode_matrices_s(g: _Group, rows: int, linear: list, probed: list, block_f
 def decode_layer_s(cfg: ModelConfig, rates: dict[str, Any], rows: int, sep_layer: bool) -> list[float]:
     """Each schedule layer's compute seconds in a decode step of one GPU batch of `rows`, fp16 weights resident (a
     pipeline's stage split weighs the layers by these)."""
-    groups = _groups(cfg, (1.0, 0.0, 0.0), WEIGHT_FORMAT, sep_layer)
+    groups = layer_costs(cfg, (1.0, 0.0, 0.0), WEIGHT_FORMAT, sep_layer)
     linear, probed = linear_points(rates, "fp16", cfg), block_points(rates, "fp16", cfg)
     block_flops = sum(g.flops_per_row for g in groups if g.block) / max(1, cfg.n_layers)
     return [_decode_matrices_s(g, rows, linear, probed, block_flops, rates["fixed_decode_s_per_layer"])
@@ -194,7 +194,7 @@ def predict(plan: Plan, rates: dict[str, Any], *, n_prompts: int | None = None, 
     linear = linear_points(r, fmt_w, cfg)
     kv_name = plan.kv_format.name if plan.kv_format.quantized else "fp16"
     ns_slot = r.get(f"decode_ns_per_slot_{kv_name}", r["decode_ns_per_slot_fp16"]) * 1e-9
-    groups = _groups(cfg, off.tier_fractions("weights"), off.weight_format, off.sep_layer)
+    groups = layer_costs(cfg, off.tier_fractions("weights"), off.weight_format, off.sep_layer)
     # the share of disk reads the page cache serves: what fits beside the run, of what it passes over each step
     demand = (0 if off.uncached_disk_weights else sum(g.disk_bytes for g in groups)) + plan.kv_bytes().get("disk", 0)
     hit = 1.0 if free_ram is None or demand <= free_ram else free_ram / demand
@@ -218,13 +218,12 @@ def predict(plan: Plan, rates: dict[str, Any], *, n_prompts: int | None = None, 
     block_flops = sum(g.flops_per_row for g in groups if g.block) / max(1, cfg.n_layers)
     sizes = collections.Counter(b.size for b in plan.batches)        # GPU batches by row count
 
-    def layer_s(g: _Group, compute: float, io_kv: float, totals: dict[str, float]) -> float:
+    def layer_s(g: LayerCost, compute: float, io_kv: float, totals: dict[str, float]) -> float:
         """A schedule layer's seconds: its weights' reads (once for all GPU batches) share the KV's lane, which
         runs beside compute with overlap, else after it; each lane's time is added to `totals`."""
         io_w = g.disk_bytes * w_read + (g.disk_bytes + g.host_bytes) / link
         if not gpu:
-            # a page-cache read is a copy the compute cores make, at the page-cache read's rate: SmolLM2's
-            # 0.27 GB of weights cost a decode step 0.13 s over all-in-RAM, 0.02 s at the memory's rate
+            # a page-cache read is a copy the compute cores make, at the page-cache read's rate (not the memory's)
             compute += g.disk_bytes * hit_w / page_cache
         for k, v in (("compute", compute), ("weights", io_w), ("kv", io_kv)):
             totals[k] += v
@@ -260,8 +259,8 @@ def predict(plan: Plan, rates: dict[str, Any], *, n_prompts: int | None = None, 
             chunks = math.ceil(rows / plan.prefill_rows)
             tokens = rows if g.head else rows * plan.prompt_len
             rate_rows = plan.prefill_rows if g.head else chunk_rows
-            # the prompt pass stays on the machine rates: a probe's one 256-token prompt ran its GEMMs at 256
-            # rows, a run's chunks at thousands, and over-priced SmolLM2's prompt passes 2.4x (cost_model_check)
+            # the prompt pass stays on the machine rates: a probe's one 256-token prompt runs its GEMMs at 256
+            # rows, a run's chunks at thousands (docs/planner.md, "How good the predictions are")
             compute += n * (g.flops_per_row * tokens / (_rate(linear, rate_rows) * 1e9) + fixed_pre * chunks)
             if g.attn:
                 per_layer = rows * attn_flops_tok * plan.prompt_len ** 2 / 2

@@ -16,7 +16,7 @@ The numbers follow what the engine really allocates, so a preflight refusal is a
 - beyond the tiers (a CPU run only, where the compute tier is RAM): what glibc's malloc keeps resident beyond
   the bytes live (`allocator_bytes`); the preflight adds it, the code a run maps and the process's own RSS to
   the RAM it checks.
-Imports: config, models, kv budgets and the placement rule only (level 4, LAYOUT.md §8.3).
+Imports: config, models, kv budgets and the placement rule only (docs/architecture.md, "Memory accounting").
 """
 from __future__ import annotations
 
@@ -186,9 +186,9 @@ def _weights(est: Estimate, layers: list, fractions: tuple[float, float, float],
 # (DEFAULT_MMAP_THRESHOLD_MAX on 64-bit), so after the first layer every transient up to 32 MiB is heap-served.
 MMAP_CEILING = 32 << 20
 # What oneDNN's prompt-pass GEMMs (kernels.dispatch.onednn_gemm) add to the peak RSS beyond torch's tensors: its
-# JIT kernels, primitive cache and scratchpad, and the heap they leave. Peak RSS with FLEXGEN_H2O_CPU_GEMM=onednn
-# minus =blas, pytest tests/memory/test_preflight_rss.py -s: OPT-125M 8 x 256 +0..33 MiB (AVX-512), +27 MiB with
-# ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 (CI's kind of CPU); 16 x 512 +9 MiB.
+# JIT kernels, primitive cache and scratchpad, and the heap they leave: the peak RSS with
+# FLEXGEN_H2O_CPU_GEMM=onednn minus =blas (`pytest tests/memory/test_preflight_rss.py -s`; docs/architecture.md,
+# "The preflight's RAM figure").
 ONEDNN_BYTES = 32 << 20
 # The heap's free top goes back to the OS only beyond the trim threshold, which glibc keeps at twice the mmap
 # threshold: up to twice the largest heap-served block freed so far stays resident. Each dummy tensor is
@@ -202,10 +202,8 @@ def _dummy_scratch(model: ModelConfig) -> int:
     sizes = [2 * s.numel for s in all_specs(build_layers(model)) if 2 * s.numel < MMAP_CEILING]
     return max([LOADER_SCRATCH] + sizes)
 # Heap holes: freed blocks between live ones, resident but reused only by blocks that fit. Not derivable from
-# the shapes: measured (2026-11-27, glibc 2.36; docs/architecture.md "Memory accounting") as the peak RSS beyond
-# every other term, 0-0.17 of the heap-served bytes live at the prompt pass's peak, the most on OPT shapes, and
-# varying run to run (one OPT-125M shape peaked at 1186-1214 MiB). With the threshold fixed
-# (MALLOC_MMAP_THRESHOLD_=1048576) the heap serves no block over 1 MiB and the holes measured near zero.
+# the shapes: measured as the peak RSS beyond every other term (docs/architecture.md, "The preflight's RAM
+# figure"). With the threshold fixed (MALLOC_MMAP_THRESHOLD_=1048576) the heap serves no block over 1 MiB.
 HEAP_HOLES_FRACTION = 0.17
 
 

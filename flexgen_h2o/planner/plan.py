@@ -4,9 +4,9 @@ A Plan is built from (model, placement, eviction rule, the block's prompt and ge
 holds every decision that follows from them: each sequence's KV budget and the rule that runs (the configured
 one, or `full` when the budget holds the whole run), the GPU batches with each one's split of KV and resting
 activations across tiers, the prefill chunking, the scored-attention block, the layer workspace, and the bytes
-per tier. The engine allocates from it (Engine._generate_block); `estimate` and `preflight` add it up; the CLI
-prints it. Weights are placed once per engine, not per block: both the engine's placement and the planner's
-count take their homes from `weights.placement.weight_homes`.
+per tier. planner/job.py builds one per block of a job; the engine allocates from it (schedule/block.py);
+`estimate` and `preflight` add it up; the CLI prints it. Weights are placed once per engine, not per block: both
+the engine's placement and the planner's count take their homes from `weights.placement.weight_homes`.
 """
 from __future__ import annotations
 
@@ -49,13 +49,13 @@ class Plan:
     score_block: int             # bytes of one scored-attention block at prefill (0: the rule needs no scores)
 
     @classmethod
-    def for_block(cls, model: ModelConfig, offload: OffloadPolicy, eviction: EvictionConfig,
+    def for_block(cls, model: ModelConfig, offload: OffloadPolicy, eviction: EvictionConfig, budgets: RowBudgets,
                   prompt_lens: Sequence[int], gen_lens: Sequence[int], *, device_type: str, compute_itemsize: int,
                   keep_all: bool = False) -> "Plan":
-        """The plan of one block of real prompts: each sequence's budget from its own length (h2o-port: the
-        block's). keep_all: the rule runs even where nothing is evicted (a prefill kept for later rules)."""
-        return cls._build(model, offload.validate(), eviction, eviction.resolve_rows(prompt_lens, gen_lens),
-                          max(prompt_lens), max(gen_lens), device_type, compute_itemsize, keep_all)
+        """The plan of one block of real prompts with their budgets (planner/job.plan_job resolves them). keep_all:
+        the rule runs even where nothing is evicted (a prefill kept for later rules)."""
+        return cls._build(model, offload.validate(), eviction, budgets, max(prompt_lens), max(gen_lens), device_type,
+                          compute_itemsize, keep_all)
 
     @classmethod
     def for_shape(cls, model: ModelConfig, offload: OffloadPolicy, eviction: EvictionConfig, *, prompt_len: int,
@@ -69,15 +69,14 @@ class Plan:
                           keep_all=False)
 
     @classmethod
-    def for_refill(cls, model: ModelConfig, offload: OffloadPolicy, eviction: EvictionConfig,
+    def for_refill(cls, model: ModelConfig, offload: OffloadPolicy, eviction: EvictionConfig, every: RowBudgets,
                    prompt_lens: Sequence[int], gen_lens: Sequence[int], *, device_type: str,
                    compute_itemsize: int) -> "Plan":
         """The plan of a continuously refilled job: one block of min(block size, prompts) rows that every prompt
         passes through, each row sized for the job's widest budget (any prompt may take any row), the prompt
-        workspace for its longest prompt, and the rule from every prompt's own budget. Rows start with the widest
-        budget; a row takes its prompt's own when the prompt joins (KVCache.reset_row)."""
-        # each prompt's budget as if it ran alone (for h2o-port too: a refilled row has no block to share)
-        every = RowBudgets(tuple(eviction.resolve(n, g) for n, g in zip(prompt_lens, gen_lens)))
+        workspace for its longest prompt, and the rule from every prompt's own budget (`every`, each as if it
+        ran alone). Rows start with the widest budget; a row takes its prompt's own when the prompt joins
+        (KVCache.reset_row)."""
         widest = max(every.rows, key=lambda b: b.capacity)
         rows = min(offload.validate().block_size, len(prompt_lens))
         return cls._build(model, offload.validate(), eviction, RowBudgets.uniform(widest, rows), max(prompt_lens),
@@ -121,7 +120,7 @@ class Plan:
     @property
     def uses_disk(self) -> bool:
         """Whether KV or resting activations have files in the offload folder."""
-        return any(self.offload.tier_fractions(what)[2] > 0 for what in ("cache", "act"))
+        return self.offload.uses_disk
 
     @property
     def prefill_by_rows(self) -> bool:

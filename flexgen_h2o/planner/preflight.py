@@ -23,13 +23,14 @@ from flexgen_h2o.config import ConfigError, OffloadPolicy
 from flexgen_h2o.kv import EvictionConfig
 from flexgen_h2o.models import ModelConfig
 from flexgen_h2o.planner.cgroup import cgroup_ram
-from flexgen_h2o.planner.memory import PARTS, Estimate, estimate
+from flexgen_h2o.planner.memory import PARTS, Estimate, estimate, plan_bytes
+from flexgen_h2o.planner.plan import Plan
 
 MIB = 1 << 20
 GIB = 1 << 30
 # Code and state a run maps after the preflight: the engine's modules, the compiled kernels' library, torch's
-# CPU kernels for the ops a forward uses, its thread pool. Measured 2026-11-27 (RSS after the first generate and
-# malloc_trim, minus the tiers' bytes): 12-29 MiB, two thirds file-backed code pages.
+# CPU kernels for the ops a forward uses, its thread pool: the RSS after the first generate and malloc_trim, less
+# the tiers' bytes (docs/architecture.md, "The preflight's RAM figure").
 RUNTIME_BYTES = 32 * MIB
 GPU_HEADROOM = 256 * MIB     # CUDA context and caching-allocator slack; on top of 5 % of the estimate
 DISK_HEADROOM = 64 * MIB
@@ -210,15 +211,20 @@ def suggest(model: ModelConfig, offload: OffloadPolicy, eviction: EvictionConfig
     return found
 
 
-def preflight(model: ModelConfig, offload: OffloadPolicy, eviction: EvictionConfig, *, prompt_len: int,
-              gen_len: int, n_seqs: int | None = None, backend=None, offload_root: str | os.PathLike | None = None,
-              store_dir: str | os.PathLike | None = None, dummy_store_bytes: int = 0, real_weights: bool = False,
-              machine: Machine | None = None, parts: tuple[str, ...] = PARTS) -> tuple[Estimate, list[Check]]:
-    """Estimate and check; raises PreflightError (numbers and suggestions) when any resource is short."""
+def preflight(model: ModelConfig, offload: OffloadPolicy, eviction: EvictionConfig, *, prompt_len: int | None = None,
+              gen_len: int | None = None, n_seqs: int | None = None, backend=None,
+              offload_root: str | os.PathLike | None = None, store_dir: str | os.PathLike | None = None,
+              dummy_store_bytes: int = 0, real_weights: bool = False, machine: Machine | None = None,
+              parts: tuple[str, ...] = PARTS, plan: Plan | None = None) -> tuple[Estimate, list[Check]]:
+    """Estimate and check; raises PreflightError (numbers and suggestions) when any resource is short. plan: the
+    job's peak Plan (planner/job.JobPlan.peak), counted as it is; else a block of the given shape is planned."""
     c = 2 if backend is not None and getattr(backend, "is_cuda", False) else 4
+    if plan is not None:
+        prompt_len, gen_len, n_seqs, c = plan.prompt_len, plan.gen_len, plan.n_seqs, plan.compute_itemsize
     kw = dict(prompt_len=prompt_len, gen_len=gen_len, n_seqs=n_seqs, compute_dtype_bytes=c,
               dummy_store_bytes=dummy_store_bytes, real_weights=real_weights)
-    est = estimate(model, offload, eviction, **kw)
+    est = (plan_bytes(plan, dummy_store_bytes=dummy_store_bytes, real_weights=real_weights) if plan is not None
+           else estimate(model, offload, eviction, **kw))
     machine = machine or Machine.probe(backend)
     results = checks(est, machine, offload_root=offload_root, store_dir=store_dir, parts=parts)
     if all(r.ok for r in results):

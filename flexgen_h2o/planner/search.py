@@ -34,10 +34,9 @@ MAX_GPU_BATCH = 1024
 # over an uncompressed one (the rates' own run-to-run noise is several %: SmolLM2's auto run chose int8 weights
 # for a 0.2 % predicted gain before this)
 COMPRESSION_MARGIN = 1.05
-# a plan's predicted peak RSS must leave this share of the RAM free: measured peaks were up to 3.3 % over their
-# prediction (31 runs of `python -m benchmarks.studies.choice_check`), and a plan at a memory limit's edge runs at
-# its reclaim cliff (OPT-6.7B predicted at 6.02 of 6.06 GiB was killed by its cgroup; OPT-1.3B plans at 3.00 of
-# 3.08 ran at half their prediction). A given placement's preflight keeps no such margin: that is the user's call.
+# a plan's predicted peak RSS must leave this share of the RAM free: measured peaks run a little over their
+# prediction, and a plan at a memory limit's edge runs at its reclaim cliff (docs/planner.md, "Does it choose
+# well?"). A given placement's preflight keeps no such margin: that is the user's call.
 RAM_HEADROOM = 0.04
 
 

@@ -1,4 +1,5 @@
-"""Offline batches of many prompts: tokenizing, length bucketing, one engine call per block, progress bars.
+"""Offline batches of many prompts: tokenizing, one engine call per block of a job (planner/job.py cuts and plans
+them), progress bars.
 
 Shared by the Python API (`flexgen_h2o.LLM`) and the CLI's batch mode, so both produce the same tokens for the
 same prompts, seed and policies. The engine pads every block to its longest prompt and runs it to its largest
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from flexgen_h2o.config import ConfigError, GenerationConfig
+from flexgen_h2o.planner.job import JobPlan
 
 
 def encode_prompts(tokenizer: Any, prompts: Sequence[str | Sequence[Mapping[str, str]]], *,
@@ -32,70 +34,6 @@ def encode_prompts(tokenizer: Any, prompts: Sequence[str | Sequence[Mapping[str,
         out.append(list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                                       return_dict=False)))
     return out
-
-
-def check_context(max_seq_len: int, rolling: bool, lens: Sequence[int], max_new: Sequence[int],
-                  label: Callable[[int], str], model_name: str = "the model") -> None:
-    """Fail before any compute when a prompt plus its new tokens would run past the context window."""
-    for i, (n, g) in enumerate(zip(lens, max_new)):
-        if n == 0:
-            raise ConfigError(f"{label(i)}: the prompt is empty after tokenization")
-        if not rolling and n + g > max_seq_len:
-            raise ConfigError(f"{label(i)}: prompt ({n} tokens) + max_new_tokens ({g}) exceed the context window "
-                              f"({max_seq_len}) of {model_name}; shorten it, lower max_new_tokens, or use "
-                              "--position-rolling (Llama)")
-
-
-def check_budgets(eviction: Any, blocks: Sequence[Sequence[int]], lens: Sequence[int], max_new: Sequence[int],
-                  label: Callable[[int], str]) -> list[Any]:
-    """Each prompt's KV budget (kv.Budget), from its own length (h2o-port: its block's longest, as the engine
-    resolves it). A ratio budget of a short prompt can come to 0 slots: refuse it before any compute, naming it."""
-    budgets: list[Any] = [None] * len(lens)
-    for block in blocks:
-        for group in ([list(block)] if eviction.per_block else [[i] for i in block]):
-            try:
-                rows = eviction.resolve_rows([lens[i] for i in group], [max_new[i] for i in group])
-            except ValueError as e:
-                raise ConfigError(f"{label(min(group, key=lambda i: lens[i]))}: {e}") from None
-            for i, budget in zip(group, rows.rows):
-                budgets[i] = budget
-    return budgets
-
-
-def plan_blocks(lens: Sequence[int], block_size: int, max_new: Sequence[int] | None = None, *,
-                bucket: bool = True) -> list[list[int]]:
-    """Indices cut into blocks of `block_size`. Bucketed: longest first (a run that cannot finish its largest
-    block fails in its first minute), ties broken by max_new_tokens so a block stops together."""
-    order = list(range(len(lens)))
-    if bucket:
-        order.sort(key=lambda i: (-lens[i], -(max_new[i] if max_new is not None else 0), i))
-    return [order[i:i + block_size] for i in range(0, len(order), block_size)]
-
-
-@dataclass
-class Job:
-    """A batch of prompts checked once, before anything runs: the blocks they run in (bucketed indices) and each
-    prompt's KV budget. The CLI makes it before its preflight and hands it to LLM.generate_blocks, which then
-    checks nothing again."""
-    lens: list[int]
-    max_new: list[int]
-    blocks: list[list[int]]
-    budgets: list[Any]
-
-
-def plan_job(model: Any, eviction: Any, block_size: int, lens: Sequence[int], max_new: Sequence[int],
-             label: Callable[[int], str], *, bucket: bool = True, refill: bool = False) -> Job:
-    """Check every prompt against `model`'s context window and `eviction`'s budgets, and cut the blocks. refill:
-    the job runs continuously refilled (schedule/refill.py), where each prompt's budget is its own, as alone."""
-    check_context(model.max_seq_len, eviction.position_rolling, lens, max_new, label, model.name)
-    blocks = plan_blocks(lens, block_size, max_new, bucket=bucket)
-    alone = [[i] for i in range(len(lens))] if refill else blocks
-    return Job(list(lens), list(max_new), blocks, check_budgets(eviction, alone, lens, max_new, label))
-
-
-def padding_tokens(blocks: Sequence[Sequence[int]], lens: Sequence[int]) -> int:
-    """Pad positions the engine computes: every prompt of a block is left-padded to the block's longest."""
-    return sum(max(lens[i] for i in b) * len(b) - sum(lens[i] for i in b) for b in blocks if b)
 
 
 class Progress:
@@ -152,18 +90,19 @@ class RefillProgress:
         self.decode.close()
 
 
-def run_refill(engine: Any, prompt_ids: Sequence[Sequence[int]], gen: GenerationConfig, max_new: Sequence[int],
-               order: Sequence[int], *, progress: bool = False, seeds: Sequence[int] | None = None,
+def run_refill(engine: Any, prompt_ids: Sequence[Sequence[int]], gen: GenerationConfig, job: JobPlan, *,
+               progress: bool = False, seeds: Sequence[int] | None = None,
                share: float | None = None) -> Iterator[BlockResult]:
-    """The prompts `order` names, in that order, through one continuously refilled block (Engine.generate_refill);
-    yields the prompts that finished together as one BlockResult (caller's indices), as soon as they are done.
-    Its metrics are the job's, on the last result only."""
-    order = list(order)
+    """The job's prompts (job.blocks[0] names them, in join order) through one continuously refilled block
+    (Engine.generate_refill); yields the prompts that finished together as one BlockResult (caller's indices),
+    as soon as they are done. Its metrics are the job's, on the last result only."""
+    order = list(job.blocks[0]) if job.blocks else []
+    max_new = job.max_new
     bars = RefillProgress(progress, len(order), sum(max_new[i] for i in order))
     try:
         run = engine.generate_refill([prompt_ids[i] for i in order], gen, [max_new[i] for i in order],
                                      seeds=[seeds[i] if seeds is not None else i for i in order], share=share,
-                                     on_tokens=bars.tokens)
+                                     on_tokens=bars.tokens, job=job)
         for done in run:
             for f in done:
                 bars.finished(len(f.token_ids), max_new[order[f.index]])
@@ -191,27 +130,27 @@ class BlockResult:
     metrics: dict
 
 
-def run_blocks(engine: Any, prompt_ids: Sequence[Sequence[int]], gen: GenerationConfig, max_new: Sequence[int],
-               blocks: Sequence[Sequence[int]], *, progress: bool = False,
-               seeds: Sequence[int] | None = None) -> Iterator[BlockResult]:
-    """One engine.generate per block; yields each block's results as soon as it is done. Each prompt samples
-    from a generator seeded by seeds[i] (default: its index i here), wherever bucketing puts it."""
-    lens = [len(p) for p in prompt_ids]
-    bars = Progress(progress, sum(lens[i] for b in blocks for i in b), sum(max_new[i] for b in blocks for i in b))
+def run_blocks(engine: Any, prompt_ids: Sequence[Sequence[int]], gen: GenerationConfig, job: JobPlan, *,
+               progress: bool = False, seeds: Sequence[int] | None = None) -> Iterator[BlockResult]:
+    """Each block of `job` through Engine.generate_block with its plan; yields each block's results as soon as it
+    is done. Each prompt samples from a generator seeded by seeds[i] (default: its index i here), wherever
+    bucketing puts it."""
+    lens, max_new = job.lens, job.max_new
+    bars = Progress(progress, sum(lens[i] for b in job.blocks for i in b),
+                    sum(max_new[i] for b in job.blocks for i in b))
     previous = engine.on_step_logits
+    hook = bars.hook(lens, max_new)                  # the engine reports the job's (caller's) indices
+    if previous is None:
+        engine.on_step_logits = hook
+    else:          # keep a hook someone else set (tests record logits through it)
+        engine.on_step_logits = lambda t, s, l: (hook(t, s, l), previous(t, s, l))
     try:
-        for block in blocks:
+        for k, block in enumerate(job.blocks):
             block = list(block)
-            b_lens, b_new = [lens[i] for i in block], [max_new[i] for i in block]
-            hook = bars.hook(b_lens, b_new)
-            if previous is None:
-                engine.on_step_logits = hook
-            else:      # keep a hook someone else set (tests record logits through it)
-                engine.on_step_logits = lambda t, s, l, hook=hook: (hook(t, s, l), previous(t, s, l))
-            res = engine.generate([prompt_ids[i] for i in block], gen, max_new_tokens=b_new,
-                                  seeds=[seeds[i] if seeds is not None else i for i in block])
-            bars.block_done(sum(len(t) for t in res.token_ids), sum(b_new))
-            yield BlockResult(block, res.token_ids, res.texts, res.finish_reasons, res.metrics)
+            tokens, texts, reasons, metrics = engine.generate_block(
+                job, k, [prompt_ids[i] for i in block], gen, [seeds[i] if seeds is not None else i for i in block])
+            bars.block_done(sum(len(t) for t in tokens), sum(max_new[i] for i in block))
+            yield BlockResult(block, tokens, texts, reasons, metrics)
     finally:
         engine.on_step_logits = previous
         bars.close()

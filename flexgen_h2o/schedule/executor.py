@@ -233,9 +233,8 @@ class BlockExecutor:
         link = self.p.link
         if self.p.layers[self.p.groups[group][-1]].kind == "head":
             self.p.on_logits(token, batch, x)
-            if link is not None:                    # the ids go back to the first stage, the last with the verdict
-                last = batch == len(self.batches) - 1
-                link.send_ids(b.next_ids, last and self.p.should_stop(token))
+            if link is not None:                    # every other stage tracks the same stops from these ids
+                link.send_ids(b.next_ids)
         elif link is not None and group == len(self.p.groups) - 1:
             link.send_hidden(x)
         else:

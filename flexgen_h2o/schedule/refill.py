@@ -1,4 +1,4 @@
-"""Continuous refill (issue 35): one block of rows stays allocated for the whole job, and a row whose prompt is
+"""Continuous refill: one block of rows stays allocated for the whole job, and a row whose prompt is
 done takes the next waiting prompt in its slots.
 
     rows  0 [ prompt 0 ......... eos ][ prompt 6 ....... ][ prompt 9 ...
@@ -13,12 +13,15 @@ freed in place by KVCache.reset_row: nothing is copied or reallocated). Then dec
 block, each at its own position (BatchState.first_step), with its own budget, sampler and stop state, until
 a prompt finishes (its result is handed out) or the refill rule calls the next join. A free row stays in its
 GPU batch until it is refilled, its token ignored and its position held at 1, but skips the linear layers
-(StepContext.live) and its attention reads only its own slots. A GPU batch whose rows are all free sits the decode steps out, and joins fill the busiest
-GPU batches first, so at the job's tail (nothing left to join) whole GPU batches stop computing.
+(StepContext.live) and its attention reads only its own slots. A GPU batch whose rows are all free sits the
+decode steps out, and joins fill the busiest GPU batches first, so at the job's tail (nothing left to join) whole
+GPU batches stop computing. Join passes and decode phases are runs of the one block path (schedule/block.py), so a
+pipeline stage refills too: every stage gets the ids the last stage sampled and makes the same joins.
 
 The refill rule: join once `share` of the rows are free (or as many as there are prompts left, or every row);
-share defaults to a quarter of the block (DEFAULT_SHARE: fewer, fuller join passes measured faster than joining at
-the first free row, and where weights stream in each join reads every weight once more). Joiners are prefilled
+share defaults to a quarter of the block (DEFAULT_SHARE: fewer, fuller join passes beat joining at the first
+free row, and where weights stream in each join reads every weight once more; docs/architecture.md, "Continuous
+refill"). Joiners are prefilled
 in groups of similar length, so a join pads little. A prompt's text does not depend on which row it took, what it
 shared the block with or when it joined: every kernel computes each row alone (tests/test_refill.py checks it
 against each prompt run alone).
@@ -33,14 +36,13 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from flexgen_h2o.config import ConfigError, GenerationConfig, split_by_fraction
-from flexgen_h2o.kv import EvictionConfig, get_policy
+from flexgen_h2o.config import GenerationConfig, split_by_fraction
 from flexgen_h2o.kv.draws import KeyedDraws, sequence_key
-from flexgen_h2o.memory import check_space
-from flexgen_h2o.planner.plan import Plan
+from flexgen_h2o.planner.job import JobPlan
 from flexgen_h2o.sampling import Sampler, StopTracker
 from flexgen_h2o.schedule.activations import ActivationHome
-from flexgen_h2o.schedule.executor import BatchState, BlockExecutor, RunParts
+from flexgen_h2o.schedule.block import Runtime
+from flexgen_h2o.schedule.executor import BatchState
 
 
 @dataclass
@@ -88,80 +90,52 @@ def _similar_lengths(items: list[tuple[int, int, int]]) -> list[list[tuple[int, 
     return groups
 
 
-# The refill rule's default: wait for a quarter of the block's rows. On the chat workload (SmolLM2, H2O 20 %, one
-# GPU batch of 128, weights resident), joining at the first free row took 57 join passes and 134 s of prompt
-# passes, a quarter 4 passes and 120 s, 85.7 against 88.7 tok/s over the job (`python -m benchmarks.chat --systems
-# ours-h2o-20-refill ours-h2o-20-refill-s25 --repeats 1`, one run each). A free row waiting costs its attention
-# only (its linear layers are skipped), a join pass costs a pass over every weight: where weights stream in, more.
+# The refill rule's default: wait for a quarter of the block's rows. A free row waiting costs its attention only
+# (its linear layers are skipped), a join pass costs a pass over every weight: where weights stream in, more
+# (docs/architecture.md, "Continuous refill").
 DEFAULT_SHARE = 0.25
 
 
 class RefillRun:
-    def __init__(self, engine: Any, prompts: Sequence[Sequence[int]], gen: GenerationConfig,
-                 max_new: Sequence[int] | None, seeds: Sequence[int] | None, eviction: EvictionConfig | None,
-                 share: float | None = None, on_tokens: Callable[[int], None] | None = None):
-        """prompts join in the given order. seeds: each prompt's sampling key (default its index). share: the
-        refill rule's free share of rows (default DEFAULT_SHARE). on_tokens(n): n more tokens were generated."""
-        self.e, self.prompts = engine, [list(p) for p in prompts]
-        self.gen = gen.validate()
+    def __init__(self, runtime: Runtime, job: JobPlan, prompts: Sequence[Sequence[int]], gen: GenerationConfig,
+                 seeds: Sequence[int] | None, model: Any, decode: Callable[[list[int]], str] | None,
+                 share: float | None = None, on_tokens: Callable[[int], None] | None = None,
+                 hook: Callable[[], Callable | None] = lambda: None):
+        """job: the refilled plan of `prompts` (planner/job.plan_job(refill=True)), which join in the given order.
+        seeds: each prompt's sampling key (default its index). share: the refill rule's free share of rows
+        (default DEFAULT_SHARE). on_tokens(n): n more tokens were generated. hook(): the engine's per-step logits
+        hook at the time of the call (Engine.on_step_logits), or None."""
+        self.runtime, self.job, self.prompts = runtime, job, [list(p) for p in prompts]
+        self.gen, self.model, self.hook = gen.validate(), model, hook
         n = len(self.prompts)
-        self.max_new = list(max_new) if max_new is not None else [self.gen.max_new_tokens] * n
-        if len(self.max_new) != n or (seeds is not None and len(seeds) != n):
-            raise ConfigError("max_new_tokens and seeds need one entry per prompt")
-        if any(len(p) == 0 for p in self.prompts):
-            raise ConfigError("empty prompt: every prompt needs at least one token")
-        self.ev = engine._checked(eviction) if eviction is not None else engine.eviction
-        if engine.check_context and not self.ev.position_rolling:
-            for i, p in enumerate(self.prompts):
-                if len(p) + self.max_new[i] > engine.model.max_seq_len:
-                    raise ConfigError(f"prompt {i} ({len(p)}) + new tokens ({self.max_new[i]}) exceed the context "
-                                      f"window ({engine.model.max_seq_len}) of {engine.model.name}; shorten it or "
-                                      "use --position-rolling (Llama)")
+        self.max_new = list(job.max_new)
+        self.ev = job.eviction
         self.share = DEFAULT_SHARE if share is None else share
         self.on_tokens = on_tokens
         self.sampler = Sampler(self.gen, list(seeds) if seeds is not None else list(range(n)))
-        self.stops = StopTracker(n, self.gen, engine.model.eos_id, engine.decode, self.max_new)
+        self.stops = StopTracker(n, self.gen, model.eos_id, decode, self.max_new)
         self.metrics = {"prefill_s": 0.0, "decode_s": 0.0, "prompt_tokens": 0, "generated_tokens": 0,
                         "decode_steps": 0, "joins": 0, "busy_row_steps": 0, "row_steps": 0}
 
     # --- setup ---
 
     def _allocate(self) -> None:
-        e = self.e
-        lens = [len(p) for p in self.prompts]
-        plan = Plan.for_refill(e.model, e.offload, self.ev, lens, self.max_new, device_type=e.device.type,
-                               compute_itemsize=e.compute_dtype.itemsize)
-        self.plan, self.policy = plan, get_policy(plan.policy)
-        e.last_plan = plan
-        e.release()
-        e._handles.append(e.tiers["compute"].reserve(plan.layer_workspace(), "workspace (estimated)"))
-        if "disk" in e.tiers:
-            check_space(e.offload_dir.root, plan.disk_bytes())
-        self.batches: list[BatchState] = []
-        for bp in plan.batches:
-            rows = plan.budgets.part(bp.lo, bp.hi)
-            n = bp.size
-            b = BatchState(seq_index=list(range(bp.lo, bp.hi)), prompt_ids=torch.zeros(n, 1, dtype=torch.long),
-                           token_valid=torch.ones(n, 1, dtype=torch.bool), real_len=torch.ones(n, dtype=torch.long),
-                           kept_max=torch.tensor(rows.values("budget")), first_step=torch.zeros(n, dtype=torch.long))
-            # the random rule's per-row keys, set to each prompt's as it joins (reset_row)
-            b.caches = {l: e._make_cache(layer, bp, rows, plan.capacity, self.policy,
-                                         KeyedDraws([0] * n) if self.ev.policy == "random" else None,
-                                         self.ev.position_rolling)
-                        for l, layer in enumerate(e.layers) if layer.kind == "attn"}
-            b.activations = ActivationHome(list(bp.act), e._alloc, e.device)
-            b.next_ids = torch.zeros(n, dtype=torch.long)
-            self.batches.append(b)
+        """The one block of rows, allocated for the job's widest budget; rows hold no prompt yet (length-1
+        placeholders) and the random rule's per-row keys are set to each prompt's as it joins (reset_row)."""
+        self.plan = plan = self.job.plans[0]
+        n = plan.n_seqs
+        random = self.ev.policy == "random"
+        self.batches = self.runtime.allocate(plan, torch.zeros(n, 1, dtype=torch.long),
+                                             torch.ones(n, 1, dtype=torch.bool),
+                                             lambda l, lo, hi: KeyedDraws([0] * (hi - lo)) if random else None,
+                                             refill=True)
+        for b in self.batches:
+            b.next_ids = torch.zeros(len(b.seq_index), dtype=torch.long)
         self.row_seq: list[list[int | None]] = [[None] * b.real_len.shape[0] for b in self.batches]
 
-    def _parts(self, on_logits, should_stop) -> RunParts:
-        e, ev = self.e, self.ev
-        return RunParts(backend=e.backend, layers=e.layers, groups=e.groups, weights=e.weights, device=e.device,
-                        compute_dtype=e.compute_dtype, needs_scores=self.policy.needs_scores,
-                        rolling=ev.position_rolling, score_reduce=ev.score_reduce,
-                        prefill_rows=self.plan.prefill_rows, async_lanes=e._async_lanes(),
-                        prefill_by_rows=self.plan.prefill_by_rows, kernels=e.kernels, on_logits=on_logits,
-                        should_stop=should_stop)
+    def caches(self) -> list[dict]:
+        """The block's caches (each GPU batch's, by layer), for inspection after the run."""
+        return [b.caches for b in self.batches]
 
     # --- the loop ---
 
@@ -186,30 +160,27 @@ class RefillRun:
             if self.finished:
                 out, self.finished = self.finished, []
                 yield out
-        self.e.last_caches = [b.caches for b in self.batches]
 
     def _join(self, rows: list[tuple[int, int]]) -> None:
         """The prompt pass of the next waiting prompts in the given free rows (GPU batch, row). Joiners of one GPU
         batch go through it in groups of similar length, each group left-padded to its longest (at most
-        JOIN_PADDING of its tokens pads): one padded group of 128 chat prompts (83 to 540 tokens) computed 2.1x
-        their real tokens (`python -m benchmarks.chat --systems ours-h2o-20-refill`, before the grouping)."""
-        e = self.e
+        JOIN_PADDING of its tokens pads), so a join of prompts of mixed lengths computes little padding."""
         taken = {(k, r): self.queue.popleft() for k, r in rows}
         joins, owners = [], []
-        n_handles = len(e._handles)
+        mark = self.runtime.mark()
         for k in sorted({k for k, _ in rows}):
             mine = sorted((len(self.prompts[s]), r, s) for (kk, r), s in taken.items() if kk == k)
             for group in _similar_lengths(mine):
                 rs, seqs = [r for _, r, _ in group], [s for _, _, s in group]
                 joins.append(self._join_batch(k, rs, seqs))
                 owners.append((k, rs))
-        self._run_join(joins, owners, n_handles)
+        self._run_join(joins, owners, mark)
 
     def _join_batch(self, k: int, rs: list[int], seqs: list[int]) -> BatchState:
         """Free block rows `rs` of GPU batch k for prompts `seqs`, and the join batch that prefills them."""
-        e, main = self.e, self.batches[k]
+        main = self.batches[k]
         width = max(len(self.prompts[s]) for s in seqs)
-        pad = e.model.pad_id if e.model.pad_id is not None else 0
+        pad = self.model.pad_id if self.model.pad_id is not None else 0
         ids = torch.full((len(rs), width), pad, dtype=torch.long)
         valid = torch.zeros(len(rs), width, dtype=torch.bool)
         evicts = []
@@ -217,7 +188,7 @@ class RefillRun:
             p = self.prompts[s]
             ids[i, width - len(p):] = torch.tensor(p)
             valid[i, width - len(p):] = True
-            budget = self.ev.resolve(len(p), self.max_new[s])
+            budget = self.job.budgets[s]
             evicts.append(budget.evicts)
             for l, cache in main.caches.items():
                 key = sequence_key(self.ev.seed, l, p) if self.ev.policy == "random" else None
@@ -226,25 +197,27 @@ class RefillRun:
             self.row_seq[k][r] = s
         j = BatchState(seq_index=seqs, prompt_ids=ids, token_valid=valid, real_len=valid.sum(1),
                        caches={l: RowSlots(c, rs) for l, c in main.caches.items()}, evicts=tuple(evicts))
-        j.activations = ActivationHome(split_by_fraction(len(rs), e.offload.tier_fractions("act")), e._alloc,
-                                       e.device)
+        rt = self.runtime
+        j.activations = ActivationHome(split_by_fraction(len(rs), rt.offload.tier_fractions("act")), rt.alloc,
+                                       rt.device)
         self.metrics["prompt_tokens"] += len(rs) * width
         return j
 
-    def _run_join(self, joins: list[BatchState], owners: list[tuple[int, list[int]]], n_handles: int) -> None:
-        e = self.e
-
+    def _run_join(self, joins: list[BatchState], owners: list[tuple[int, list[int]]], mark: int) -> None:
         def on_logits(token: int, batch: int, logits: torch.Tensor) -> None:
             k, rs = owners[batch]
-            self._sampled(k, rs, joins[batch].seq_index, logits)
+            seqs = joins[batch].seq_index
+            self._took(k, rs, seqs, self.sampler(logits, list(seqs)), logits)
+
+        def on_ids(token: int, batch: int, ids: torch.Tensor) -> None:      # a pipeline stage without the head
+            k, rs = owners[batch]
+            self._took(k, rs, joins[batch].seq_index, ids)
 
         t0 = time.perf_counter()
         try:
-            BlockExecutor(self._parts(on_logits, lambda token: True), joins, 1, e.offload.overlap).run()
+            self.runtime.run(self.plan, joins, 1, on_logits=on_logits, on_ids=on_ids, should_stop=lambda token: True)
         finally:                   # the join batches' resting hidden states, if any lived off the compute tier
-            for handle in e._handles[n_handles:]:
-                handle.free()
-            del e._handles[n_handles:]
+            self.runtime.free_since(mark)
         self.metrics["prefill_s"] += time.perf_counter() - t0
         self.metrics["joins"] += 1
 
@@ -262,7 +235,12 @@ class RefillRun:
 
         def on_logits(token: int, batch: int, logits: torch.Tensor) -> None:
             k = live[batch]
-            self._sampled(k, list(range(len(self.row_seq[k]))), self.row_seq[k], logits, token)
+            seqs = self.row_seq[k]
+            self._took(k, list(range(len(seqs))), seqs, self.sampler(logits, list(seqs)), logits, token)
+
+        def on_ids(token: int, batch: int, ids: torch.Tensor) -> None:      # a pipeline stage without the head
+            k = live[batch]
+            self._took(k, list(range(len(self.row_seq[k]))), self.row_seq[k], ids, None, token)
 
         def should_stop(token: int) -> bool:
             self.token = token
@@ -274,18 +252,18 @@ class RefillRun:
 
         self._just_freed: list = []
         t0 = time.perf_counter()
-        times = BlockExecutor(self._parts(on_logits, should_stop), [self.batches[k] for k in live], first + max(left),
-                              self.e.offload.overlap, first_token=first).run()
+        times = self.runtime.run(self.plan, [self.batches[k] for k in live], first + max(left), on_logits=on_logits,
+                                 on_ids=on_ids, should_stop=should_stop, first_token=first)
         self.metrics["decode_s"] += time.perf_counter() - t0
         self.metrics["decode_steps"] += len(times)
 
-    def _sampled(self, k: int, rows: list[int], seqs: Sequence[int | None], logits: torch.Tensor,
-                 token: int | None = None) -> None:
-        """Sample each row's next id, record it for its prompt, hand out the prompts that finished. token: the
-        decode step (None: a join pass, whose rows' first decode step comes next)."""
+    def _took(self, k: int, rows: list[int], seqs: Sequence[int | None], ids: torch.Tensor,
+              logits: torch.Tensor | None = None, token: int | None = None) -> None:
+        """Record each row's next id for its prompt and hand out the prompts that finished. logits: what the ids
+        were sampled from (None on a pipeline stage without the head); token: the decode step (None: a join
+        pass, whose rows' first decode step comes next)."""
         main = self.batches[k]
-        ids = self.sampler(logits, list(seqs))
-        hook = self.e.on_step_logits
+        hook = self.hook() if logits is not None else None
         live = [(i, r, s) for i, (r, s) in enumerate(zip(rows, seqs)) if s is not None]
         for i, r, s in live:
             if hook is not None:

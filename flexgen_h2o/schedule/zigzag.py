@@ -1,6 +1,6 @@
 """The zig-zag block schedule as data: a generator of Steps, in plain or overlapped order.
 
-FlexGen's Algorithm 1 (ANCHORS.md §1.6). Legend of the paper's indices, used only in this file:
+FlexGen's Algorithm 1. Legend of the paper's indices, used only in this file:
     i = token step (0 = prefill, then one per generated token)   -> Step.token
     j = layer in the flat list (embed, attn.0, mlp.0, ..., head) -> Step.layer
     k = GPU batch inside the block                                -> Step.batch

@@ -6,7 +6,8 @@ import random
 import pytest
 
 from flexgen_h2o.config import ConfigError, GenerationConfig, OffloadPolicy
-from flexgen_h2o.schedule.blocks import check_context, padding_tokens, plan_blocks, run_blocks
+from flexgen_h2o.planner.job import check_context, padding_tokens, plan_blocks
+from flexgen_h2o.schedule.blocks import run_blocks
 from tests.helpers import make_engine, random_prompts, tiny_hf
 
 
@@ -49,8 +50,9 @@ def test_run_blocks_yields_each_block_with_callers_indices():
     prompts = random_prompts([3, 12, 7, 12, 5])
     max_new = [2, 4, 3, 1, 4]
     blocks = plan_blocks([len(p) for p in prompts], 2, max_new)
-    seen = list(run_blocks(engine, prompts, GenerationConfig(max_new_tokens=4, stop_at_eos=False), max_new, blocks))
-    assert [r.indices for r in seen] == blocks == [[1, 3], [2, 4], [0]]
+    job = engine.plan(prompts, max_new, bucket=True)
+    seen = list(run_blocks(engine, prompts, GenerationConfig(max_new_tokens=4, stop_at_eos=False), job))
+    assert [r.indices for r in seen] == blocks == [list(b) for b in job.blocks] == [[1, 3], [2, 4], [0]]
     for r in seen:
         assert [len(t) for t in r.token_ids] == [max_new[i] for i in r.indices]
         assert r.metrics["padded_prompt_len"] == max(len(prompts[i]) for i in r.indices)
