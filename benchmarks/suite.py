@@ -3,7 +3,7 @@
     python -m benchmarks.suite                                    # every workload, every system (hours)
     python -m benchmarks.suite --workload s2048+512 --systems ours hf kvpress-observed-20
     python -m benchmarks.suite --smoke                            # tiny shapes, a few minutes, CI
-    python -m benchmarks.suite --workload chat                    # issue 35's chat job (benchmarks/chat.py)
+    python -m benchmarks.suite --workload chat                    # 200 chat turns answered to EOS (issue 35)
 
 Per workload: (1) each selected system that can run here prepares once (stores, offload folders, the kvpress
 virtualenv); one that cannot is kept as a skipped row with its reason. (2) A small batch search per system:
@@ -14,6 +14,10 @@ batch, fully measured (nothing projected), `--repeats` times, interleaved A B C 
 every system alike. Every run is its own subprocess with the same environment (bench_env: OMP_WAIT_POLICY=PASSIVE,
 the same thread count). (4) Medians, the roofline from `benchmarks.machine` (measured first, same day), a markdown
 report, PNG plots and results.json under --out.
+
+The chat workload (benchmarks/chat_job.py) runs through the same steps with its job written first, each
+system's batch from its sizing rule instead of probes (a run is the whole job), and its own row: generated tokens
+over the run's wall clock and the answers' lengths instead of FlexGen's fixed-length rates and the roofline.
 """
 from __future__ import annotations
 
@@ -27,100 +31,21 @@ import shlex  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
-from dataclasses import asdict, dataclass, field, replace  # noqa: E402
+from dataclasses import asdict, replace  # noqa: E402
 from pathlib import Path  # noqa: E402
-from typing import Any, Callable  # noqa: E402
+from typing import Any  # noqa: E402
 
+from benchmarks.chat_job import CHAT_KEYS, chat_row, chat_summary  # noqa: E402
 from benchmarks.common import REPO_ROOT, CaseFailed, bench_env, drop_page_cache, median  # noqa: E402
-from benchmarks.suite_report import CAPPED_BEST  # noqa: E402
+from benchmarks.search import SearchResult, Step, project_probe, search_batch  # noqa: E402
 from benchmarks.systems import RESULT_KEYS, Candidate, System, all_systems, select_systems  # noqa: E402
 from benchmarks.systems.base import parse_batches  # noqa: E402
 from benchmarks.systems.gpu_check import NEEDS_GPU, cuda_available  # noqa: E402
-from benchmarks.workloads import WORKLOADS, Workload, ensure_real_store, overridden, select_workloads  # noqa: E402
+from benchmarks.workloads import (WORKLOADS, Workload, ensure_real_store, overridden, select_workloads,  # noqa: E402
+                                  with_job)
 
 SMOKE_WORKLOADS = ["s512+128", "disk512+128"]
-# a probe this much below the best so far ends the search. Two probes of one system drift by 10-15 % on this VM:
-# at 0.97, kvpress's batch 2 on s512+32 (-4 % against batch 1) ended its search at batch 1 (2026-11-25)
-SLOWER = 0.85
-# a candidate the planner puts at most this far over the budget is probed, and the measurement decides: on the disk
-# shapes the planner over-estimates peak RSS by ~0.1 GiB of 2 GiB (1.83 planned vs 1.70 measured, full batch 4),
-# so without the margin the batch at the budget's edge was never tried (2026-11-25)
-PLANNER_EDGE = 1.08
-
-
-# --- the batch search (pure: `probe` is injected, so tests drive it with a fake) ---
-
-@dataclass
-class Step:
-    candidate: Candidate
-    status: str                              # ok | best | over budget (planner|measured) | slower | failed | ...
-    projected_peak_bytes: int | None = None
-    projected_total_tok_s: float | None = None
-
-
-@dataclass
-class SearchResult:
-    best: Candidate | None
-    steps: list[Step] = field(default_factory=list)
-
-
-def project_probe(row: dict[str, Any], gen_len: int, growth_bytes: int, peak_bytes: int) -> tuple[float, int]:
-    """(total tok/s, peak bytes) a probe of row['gen_len'] tokens projects for gen_len: the median decode step
-    (first step left out: it pays one-off costs) repeated, plus the bytes the cache would still grow. peak_bytes:
-    the probe's peak the budget is about (Workload.peak_bytes: RSS, or GPU memory for a GPU workload)."""
-    steps = row["step_times_s"][1:] or row["step_times_s"]
-    step = median(steps) if steps else row["decode_s"] / max(row["gen_len"] - 1, 1)
-    total = row["batch"] * gen_len / (row["prefill_s"] + step * (gen_len - 1))
-    return total, peak_bytes + growth_bytes
-
-
-def search_batch(cands: list[Candidate], probe: Callable[[Candidate], tuple[float, int]], budget: int, *,
-                 order: str = "up", max_probes: int = 6) -> SearchResult:
-    """The best batch within `budget`. probe(c) -> (projected total tok/s, projected peak bytes), or raises
-    CaseFailed. "up": ascending until over budget, slower, or failed. "down": the planner's admitted candidates
-    from the largest, skipping measured over-budget ones, until one is slower than the best so far.
-    A candidate the planner puts within PLANNER_EDGE of the budget is probed too; its measured peak decides.
-    A lone candidate the planner fits within the budget is taken without a probe."""
-    res = SearchResult(None)
-    admitted = [c for c in cands if c.predicted_bytes is None or c.predicted_bytes <= budget * PLANNER_EDGE]
-    rejected = [Step(c, "over budget (planner)", c.predicted_bytes) for c in cands if c not in admitted]
-    # only a candidate the planner fits may skip the probe: one at its edge is over budget until measured
-    if len(admitted) == 1 and (admitted[0].predicted_bytes or 0) <= budget:
-        res.best = admitted[0]
-        res.steps = [Step(admitted[0], "best (only candidate, not probed)", admitted[0].predicted_bytes)] + rejected
-        return res
-    order_list = admitted if order == "up" else admitted[::-1]
-    best_tps, probes, capped_best = 0.0, 0, None
-    for i, c in enumerate(order_list):
-        if probes >= max_probes:
-            if order == "up" and res.steps and res.steps[-1].candidate == res.best:
-                capped_best = res.best      # the cap, not a slower or over-budget probe, ended the search
-            res.steps += [Step(x, "not probed (probe cap)") for x in order_list[i:]]
-            break
-        probes += 1
-        try:
-            tps, peak = probe(c)
-        except CaseFailed as e:
-            res.steps.append(Step(c, f"failed: {str(e).strip().splitlines()[-1][:120]}"))
-            if order == "up":
-                break
-            continue
-        if peak > budget:
-            res.steps.append(Step(c, "over budget (measured)", peak, tps))
-            if order == "up":
-                break
-            continue
-        slower = res.best is not None and tps < SLOWER * best_tps
-        res.steps.append(Step(c, "slower" if slower else "ok", peak, tps))
-        if not slower and tps > best_tps:
-            res.best, best_tps = c, tps
-        if slower:
-            break
-    for s in res.steps:
-        if s.candidate == res.best:
-            s.status = CAPPED_BEST if res.best == capped_best else "best"
-    res.steps += rejected
-    return res
+NO_CHAT = "no chat mode: it runs the fixed-length benchmark prompts only"
 
 
 # --- running cases ---
@@ -145,6 +70,16 @@ def run_child(python: str, args: list[str], json_path: Path, env: dict[str, str]
     return json.loads(json_path.read_text()), wall
 
 
+def chat_case_row(s: System, w: Workload, c: Candidate, gen_len: int, raw: dict[str, Any], json_path: Path,
+                  kw: dict[str, Any]) -> dict[str, Any]:
+    """A chat run's row; a run that did not answer every prompt is a failed case."""
+    try:
+        return chat_row(s.name, w.name, w.job, gen_len, (c.batch, c.gbs, c.num_batches),
+                        s.chat_metrics(raw, json_path), **kw)
+    except (OSError, ValueError, KeyError) as e:
+        raise CaseFailed(f"{s.name}: {e}") from e
+
+
 class Runner:
     def __init__(self, a: argparse.Namespace, env: dict[str, str]) -> None:
         self.a, self.env = a, env
@@ -159,12 +94,17 @@ class Runner:
             drop_page_cache(s.cold_files(w))             # every run starts with its weight files cold
         raw, wall = run_child(s.python(), s.command(w, c, gen_len, json_path, self.a.work), json_path, self.env,
                               self.runs_dir / f"{tag}.log", self.a.timeout)
-        row = s.normalize(raw, w, c, gen_len, wall_s=wall, threads=self.a.threads, probe=probe, repeat=repeat)
+        kw = {"wall_s": wall, "threads": self.a.threads, "repeat": repeat}
+        row = (chat_case_row(s, w, c, gen_len, raw, json_path, kw) if w.is_chat else
+               s.normalize(raw, w, c, gen_len, probe=probe, **kw))
         json_path.with_suffix(".row.json").write_text(json.dumps(row, indent=2, default=str))
         mark = "probe" if probe else f"run {repeat}"
-        print(f"  {s.name:22s} {mark:7s} batch {c.label:>5}: prefill {row['prefill_tok_s']:8.1f} | decode "
-              f"{row['decode_tok_s']:7.2f} | total {row['total_tok_s']:7.2f} tok/s | peak RSS "
-              f"{row['peak_rss_bytes'] / 2**30:.2f} GiB | {wall:.0f} s", flush=True)
+        rates = (f"{row['generated_tokens']} tokens, {row['tok_s']:7.2f} tok/s, answers median "
+                 f"{row['answer_len'].get('median', 0):.0f}" if w.is_chat else
+                 f"prefill {row['prefill_tok_s']:8.1f} | decode {row['decode_tok_s']:7.2f} | total "
+                 f"{row['total_tok_s']:7.2f} tok/s")
+        print(f"  {s.name:22s} {mark:7s} batch {c.label:>5}: {rates} | peak RSS {row['peak_rss_bytes'] / 2**30:.2f} "
+              f"GiB | {wall:.0f} s", flush=True)
         return row
 
     def final(self, s: System, w: Workload, c: Candidate, repeat: int) -> dict:
@@ -186,6 +126,10 @@ class Runner:
         fixed = self.a.batch.get(s.name)
         if fixed is not None:                   # --batch: no search, the batch the user named
             return SearchResult(fixed, [Step(fixed, "best (fixed by --batch)")])
+        if w.is_chat:                           # a run is the whole job: the system's sizing rule, no probes
+            best, rule = s.chat_batch(w)
+            over = Step(Candidate(1, 1), rule)
+            return SearchResult(best, [Step(best, f"best ({rule})", best.predicted_bytes)] if best else [over])
         cands = s.candidates(w, w.max_batch)
         return search_batch(cands, probe, w.budget_bytes, order=s.search_order(), max_probes=self.a.max_probes)
 
@@ -234,8 +178,12 @@ def roofline(machine: dict[str, Any], w: Workload, s: System, summ: dict[str, An
 
 def validate_row(row: dict[str, Any]) -> list[str]:
     """Problems with a result row (smoke mode's only check: it never asserts a speed)."""
-    bad = [f"missing {k}" for k in RESULT_KEYS if k not in row]
-    for k in ("prefill_tok_s", "decode_tok_s", "total_tok_s", "prefill_s", "decode_s", "wall_s"):
+    chat = "n_prompts" in row
+    bad = [f"missing {k}" for k in (CHAT_KEYS if chat else RESULT_KEYS) if k not in row]
+    if chat and len(row.get("lengths", [])) != row.get("n_prompts"):
+        bad.append(f"{len(row.get('lengths', []))} answers to {row.get('n_prompts')} prompts")
+    for k in ("tok_s", "wall_s") if chat else ("prefill_tok_s", "decode_tok_s", "total_tok_s", "prefill_s",
+                                                "decode_s", "wall_s"):
         v = row.get(k)
         if not isinstance(v, (int, float)) or not v == v or v < 0:
             bad.append(f"{k}={v!r}")
@@ -247,12 +195,15 @@ def validate_row(row: dict[str, Any]) -> list[str]:
 def run_workload(w: Workload, names: list[str], systems: dict[str, System], runner: Runner,
                  machine: dict[str, Any]) -> dict[str, Any]:
     a = runner.a
+    if w.is_chat:                           # the job's files, which every system's command names
+        w = with_job(w, a.out / f"job_{w.name}")
     print(f"\n== {w.name}: {w.describe()}", flush=True)
     entries: dict[str, dict[str, Any]] = {}
     store: list[str | None] = []            # the real-weights store: converted once, when a system first needs it
     for n in names:
         s = systems[n]
-        reason = (NEEDS_GPU if w.needs_gpu and not cuda_available() else None) or s.skip_reason(w)
+        reason = ((NEEDS_GPU if w.needs_gpu and not cuda_available() else None) or
+                  (NO_CHAT if w.is_chat and not s.runs_chat else None) or s.skip_reason(w))
         if not reason:
             store = store or [ensure_real_store(w)]
             reason = store[0] or s.prepare(w, runner.env, a.work)
@@ -283,8 +234,9 @@ def run_workload(w: Workload, names: list[str], systems: dict[str, System], runn
     for n in live:
         e = entries[n]
         if e["runs"]:
-            e["summary"] = summarize(e["runs"])
-            e["roofline"] = roofline(machine, w, systems[n], e["summary"])
+            e["summary"] = chat_summary(e["runs"]) if w.is_chat else summarize(e["runs"])
+            if not w.is_chat:
+                e["roofline"] = roofline(machine, w, systems[n], e["summary"])
             e["over_budget"] = w.peak_bytes(e["summary"]) > w.budget_bytes
             e["status"] = "ran" if e["status"] == "pending" else e["status"]
     for e in entries.values():
@@ -307,7 +259,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-probes", type=int, help="search probes per system (default 6; smoke 1)")
     p.add_argument("--budget-gib", type=float, help="override every workload's RAM budget")
     p.add_argument("--model", help="override the workloads' model (a flexgen_h2o preset, e.g. opt-6.7b)")
-    p.add_argument("--gen-len", type=int, help="override the workloads' generation length")
+    p.add_argument("--gen-len", type=int, help="override the workloads' generation length (chat: max new tokens)")
+    p.add_argument("--chat-prompts", type=int, help="prompts in the chat job (default 200; smoke 12)")
     p.add_argument("--batch", nargs="+", default=[], metavar="SYSTEM=B",
                    help="skip a system's batch search: B sequences, or GBSxN (N GPU batches of GBS)")
     p.add_argument("--threads", type=int, default=2, help="OMP/MKL/torch threads, the same for every system")
@@ -319,9 +272,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from benchmarks.chat import main as chat_main, suite_argv     # `--workload chat` (issue 35): its own runner
-    if (chat_argv := suite_argv(sys.argv[1:] if argv is None else argv)) is not None:
-        return chat_main(chat_argv)
     a = build_parser().parse_args(argv)
     a.repeats = a.repeats or (1 if a.smoke else 2)
     a.max_probes = a.max_probes or (1 if a.smoke else 6)      # smoke: the search runs, one probe per system
@@ -343,6 +293,10 @@ def main(argv: list[str] | None = None) -> int:
                 raise SystemExit(f"error: --model: {err}") from err
         if a.gen_len is not None and a.gen_len < 2:
             raise SystemExit(f"error: --gen-len {a.gen_len}: needs at least 2 tokens (a prefill and a decode step)")
+        if a.model and any(w.is_chat for w, _ in plans):
+            raise SystemExit("error: --model: the chat workload's turns are SmolLM2 chat-template prompts")
+        if a.chat_prompts is not None and a.chat_prompts < 1:
+            raise SystemExit(f"error: --chat-prompts {a.chat_prompts}: needs at least 1 prompt")
     except SystemExit as err:
         print(err.code, file=sys.stderr)
         return 2
@@ -350,6 +304,8 @@ def main(argv: list[str] | None = None) -> int:
         plans = [(replace(w, budget_bytes=int(a.budget_gib * (1 << 30))), names) for w, names in plans]
     if a.model or a.gen_len is not None:
         plans = [(overridden(w, a.model, a.gen_len), names) for w, names in plans]
+    if a.chat_prompts:
+        plans = [(replace(w, chat_prompts=a.chat_prompts) if w.is_chat else w, names) for w, names in plans]
     a.out.mkdir(parents=True, exist_ok=True)
     a.work = a.work or a.out / "work"
     a.work.mkdir(parents=True, exist_ok=True)

@@ -13,6 +13,9 @@ from benchmarks.workloads import WEIGHTS_WHERE
 GIB, MIB = float(1 << 30), float(1 << 20)
 # the search's verdict when its probe cap, not a slower or over-budget probe, ended an upward search
 CAPPED_BEST = "best (the probe cap ended the search: --max-probes)"
+THROUGHPUT_WORDS = (" Throughput: FlexGen's definitions, measured end to end (no projection). Total ceiling = "
+                    "measured prefill rate x gen / prompt. Bound: per phase max(bytes that must move / bandwidth, "
+                    "FLOPs / peak GEMM rate); % of bound = measured / bound.")
 
 
 def _f(x: Any, nd: int = 1) -> str:
@@ -63,7 +66,8 @@ def results_table(wl: dict[str, Any]) -> list[str]:
         rss = _f(s["peak_rss_bytes"] / GIB, 2) + (f" (GPU {s['peak_gpu_bytes'] / GIB:.2f})"
                                                     if s.get("peak_gpu_bytes") else "")
         lines.append(
-            f"| {e['system']} | {batch} | {e.get('kv_precision', '-')} | {_f(s['prefill_tok_s'])} | {_f(s['decode_tok_s'], 2)} | "
+            f"| {e['system']} | {batch} | {e.get('kv_precision', '-')} | {_f(s['prefill_tok_s'])} | "
+            f"{_f(s['decode_tok_s'], 2)} | "
             f"{_f(s['total_tok_s'], 2)} | {_f(b['total_ceiling_tok_s'], 2)} | {rss} | "
             f"{_f(kv, 2)} | {_f(s['wall_s'], 0)} | {_f(b['prefill_tok_s'])} / {_f(b['decode_tok_s'], 2)} / "
             f"{_f(b['total_tok_s'], 2)} | {_f(b['prefill_pct'], 0)} / {_f(b['decode_pct'], 0)} / "
@@ -143,22 +147,102 @@ def plot_workload(wl: dict[str, Any], out: Path) -> list[str]:
     return files
 
 
+# the chat workload's table: each system against ours at 20 % and with the full cache, and refill's gain
+CHAT_BASELINES = ("ours-h2o-20", "ours-full")
+REFILL_PAIRS = (("ours-full", "ours-norefill-full"), ("ours-h2o-20", "ours-norefill-h2o-20"))
+
+
+def _ratio(summ: dict[str, dict[str, Any]], a: str, b: str, key: str = "tok_s") -> str:
+    x, y = summ.get(a, {}).get(key), summ.get(b, {}).get(key)
+    return f"{x / y:.2f}x" if x and y else "-"
+
+
+def chat_section(wl: dict[str, Any], out: Path) -> list[str]:
+    """The chat workload: tok/s over each run's wall clock, the answers' lengths, refill against none."""
+    w, job = wl["workload"], wl["workload"]["job"]
+    summ = {e["system"]: e.get("summary") or {} for e in wl["systems"]}
+    lines = [f"## {w['name']}", "",
+             f"{job['n_prompts']} chat turns through {w['model']}'s chat template (prompts of {job['mean_len']} "
+             f"tokens on average, {job['longest']} at most), greedy, at most {w['gen_len']} new tokens, stop at EOS; "
+             f"budget {w['budget_bytes'] / GIB:.2f} GiB peak RSS per process. tok/s = generated tokens (EOS counted) "
+             "/ the case process's wall clock, loading included; gen tok/s = / the generation time the system "
+             "reports.", ""]
+    head = ("| system | batch | generated | wall s | tok/s | gen tok/s | peak RSS GiB | answer median / p90 | EOS % | "
+            "hit max % | vs " + " | vs ".join(CHAT_BASELINES) + " | note |")
+    lines += [head, "|" + "---|" * (head.count("|") - 1)]
+    for e in wl["systems"]:
+        s = summ[e["system"]]
+        if not s:
+            lines.append(f"| {e['system']} | - | {e['status']}: {e.get('reason') or ''} |")
+            continue
+        al = s["answer_len"]
+        lines.append(f"| {e['system']} | {s['batch']} | {s['generated_tokens']:.0f} | {_f(s['wall_s'])} | "
+                     f"{_f(s['tok_s'], 2)} | {_f(s['gen_tok_s'], 2)} | {s['peak_rss_bytes'] / GIB:.2f} | "
+                     f"{al['median']:.0f} / {al['p90']:.0f} | {100 * s['eos_share']:.0f} | "
+                     f"{100 * s['hit_max_share']:.0f} | " + " | ".join(_ratio(summ, e["system"], b)
+                                                                      for b in CHAT_BASELINES)
+                     + f" | {'OVER BUDGET' if e.get('over_budget') else ''} |")
+    pairs = [(a, b) for a, b in REFILL_PAIRS if summ.get(a) and summ.get(b)]
+    if pairs:
+        lines += ["", "Refill against none (tok/s; gen tok/s): " + "; ".join(
+            f"{a}: {_ratio(summ, a, b)}; {_ratio(summ, a, b, 'gen_tok_s')}" for a, b in pairs) + "."]
+    lines += ["", "Batch rules: " + "; ".join(f"{e['system']}: {e['search'][0]['status']}"
+                                              for e in wl["systems"] if e.get("search")) + ".", "",
+              "| run | batch | tok/s | wall s | peak RSS GiB | answer min / p10 / p25 / median / p75 / p90 / max |",
+              "|---|---|---|---|---|---|"]
+    for e in wl["systems"]:
+        for r in e["runs"]:
+            al = r["answer_len"]
+            lines.append(f"| {e['system']} r{r['repeat']} | {r['batch']} | {_f(r['tok_s'], 2)} | {_f(r['wall_s'])} | "
+                         f"{r['peak_rss_bytes'] / GIB:.2f} | " + " / ".join(
+                             f"{al[k]:.0f}" for k in ("min", "p10", "p25", "median", "p75", "p90", "max")) + " |")
+    png = plot_answers(wl, out)
+    return lines + ([], ["", f"![{png}]({png})"])[bool(png)] + [""]
+
+
+def plot_answers(wl: dict[str, Any], out: Path) -> str | None:
+    """A histogram of answer lengths per system (each system's first run), one panel each: the distributions
+    often coincide and would hide each other in one."""
+    series = [(e["system"], e["runs"][0]["lengths"]) for e in wl["systems"] if e["runs"]]
+    if not series:
+        return None
+    import matplotlib
+    matplotlib.use("Agg")                 # no display on benchmark machines
+    import matplotlib.pyplot as plt
+    name, top = wl["workload"]["name"], wl["workload"]["gen_len"]
+    bins = list(range(0, top + 2, max(1, (top + 1) // 32)))
+    fig, axes = plt.subplots(len(series), 1, figsize=(8, 1.2 + 1.3 * len(series)), sharex=True, sharey=True,
+                             squeeze=False)
+    for ax, (system, xs) in zip(axes[:, 0], series):
+        ax.hist(xs, bins=bins, color="tab:blue")
+        ax.set_ylabel("prompts", fontsize=8)
+        ax.set_title(system, fontsize=9, loc="left")
+    axes[-1, 0].set_xlabel("answer length (generated tokens, EOS counted)")
+    fig.suptitle(f"{name}: answer lengths, {wl['workload']['job']['n_prompts']} prompts, max {top} new tokens")
+    fig.tight_layout()
+    fig.savefig(out / f"answers_{name}.png", dpi=110)
+    plt.close(fig)
+    return f"answers_{name}.png"
+
+
 def write_report(doc: dict[str, Any], out: Path) -> str:
     kind = "SMOKE RUN (tiny shapes; not a benchmark result)" if doc["smoke"] else "full run"
+    rates = "" if all(wl["workload"].get("chat_prompts") for wl in doc["results"]) else THROUGHPUT_WORDS
     lines = [f"# Throughput suite: {kind}, {doc['date']}", "", f"Command: `{doc['command']}`", "",
              machine_line(doc["machine"]), "",
              f"{doc['repeats']} final run(s) per system, interleaved; {doc['threads']} threads and "
              "OMP_WAIT_POLICY=PASSIVE for every system; suite time "
-             f"{doc['suite_s'] / 60:.1f} min. Throughput: FlexGen's definitions, measured end to end (no "
-             "projection). Total ceiling = measured prefill rate x gen / prompt. Bound: per phase max(bytes that "
-             "must move / bandwidth, FLOPs / peak GEMM rate); % of bound = measured / bound.",
-             ""]
+             f"{doc['suite_s'] / 60:.1f} min.{rates}", ""]
     for wl in doc["results"]:
         w = wl["workload"]
+        if w.get("chat_prompts"):
+            lines += chat_section(wl, out)
+            continue
         peak = "GPU memory" if w.get("budget_kind") == "gpu" else "RSS"
         lines += [f"## {w['name']}", "",
                   f"{w['model']} ({'dummy' if w['dummy'] else 'real'} weights, "
-                  f"{WEIGHTS_WHERE.get(w['weights'], 'weights in RAM')}), prompt {w['prompt_len']} + gen {w['gen_len']}, "
+                  f"{WEIGHTS_WHERE.get(w['weights'], 'weights in RAM')}), prompt {w['prompt_len']} + gen "
+                  f"{w['gen_len']}, "
                   f"budget {w['budget_bytes'] / GIB:.2f} GiB peak {peak} per process.", "", *results_table(wl), "",
                   f"Batch search (probes of {w['probe_gen_len']} new tokens, projected to {w['gen_len']}; not "
                   "results):", "", *search_table(wl), ""]

@@ -7,14 +7,18 @@
   decoder weights live on disk, page cache dropped before every run, under a RAM budget below the weights' size
   (2 GiB; 3 GiB for disk512+128, where Accelerate runs: it peaks at ~2.4 GiB of RSS at batch 1, almost all of it
   anonymous memory (the split measured on 2026-11-25), so 2 GiB would leave it no batch).
+- `chat`: 200 real chat turns (benchmarks/chat_job.py) answered to EOS, at most 512 new tokens each, SmolLM2 in
+  RAM; each system at the batch its sizing rule fits under the budget (`System.chat_batch`), no probes.
 
 The budget is the process's peak RSS (VmHWM): one number, measured the same way for every system, whatever its
 internals (our engine's tiers, HF's allocator, Accelerate's hooks). `--smoke` shrinks each workload
-(`smoke()`): prompt 64 + gen 8, batches 1-2, OPT-125M instead of OPT-1.3B, the 20 % budget level only.
+(`smoke()`): prompt 64 + gen 8, batches 1-2, OPT-125M instead of OPT-1.3B, the 20 % budget level only; the chat
+job to 12 prompts of at most 32 new tokens, batches up to 4.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 GIB = 1 << 30
@@ -31,6 +35,10 @@ GPU_ONLY = ["deepspeed", "flexgen"]
 # the engines a CPU user would also try (issue 36), each in its own cached virtualenv
 CPU_ENGINES = ["kvpress-decoding-20", "openvino", "openvino-f16", "openvino-evict-20", "openvino-evict-20-f16",
                "vllm", "vllm-inproc"]
+# the chat job: ours with continuous refill (the CLI's default) and without, OpenVINO's continuous batching (its
+# scheduler refills) with an fp16 KV cache as ours, and HF generate in fixed batches
+CHAT = ["ours-full", "ours-norefill-full", "ours-h2o-20", "ours-norefill-h2o-20", "hf", "openvino-f16",
+        "openvino-evict-20-f16"]
 
 
 @dataclass(frozen=True)
@@ -49,6 +57,12 @@ class Workload:
     is_smoke: bool = False
     budget_kind: str = "rss"     # "gpu": the budget is the device's memory (weights stream from host RAM)
     uncached: bool = False       # disk weights dropped from the page cache after every read (a model > RAM)
+    chat_prompts: int = 0        # the chat workload: this many chat turns answered to EOS (gen_len: max new tokens)
+    job: Any = None              # its files, once written (chat_job.ChatJob; prompt_len is then its longest prompt)
+
+    @property
+    def is_chat(self) -> bool:
+        return self.chat_prompts > 0
 
     @property
     def needs_gpu(self) -> bool:
@@ -71,6 +85,10 @@ class Workload:
         return resolve_model(self.model)
 
     def describe(self) -> str:
+        if self.is_chat:
+            return (f"{self.model} (real weights, weights in RAM), {self.chat_prompts} chat turns (prompts up to "
+                    f"{self.prompt_len} tokens) answered to EOS, at most {self.gen_len} new tokens each, budget "
+                    f"{self.budget_bytes / GIB:.2f} GiB peak RSS per process")
         kind = "dummy weights" if self.dummy else "real weights"
         where = WEIGHTS_WHERE.get(self.weights, "weights in RAM")
         where += ", read from the disk at every step (never from the page cache)" if self.uncached else ""
@@ -102,6 +120,8 @@ WORKLOADS: dict[str, Workload] = {w.name: w for w in (
     # budget is the GPU's memory (the script passes the device's size with --budget-gib)
     Workload("gpu-opt30b-512+512", "opt-30b", 512, 512, 70 * GIB, "host", True,
              ("ours-full", "ours-h2o-20", "flexgen", "deepspeed"), max_batch=512, budget_kind="gpu"),
+    # issue 35's job; prompt_len is set once the job is written (with_job)
+    Workload("chat", "smollm2-135m", 0, 512, 2 * GIB, "ram", False, tuple(CHAT), max_batch=128, chat_prompts=200),
 )}
 
 
@@ -113,6 +133,9 @@ SMOKE_SAME_ADAPTER = {"ram": ("ours-full", "kvpress-streaming-20"), "disk": ("ou
 def smoke(w: Workload) -> Workload:
     """A couple of minutes for the whole suite: tiny shapes, batches 1-2, OPT-125M for the disk shape. The
     budget stays as it is (the search still checks it)."""
+    if w.is_chat:           # OpenVINO only when named, as below
+        return replace(w, name=w.name + "-smoke", chat_prompts=12, gen_len=32, max_batch=4, is_smoke=True,
+                       systems=tuple(s for s in w.systems if not s.startswith("openvino")))
     model = "opt-125m" if w.model.startswith("opt") else w.model
     # one budget level per family (20 %) keeps every adapter exercised at a third of the cost. OpenVINO and vLLM
     # run only when named (`--smoke --systems openvino vllm`): their first use builds two virtualenvs and an IR
@@ -164,3 +187,10 @@ def ensure_real_store(w: Workload) -> str | None:
     except Exception as err:                  # noqa: BLE001 - any failure becomes the rows' printed reason
         return f"converting the {w.model} store failed: {str(err).strip().splitlines()[-1][:200]}"
     return None
+
+
+def with_job(w: Workload, folder: Path) -> Workload:
+    """The chat workload with its job written to `folder` (once per run, before any system runs it)."""
+    from benchmarks.chat_job import write_job
+    job = write_job(folder, w.chat_prompts, w.gen_len, w.model)
+    return replace(w, prompt_len=job.longest, job=job)

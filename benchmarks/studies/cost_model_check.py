@@ -60,7 +60,8 @@ def run_one(name: str, args: list[str], out: Path, timeout: float) -> dict:
         row.update(measured_tok_s=m["total_tok_s"], predicted_tok_s=pred.get("total_tok_s"),
                    measured_prefill_s=m["prefill_s"], predicted_prefill_s=pred.get("prefill_s"),
                    measured_decode_s=m["decode_s"], predicted_decode_s=pred.get("decode_s"),
-                   peak_rss_bytes=m.get("peak_rss_bytes"), predicted_ram_bytes=(pred.get("peak_bytes") or {}).get("RAM"),
+                   peak_rss_bytes=m.get("peak_rss_bytes"),
+                   predicted_ram_bytes=(pred.get("peak_bytes") or {}).get("RAM"),
                    limits=pred.get("limits"))
         if row["predicted_tok_s"]:
             row["ratio"] = row["predicted_tok_s"] / row["measured_tok_s"]

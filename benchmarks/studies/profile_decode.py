@@ -310,7 +310,8 @@ def markdown(report: dict, a: argparse.Namespace) -> str:
         lines += ["", f"| top op | ms per {unit} | calls per {unit} |", "|---|---|---|"]
         lines += [f"| `{o['op']}` | {o['ms_per_step']:.1f} | {o['calls_per_step']:.0f} |" for o in e["top_ops"]]
         if e.get("gemm_by_shape"):
-            lines += ["", f"| GEMM op | input shapes | ms per {unit} | calls per {unit} | GFLOP/s |", "|---|---|---|---|---|"]
+            lines += ["", f"| GEMM op | input shapes | ms per {unit} | calls per {unit} | GFLOP/s |",
+                      "|---|---|---|---|---|"]
             lines += [f"| `{g['op']}` | {g['shapes']} | {g['ms_per_step']:.1f} | {g['calls_per_step']:.0f} | "
                       + (f"{g['gflops']:.1f} |" if g["gflops"] else "- |") for g in e["gemm_by_shape"][:12]]
         lines.append("")

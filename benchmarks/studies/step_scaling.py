@@ -91,7 +91,8 @@ def markdown(summary: dict, a: argparse.Namespace) -> str:
     for case, c in summary["cases"].items():
         cells = [f"{c['median_step_s'][n] * 1e3:.1f} ms ({c['spread_s'][n][0] * 1e3:.0f}-"
                  f"{c['spread_s'][n][1] * 1e3:.0f})" for n in lens]
-        lines.append(f"| {case} | " + " | ".join(cells) + f" | {c['slope_s_per_token'] * 1e6:.1f} ± {c['slope_stderr_s_per_token'] * 1e6:.1f} |")
+        slope, err = c["slope_s_per_token"] * 1e6, c["slope_stderr_s_per_token"] * 1e6
+        lines.append(f"| {case} | " + " | ".join(cells) + f" | {slope:.1f} ± {err:.1f} |")
     if "slope_ratio" in summary:
         verdict = "met" if summary["slope_target_met"] else "NOT met"
         lines += ["", f"h2o slope / full slope = {summary['slope_ratio']:.3f} "

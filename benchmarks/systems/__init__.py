@@ -19,7 +19,9 @@ def all_systems() -> dict[str, System]:
     from benchmarks.systems.openvino import OpenVINO
     from benchmarks.systems.ours import Ours
     from benchmarks.systems.vllm import VLLM
-    out: list[System] = [Ours(None), Ours(10), Ours(20), Ours(40), HFGenerate(), Accelerate()]
+    out: list[System] = [Ours(None), Ours(10), Ours(20), Ours(40)]
+    # the chat workload's synchronous blocks (--no-refill): ours-norefill-full, ours-norefill-h2o-20
+    out += [Ours(pct, refill=False) for pct in (None, 20)] + [HFGenerate(), Accelerate()]
     # compressed KV and weights (issue 34): ours-kv4-h2o-20, ours-kv8-full, ours-w4-h2o-20, ...
     out += [Ours(pct, kv_bits=bits) for bits in (4, 8) for pct in (None, 20)]
     out += [Ours(pct, weight_bits=bits) for bits in (4, 8) for pct in (None, 20)]

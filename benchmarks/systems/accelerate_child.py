@@ -203,7 +203,8 @@ def run_case(a: argparse.Namespace) -> dict[str, Any]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.systems.accelerate_child", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.systems.accelerate_child",
+                                description=__doc__.split("\n")[0])
     p.add_argument("--model", default="opt-1.3b", help="an OPT preset of flexgen_h2o")
     p.add_argument("--store", help="the engine's dummy store (default: materialise ~/.cache/flexgen_h2o/<model>-dummy)")
     p.add_argument("--offload-folder", help="Accelerate's offload folder (default: next to the store)")

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.workloads import Workload
+from benchmarks.common import largest_batch
+from benchmarks.workloads import GIB, Workload
 
 # the per-run JSON schema (tests/benchmarks check it); None where a system cannot report a field
 RESULT_KEYS = ("system", "workload", "batch", "gbs", "num_batches", "prompt_len", "gen_len", "prefill_s",
@@ -61,6 +62,7 @@ class System:
     kv_grows = True            # RSS grows by a KV row per generated token (False: allocated up front)
     kv_fixed_tokens = False    # the tokens attended per step stay constant (H2O) instead of growing
     kv_dtype_bytes = 4         # bytes per stored K/V element (HF caches hold the compute dtype: fp32 on CPU)
+    runs_chat = False          # has a chat mode: the chat workload's job, answers to EOS (benchmarks/chat_job.py)
 
     @property
     def kv_precision(self) -> str:
@@ -103,6 +105,16 @@ class System:
         """Map the child's JSON onto prefill_s, decode_s, peak_rss_bytes, kv_bytes_per_seq, step_times_s, ..."""
         raise NotImplementedError
 
+    def chat_batch(self, w: Workload) -> tuple[Candidate | None, str]:
+        """The chat workload's batch, chosen by a rule instead of probes (one run is the whole job), and the
+        rule's words for the report; None when no batch fits."""
+        raise NotImplementedError
+
+    def chat_metrics(self, raw: dict[str, Any], json_path: Path) -> dict[str, Any]:
+        """A chat run's lengths, finish reasons, gen_s and peak_rss_bytes (the rest is kept as extra); a peer's
+        child reports them in its JSON."""
+        return raw
+
     def kv_growth_bytes(self, w: Workload, batch: int, tokens: int) -> int:
         """Bytes the cache gains over `tokens` more generated tokens (projects a short probe's peak to full
         length)."""
@@ -121,3 +133,13 @@ class System:
                "repeat": repeat}
         extra = {k: v for k, v in m.items() if k not in row}
         return {**row, "extra": extra}
+
+
+def largest_fitting(predict: Any, w: Workload, rule: str) -> tuple[Candidate | None, str]:
+    """The largest batch (one GPU batch) whose predict(batch) bytes fit the workload's budget, and the rule."""
+    best, seen = largest_batch(predict, w.budget_bytes, w.max_batch)
+    pred = dict(seen)
+    if not best:
+        return None, f"no batch fits: {rule}: batch 1 needs {pred[1] / GIB:.2f} GiB"
+    return Candidate(best, best, 1, pred[best]), (f"{rule}, the largest batch <= {w.max_batch} under "
+                                                  f"{w.budget_bytes / GIB:.2f} GiB")

@@ -7,6 +7,9 @@ exactly P tokens, no padding), greedy, EOS ignored so every sequence generates G
 Timing: a LogitsProcessor stamps each generated token; prefill = generate start -> first token, each decode step
 = the gap between consecutive stamps (FlexGen's split). A 32-token, 2-new-token warm-up runs first, as the
 engine's benchmark mode does. Peak RSS is the process's VmHWM (loading included, as for every system).
+
+The chat workload (`--chat IDS_JSON`): the job's prompts in order in fixed batches (left padding), greedy, stop
+at EOS; a batch ends when its longest answer does (no refill). Batch 16 unless `--batch hf=N` says otherwise.
 """
 from __future__ import annotations
 
@@ -25,12 +28,14 @@ from benchmarks.systems.base import Candidate, System  # noqa: E402
 from benchmarks.workloads import Workload  # noqa: E402
 
 GIB = 1 << 30
+CHAT_BATCH = 16
 
 
 class HFGenerate(System):
     name = "hf"
     kv_grows = True
     kv_dtype_bytes = 4            # the cache holds the fp32 compute dtype
+    runs_chat = True
 
     def skip_reason(self, w: Workload) -> str | None:
         cfg = w.model_config()
@@ -43,9 +48,15 @@ class HFGenerate(System):
             return "the hf peer loads SmolLM2's real weights only"
         return None
 
+    def chat_batch(self, w: Workload) -> tuple[Candidate | None, str]:
+        b = min(CHAT_BATCH, w.max_batch)
+        return Candidate(b, b), f"fixed batches of {b} prompts in order; --batch hf=N sets another"
+
     def command(self, w: Workload, c: Candidate, gen_len: int, json_path: Path, work: Path) -> list[str]:
-        return ["-m", "benchmarks.systems.hf_generate", "--model", w.model, "--batch", str(c.batch),
-                "--prompt-len", str(w.prompt_len), "--gen-len", str(gen_len), "--json", str(json_path)]
+        head = ["-m", "benchmarks.systems.hf_generate", "--model", w.model, "--batch", str(c.batch)]
+        if w.is_chat:
+            return head + ["--chat", str(w.job.ids_json), "--json", str(json_path)]
+        return head + ["--prompt-len", str(w.prompt_len), "--gen-len", str(gen_len), "--json", str(json_path)]
 
     def child_metrics(self, raw: dict[str, Any], c: Candidate) -> dict[str, Any]:
         return {k: raw[k] for k in ("prefill_s", "decode_s", "peak_rss_bytes", "peak_gpu_bytes", "kv_bytes_per_seq",
@@ -120,6 +131,37 @@ def run_child(a: argparse.Namespace) -> dict[str, Any]:
             "attn_implementation": model.config._attn_implementation, "threads": torch.get_num_threads()}
 
 
+def run_chat(a: argparse.Namespace) -> dict[str, Any]:
+    """The chat job in fixed batches: per prompt the generated token count (EOS counted) and "eos" or
+    "length", the generation time and the process's VmHWM."""
+    import torch
+
+    from flexgen_h2o.metrics import peak_rss_bytes
+    job = json.loads(Path(a.chat).read_text())
+    prompts, max_new, eos, pad = job["prompts"], job["max_new_tokens"], int(job["eos_id"]), int(job["pad_id"])
+    t_load = time.perf_counter()
+    model, _ = load_smollm2("cpu", torch.float32)
+    t0 = time.perf_counter()
+    lengths, finish, batches = [], [], []
+    for lo in range(0, len(prompts), a.batch):
+        chunk, news = prompts[lo:lo + a.batch], max_new[lo:lo + a.batch]
+        width = max(map(len, chunk))
+        ids = torch.tensor([[pad] * (width - len(p)) + list(p) for p in chunk])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
+        tb = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=max(news), do_sample=False,
+                                 eos_token_id=eos, pad_token_id=pad)
+        new = out[:, width:].tolist()
+        for row, n in zip(new, news):
+            lengths.append(row.index(eos) + 1 if eos in row[:n] else min(len(row), n))
+            finish.append("eos" if eos in row[:n] else "length")
+        batches.append({"size": len(chunk), "width": width, "steps": len(new[0]), "s": time.perf_counter() - tb})
+    return {"batch": a.batch, "prompts": len(prompts), "lengths": lengths, "finish": finish,
+            "load_s": t0 - t_load, "gen_s": time.perf_counter() - t0, "batches": batches,
+            "peak_rss_bytes": peak_rss_bytes(), "threads": torch.get_num_threads()}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.systems.hf_generate", description=__doc__.split("\n")[0])
     p.add_argument("--model", default="smollm2-135m")
@@ -127,9 +169,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--gen-len", type=int, default=8)
     p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--chat", metavar="IDS_JSON", help="the chat workload's job (benchmarks/chat_job.py) instead")
     p.add_argument("--json", required=True)
     a = p.parse_args(argv)
-    Path(a.json).write_text(json.dumps(run_child(a), indent=2))
+    Path(a.json).write_text(json.dumps(run_chat(a) if a.chat else run_child(a), indent=2))
     return 0
 
 

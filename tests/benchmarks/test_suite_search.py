@@ -3,7 +3,7 @@ planner's edge, the probe cap and the noise margin. No model runs here."""
 from __future__ import annotations
 
 from benchmarks.common import CaseFailed
-from benchmarks.suite import PLANNER_EDGE, SLOWER, search_batch
+from benchmarks.search import PLANNER_EDGE, SLOWER, search_batch
 from benchmarks.suite_report import CAPPED_BEST
 from benchmarks.systems import Candidate
 from benchmarks.workloads import GIB

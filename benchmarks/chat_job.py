@@ -1,5 +1,13 @@
-"""The chat workload's prompts (issue 35): a few hundred real user turns built deterministically from text that
-ships offline, so every machine and every system sees the same prompts and the same token ids.
+"""The suite's chat workload (`python -m benchmarks.suite --workload chat`): its prompts, the job files every
+system reads, and what one run of it reports.
+
+A few hundred real user turns built deterministically from text that ships offline, so every machine and every
+system sees the same prompts and the same token ids; each one user turn through SmolLM2's chat template, greedy,
+at most the workload's gen_len new tokens, stopping at EOS, so answers end at very different lengths: the case
+continuous refill exists for. `write_job` writes in.jsonl (our CLI's batch input), ids.json (the token ids the
+peers read: the same ones the CLI computes, flexgen_h2o.schedule.blocks.encode_prompts) and prompts.json.
+Throughput is generated tokens (EOS counted) over the case process's wall clock, loading included (`chat_row`);
+gen tok/s divides by the generation time the system reports instead.
 
 Sources (all read from installed packages, nothing downloaded):
 - the Lee news corpus (gensim's test data, `lee_background.cor`: 300 ABC news articles),
@@ -15,11 +23,12 @@ turns are the common case in chat, long ones still occur), so prompt lengths var
 `random.Random`, whose sequence is fixed across Python versions for random(), so the prompts are the same
 everywhere.
 
-    python -m benchmarks.chat_prompts --n 200 --show 3      # build, print a few and the token-length spread
+    python -m benchmarks.chat_job --n 200 --show 3      # build, print a few and the token-length spread
 """
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
 import random
 import re
@@ -187,10 +196,98 @@ def spread(xs: list[int] | list[float]) -> dict[str, float]:
             "p90": pct(0.9), "max": s[-1], "mean": sum(s) / len(s)}
 
 
+@dataclass(frozen=True)
+class ChatJob:
+    """One chat job on disk (`write_job`): the CLI's input, the token ids every peer reads, and their shape."""
+    dir: str
+    n_prompts: int
+    prompt_tokens: int         # all prompts together
+    longest: int               # the longest prompt (the workload's prompt_len: what a batch is sized for)
+    mean_len: int              # the mean prompt (OpenVINO's one eviction config per pipeline is sized by it)
+    eos_id: int
+    pad_id: int
+
+    @property
+    def input_jsonl(self) -> Path:
+        return Path(self.dir) / "in.jsonl"
+
+    @property
+    def ids_json(self) -> Path:
+        """{"prompts": [[ids]], "max_new_tokens": [n], "eos_id", "pad_id"}"""
+        return Path(self.dir) / "ids.json"
+
+
+def write_job(folder: Path, n: int, max_new: int, model: str = "smollm2-135m") -> ChatJob:
+    """The job's files: the CLI's JSONL, the ids every peer reads, and each prompt's metadata."""
+    from flexgen_h2o.loader import ensure_store, load_model
+    ensure_store(model, progress=False)
+    loaded = load_model(model, progress=False)
+    prompts = build_prompts(n)
+    ids = encode(loaded.tokenizer, prompts)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "in.jsonl").write_text("".join(json.dumps(request_line(p, max_new)) + "\n" for p in prompts))
+    cfg = loaded.config
+    eos = int(cfg.eos_id)
+    pad = int(cfg.pad_id if cfg.pad_id is not None else eos)
+    (folder / "ids.json").write_text(json.dumps({"prompts": ids, "max_new_tokens": [max_new] * n, "eos_id": eos,
+                                                 "pad_id": pad}))
+    meta = [{"id": p.id, "kind": p.kind, "source": p.source, "doc": p.doc, "words": p.words,
+             "prompt_tokens": len(x)} for p, x in zip(prompts, ids)]
+    (folder / "prompts.json").write_text(json.dumps(meta, indent=1))
+    lens = [len(x) for x in ids]
+    return ChatJob(str(folder), n, sum(lens), max(lens), round(sum(lens) / n), eos, pad)
+
+
+def answer_stats(lengths: list[int], finish: list[str], max_new: int) -> dict[str, Any]:
+    n = max(len(lengths), 1)
+    return {"answer_len": spread(lengths),
+            "hit_max_share": sum(k >= max_new and r != "eos" for k, r in zip(lengths, finish)) / n,
+            "eos_share": sum(r == "eos" for r in finish) / n}
+
+
+# a chat run's row (the suite's RESULT_KEYS are FlexGen's fixed-length rates, which a job of varied answers has not)
+CHAT_KEYS = ("system", "workload", "batch", "gbs", "num_batches", "n_prompts", "prompt_tokens", "max_new_tokens",
+             "generated_tokens", "wall_s", "tok_s", "gen_s", "gen_tok_s", "peak_rss_bytes", "peak_gpu_bytes",
+             "answer_len", "eos_share", "hit_max_share", "lengths", "finish", "threads", "probe", "repeat")
+
+
+def chat_row(system: str, workload: str, job: ChatJob, max_new: int, batch: tuple[int, int, int],
+             m: dict[str, Any], *, wall_s: float, threads: int, repeat: int) -> dict[str, Any]:
+    """One run's row from what its system reports (`m`: lengths, finish, gen_s, peak_rss_bytes, the rest kept as
+    extra); batch is (batch, gbs, num_batches)."""
+    lengths, finish = list(m["lengths"]), list(m["finish"])
+    gen, gen_s = sum(lengths), m.get("gen_s")
+    if len(lengths) != job.n_prompts:
+        raise ValueError(f"{system} answered {len(lengths)} of {job.n_prompts} prompts")
+    row = {"system": system, "workload": workload, "batch": batch[0], "gbs": batch[1], "num_batches": batch[2],
+           "n_prompts": job.n_prompts, "prompt_tokens": job.prompt_tokens, "max_new_tokens": max_new,
+           "generated_tokens": gen, "wall_s": wall_s, "tok_s": gen / wall_s, "gen_s": gen_s,
+           "gen_tok_s": gen / gen_s if gen_s else None, "peak_rss_bytes": int(m["peak_rss_bytes"]),
+           "peak_gpu_bytes": None, **answer_stats(lengths, finish, max_new), "lengths": lengths, "finish": finish,
+           "threads": threads, "probe": False, "repeat": repeat}
+    return {**row, "extra": {k: v for k, v in m.items() if k not in row}}
+
+
+def chat_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Medians over repeats (rates, times), the largest peak, and the first run's job and answer shape."""
+    from benchmarks.common import median
+    out = {k: median([r[k] for r in rows]) for k in ("tok_s", "wall_s", "generated_tokens")}
+    gens = [r["gen_tok_s"] for r in rows if r.get("gen_tok_s")]
+    out["gen_tok_s"] = median(gens) if gens else None
+    out["peak_rss_bytes"] = max(r["peak_rss_bytes"] for r in rows)
+    out["peak_gpu_bytes"] = None
+    out["runs_tok_s"] = [r["tok_s"] for r in rows]
+    out["repeats"] = len(rows)
+    for k in ("system", "workload", "batch", "gbs", "num_batches", "answer_len", "hit_max_share", "eos_share",
+              "prompt_tokens", "n_prompts", "max_new_tokens"):
+        out[k] = rows[0][k]
+    return out
+
+
 def main() -> int:
     import argparse
     import collections
-    p = argparse.ArgumentParser(prog="python -m benchmarks.chat_prompts", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.chat_job", description=__doc__.split("\n")[0])
     p.add_argument("--n", type=int, default=200)
     p.add_argument("--show", type=int, default=0, help="print this many prompts")
     a = p.parse_args()
