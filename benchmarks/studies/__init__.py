@@ -1,1 +1,2 @@
-"""Issue-specific studies, A/B comparisons and format checks; not part of the suite (benchmarks/README.md)."""
+"""Accuracy and cost studies a user reruns on their machine or after a change; not part of the suite
+(benchmarks/README.md)."""

@@ -2,7 +2,7 @@
 
     <venv>/bin/python benchmarks/systems/openvino_child.py --ir ~/.cache/flexgen_h2o/formats/smollm2-135m-ov-fp32 \
         --ids prompt_ids.json --batch 8 --gen-len 32 --num-kv-blocks 152 --json F [--evict-start 32 ...]
-    ... --chat job.json --batch 32 --num-kv-blocks 1120 --json F   # benchmarks/chat.py's workload (chat())
+    ... --chat ids.json --batch 32 --num-kv-blocks 1120 --json F   # the suite's chat workload (chat())
 
 The pipeline is `ContinuousBatchingPipeline` on the CPU with the properties INFERENCE_NUM_THREADS (from
 OMP_NUM_THREADS, the suite's thread count), KV_CACHE_PRECISION always (the plugin reports u8 as its default, but
@@ -195,9 +195,9 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
 
 
 def chat(a: argparse.Namespace) -> dict[str, Any]:
-    """The chat workload (benchmarks/chat.py): every prompt of the job (token id lists of any lengths, each with
-    its own max_new_tokens) added at once, so the scheduler admits up to max_num_seqs (= --batch) and refills a
-    finished sequence's place from the queue; greedy, stops at EOS. No warm-up: the job's wall clock, first
+    """The suite's chat workload (benchmarks/chat_job.py): every prompt of the job (token id lists of any lengths,
+    each with its own max_new_tokens) added at once, so the scheduler admits up to max_num_seqs (= --batch) and
+    refills a finished sequence's place from the queue; greedy, stops at EOS. No warm-up: the job's wall clock, first
     compile included, is what is compared. Per prompt: the generated ids' count (EOS counted, as our engine's
     token_ids count it) and why it ended."""
     import numpy as np
