@@ -28,9 +28,16 @@ install: $(STAMP)
 	@$(VPY) -c 'import sys; from flexgen_h2o.kernels import build; sys.exit(build.build_ahead())' \
 		|| echo "continuing with the torch ops"
 
+# the embedded SmolLM2 answers examples/questions.jsonl as a batch job with H2O (20 % heavy hitters + 20 % recent
+# of each prompt); the answers file is overwritten each time (docs/cli.md, "Batch mode")
+RUN_OUT ?= /tmp/flexgen_h2o-run
 run: install
-	$(VPY) -m flexgen_h2o.run --model smollm2-135m --gen-len 64 \
-		--prompt "Explain in two sentences why the sky is blue." --prompt "What is the capital of France?"
+	@mkdir -p $(RUN_OUT)
+	$(VPY) -m flexgen_h2o.run --model smollm2-135m --input examples/questions.jsonl \
+		--output $(RUN_OUT)/answers.jsonl --overwrite --hh-ratio 0.2 --gen-len 64 --gpu-batch-size 8 \
+		--no-progress --metrics-json $(RUN_OUT)/metrics.json
+	@echo
+	@$(VPY) examples/print_answers.py $(RUN_OUT)/answers.jsonl $(RUN_OUT)/metrics.json
 
 test: install
 	$(VPY) -m pytest -q -p no:cacheprovider tests
