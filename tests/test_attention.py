@@ -120,3 +120,25 @@ def test_score_block_bytes_is_the_largest_block_made(monkeypatch, cap_blocks):
     assert max(seen) == expected
     assert expected == {0: b * h * t * t * 4, 1: h * 8 * t * 4, 2: 2 * h * 8 * t * 4}[cap_blocks]
     assert ops.score_block_bytes(b, h, t, 256, "cuda") == b * h * t * t * 4    # no cap on a GPU
+
+
+def test_the_layer_calls_one_kernels_method_per_phase(monkeypatch):
+    """AttentionLayer.forward hands each phase to one entry point of the engine's Kernels, which chose its paths
+    when it was resolved: prompt_attention for the prompt, decode_attention for every decode step."""
+    from flexgen_h2o.kv import EvictionConfig
+    from tests.helpers import greedy, make_engine, random_prompts, tiny_hf
+    model = tiny_hf("llama-gqa")
+    engine = make_engine(model, eviction=EvictionConfig(policy="h2o", hh_size=3, recent_size=2))
+    calls = []
+    for name in ("prompt_attention", "decode_attention", "scored_prompt_attention", "window_attention",
+                 "narrow_decode_attention"):
+        real = getattr(engine.kernels, name)
+        monkeypatch.setattr(engine.kernels, name, lambda *a, real=real, name=name, **kw: calls.append(name)
+                            or real(*a, **kw))
+    engine.generate(random_prompts([9, 6]), greedy(3))
+    entry = [name for name in calls if name in ("prompt_attention", "decode_attention")]
+    layers = model.config.num_hidden_layers
+    assert entry == ["prompt_attention"] * layers + ["decode_attention"] * 2 * layers
+    # each entry point went on to the one device-level path its phase takes here
+    assert calls.count("scored_prompt_attention") >= layers
+    assert calls.count("window_attention") + calls.count("narrow_decode_attention") == 2 * layers

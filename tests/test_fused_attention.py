@@ -141,12 +141,37 @@ def test_engine_with_the_kernel_keeps_and_generates_what_it_does_without(kernel,
 
 
 def test_full_cache_prompt_does_not_use_the_kernel(kernel, monkeypatch):
-    """No scores wanted: the prompt stays on torch's fused SDPA (the kernel is only ~6 % faster on the attention
-    alone, benchmarks/studies/prompt_attention.py)."""
+    """No scores wanted: the prompt stays on torch's fused SDPA, which skips the blocks above the diagonal
+    (kernels/dispatch.py's table)."""
     calls = []
     monkeypatch.setattr(kernel.ext, "scored_prompt_attention", lambda *a, **kw: calls.append(1))
     make_engine(tiny_hf("llama-gqa")).generate(random_prompts([12, 7]), greedy(2))
     assert not calls
+
+
+def test_hf_cache_attends_through_the_engines_kernels(kernel, monkeypatch):
+    """H2OCache's attention function calls the entry points the engine calls, on the cache's Kernels: on a CPU
+    every layer's prompt goes to the compiled prompt kernel (sequence by sequence with batch invariance) and every
+    decode step to the compiled decode kernel's fp32 reader (kernels/dispatch.py's table)."""
+    from flexgen_h2o.hf import H2OCache, enable_h2o
+    calls = {"scored_prompt_attention": [], "decode_attention": []}
+    for name, seen in calls.items():
+        real = getattr(kernel.ext, name)
+        monkeypatch.setattr(kernel.ext, name, lambda *a, real=real, seen=seen: seen.append(1) or real(*a))
+    model = enable_h2o(tiny_hf("llama-gqa"))
+    prompts = random_prompts([12, 7, 9])
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + list(p) for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    cache = H2OCache(hh_size=3, recent_size=2)
+    assert cache.kernels.ext is kernel.ext
+    with torch.no_grad():
+        model.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=4, do_sample=False, pad_token_id=0,
+                       eos_token_id=None)
+    layers = model.config.num_hidden_layers
+    per_layer = len(prompts) if cache.kernels.batch_invariant else 1
+    assert len(calls["scored_prompt_attention"]) == layers * per_layer
+    assert len(calls["decode_attention"]) == (layers * 3 if cache.kernels.batch_invariant else 0)
 
 
 def test_a_failed_build_falls_back_to_torch_ops_and_says_why_once(monkeypatch, capsys):

@@ -2,17 +2,21 @@
 
 Fused kernels (sdpa, flash) never expose the attention probabilities, and H2O ranks keys by the attention
 mass they receive. So under the name "flexgen_h2o" we register:
-- an attention function that computes the output with the engine's own math (models.ops.grouped_attention:
-  fp32 softmax, GQA without repeating K/V, per-key mass pooled over each KV head's query heads) and hands the
-  mass to the H2OCache layer that produced the keys;
+- an attention function that computes the output and each key's mass with the engine's own entry points, the
+  cache's Kernels (flexgen_h2o.kernels, resolved once per cache): prompt_attention for the prompt, and for a
+  decode step window_attention, which the engine's decode_attention calls for a window staged in compute dtype.
+  So the HF path takes the compiled kernels on a CPU and the torch ops elsewhere, as the engine does
+  (kernels/dispatch.py), and hands the mass to the H2OCache layer that produced the keys;
 - a mask function (AttentionMaskInterface) that passes the 2D padding mask through untouched: the causal
   pattern over the prompt and the slot validity of the cache are built here, where the slot layout is known.
 
-With any other cache (DynamicCache, or none) the function is plain causal attention, so a model can keep
-attn_implementation="flexgen_h2o" for every call.
+With any other cache (DynamicCache, or none) the function is plain causal attention through the same entry
+points (Kernels resolved once per process), so a model can keep attn_implementation="flexgen_h2o" for every call,
+and an H2OCache that never evicts gives what a DynamicCache gives, bit for bit.
 """
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -21,24 +25,57 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 from flexgen_h2o.hf.cache import ATTN_NAME, claim
-from flexgen_h2o.models.ops import grouped_attention
+from flexgen_h2o.kernels import resolve
+from flexgen_h2o.models.layer import StepContext
+from flexgen_h2o.models.ops import TORCH, TorchKernels, grouped_attention
 
 
-def prompt_attention(q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor | None, scale: float, *,
-                     q_offset: int = 0, query_valid: Tensor | None = None, want_scores: bool = False,
-                     score_reduce: str = "sum", chunk: int = 256, mask4d: Tensor | None = None
+def prompt_attention(q: Tensor, k: Tensor, v: Tensor, valid: Tensor, scale: float, *, want_scores: bool = False,
+                     score_reduce: str = "sum", chunk: int = 256, kernels: TorchKernels = TORCH
                      ) -> tuple[Tensor, Tensor | None]:
-    """Causal attention of t queries (at key indices q_offset ...) over s keys, `chunk` queries at a time.
+    """A prompt attending to itself (causal, pads hidden) through kernels.prompt_attention, the engine's entry point.
 
-    q (b, h, t, d); k, v (b, g, s, d); key_valid (b, s) bool, False for padding (None = all real); mask4d, a
-    caller's own (b, 1 or h, t, s) bool mask, replaces the causal one. Returns out (b, h, t, d) and, if
-    want_scores, the fp32 mass per key (b, g, s) summed over the valid queries. The mask and the fp32
-    probabilities exist for one chunk at a time: memory ~ b * h * chunk * s, never s * s."""
+    q (b, h, t, d); k, v (b, g, t, d); valid (b, t) bool, False for padding. Returns out (b, h, t, d) and, if
+    want_scores, the fp32 mass per key (b, g, t) summed over the valid queries (mean: over a KV head's query
+    heads). chunk: the queries per block of the torch path (memory ~ b * h * chunk * t, never t * t)."""
+    pad_counts = StepContext.leading_pads(valid) if valid.device.type == "cpu" else None
+    ctx = StepContext(positions=torch.where(valid, valid.long().cumsum(-1) - 1, -1), token_valid=valid,
+                      compute_dtype=q.dtype, want_scores=want_scores, score_reduce=score_reduce, query_chunk=chunk,
+                      unpadded=bool(valid.all()), pad_counts=pad_counts)
+    return kernels.prompt_attention(q, k, v, ctx, scale)
+
+
+@functools.cache
+def plain_kernels() -> TorchKernels:
+    """The Kernels for caches other than H2OCache (which resolves its own), resolved once per process."""
+    return resolve()
+
+
+def plain_attention(q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor | None, scale: float,
+                    mask4d: Tensor | None = None) -> Tensor:
+    """Any other cache's attention, output only: a prompt over itself and one new token over the cache go to the
+    entry points an H2OCache's calls take (prompt_attention, window_attention); a caller's 4D mask, or several new
+    tokens over a filled cache, to causal_attention. key_valid (b, s) bool, False for padding (None = all real)."""
+    b, t, g, s = q.shape[0], q.shape[2], k.shape[1], k.shape[2]
+    if mask4d is None and t in (1, s):
+        valid = torch.ones(b, s, dtype=torch.bool, device=q.device) if key_valid is None else key_valid
+        if t == s:
+            return prompt_attention(q, k, v, valid, scale, kernels=plain_kernels())[0]
+        valid = valid[:, None, :].expand(b, g, s).clone()
+        valid[:, :, -1] = True                     # the new token sees itself, as any decode step's does
+        slot = torch.full((b, g), s - 1, dtype=torch.long, device=q.device)
+        return plain_kernels().window_attention(q, k, v, valid, slot, scale)[0]
+    return causal_attention(q, k, v, key_valid, scale, q_offset=s - t, mask4d=mask4d)
+
+
+def causal_attention(q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor | None, scale: float, *, q_offset: int = 0,
+                     mask4d: Tensor | None = None, chunk: int = 256) -> Tensor:
+    """Causal attention, output only: t queries (at key indices q_offset ...) over s keys, `chunk` queries at a
+    time through ops.grouped_attention's fused path. key_valid (b, s) bool, False for padding (None = all real);
+    mask4d, a caller's own (b, 1 or h, t, s) bool mask, replaces the causal one."""
     t, s = q.shape[2], k.shape[2]
-    k, v = k.contiguous(), v.contiguous()    # as in ops.grouped_attention: a head view is copied by every chunk
     key_index = torch.arange(s, device=q.device)
     outs = []
-    scores = torch.zeros(k.shape[0], k.shape[1], s, dtype=torch.float32, device=q.device) if want_scores else None
     for start in range(0, t, chunk):
         stop = min(t, start + chunk)
         # keys past the chunk's last query are causally hidden: leave them out instead of masking them
@@ -51,32 +88,8 @@ def prompt_attention(q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor | None, 
             if key_valid is not None:
                 # a pad query still sees itself, so no softmax row is empty (its output is never used)
                 mask = (mask & key_valid[:, None, None, :hi]) | (key_index[:hi] == q_index)[None, None]
-        qv = None if query_valid is None else query_valid[:, start:stop]
-        if want_scores:
-            out, sc = _scored_chunk(q[:, :, start:stop], k[:, :, :hi], v[:, :, :hi], mask, scale, qv, score_reduce)
-            scores[:, :, :hi] += sc
-        else:                                # nobody needs the mass: the fused kernel
-            out, _ = grouped_attention(q[:, :, start:stop], k[:, :, :hi], v[:, :, :hi], mask, scale)
-        outs.append(out)
-    return (torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]), scores
-
-
-def _scored_chunk(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float, query_valid: Tensor | None,
-                  score_reduce: str) -> tuple[Tensor, Tensor]:
-    """grouped_attention's math for one block of queries, in fewer passes over the (b, h, tc, s) block: the
-    scale goes on q, the mask is filled in place, and the column sums are one matmul with the query weights
-    instead of a masked copy plus a reduction (the prompt is where the scoring cost is). -> out, mass (b, g, s)."""
-    b, h, tc, d = q.shape
-    g, s = k.shape[1], k.shape[2]
-    r = h // g
-    logits = torch.matmul((q * scale).reshape(b, g, r * tc, d), k.transpose(-1, -2)).view(b, g, r, tc, s)
-    probs = torch.softmax(logits.float().masked_fill_(~mask[:, :, None], float("-inf")), dim=-1)
-    probs = probs.view(b, g, r * tc, s)                                            # fp32
-    out = torch.matmul(probs.to(v.dtype), v).view(b, h, tc, d)
-    weight = torch.ones(b, tc, device=q.device) if query_valid is None else query_valid.float()
-    weight = weight[:, None, None, :].expand(b, g, r, tc).reshape(b, g, 1, r * tc)
-    mass = torch.matmul(weight, probs).squeeze(2)                                  # pads' rows weigh 0
-    return out, (mass / r if score_reduce == "mean" else mass)
+        outs.append(grouped_attention(q[:, :, start:stop], k[:, :, :hi], v[:, :, :hi], mask, scale)[0])
+    return torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
 
 
 def _as_bool_mask(mask: Tensor) -> Tensor:
@@ -99,21 +112,20 @@ def h2o_attention(module: torch.nn.Module, query: Tensor, key: Tensor, value: Te
     if layer is None:                        # not an H2OCache: plain causal attention over what we were given
         if pad is not None and pad.shape[-1] != s:
             raise ValueError(f"attention_mask covers {pad.shape[-1]} tokens but there are {s} keys")
-        out, _ = prompt_attention(query, key, value, pad, scale, q_offset=s - t, mask4d=mask4d)
-        return out.transpose(1, 2).contiguous(), None
+        return plain_attention(query, key, value, pad, scale, mask4d).transpose(1, 2).contiguous(), None
     if mask4d is not None:
         raise ValueError("H2OCache needs the 2D attention_mask (1 = token, 0 = padding), not a 4D mask")
     owner = layer.owner
+    reduce = owner.eviction.score_reduce
     if layer.store is None:                     # the prompt: its slots are made when attention has scored it
         valid = torch.ones(b, t, dtype=torch.bool, device=query.device) if pad is None else pad[:, -t:]
-        out, mass = prompt_attention(query, key, value, valid, scale, query_valid=valid,
-                                     want_scores=layer.needs_scores, score_reduce=owner.eviction.score_reduce,
-                                     chunk=owner.query_chunk)
+        out, mass = prompt_attention(query, key, value, valid, scale, want_scores=layer.needs_scores,
+                                     score_reduce=reduce, chunk=owner.query_chunk, kernels=owner.kernels)
         layer.commit_prefill(mass, valid)
     else:
-        # one new token over the slot window: kept tokens + itself; free slots are masked out
-        out, mass = grouped_attention(query, key, value, layer.slot_mask()[:, :, None, :], scale,
-                                      want_scores=layer.needs_scores, score_reduce=owner.eviction.score_reduce)
+        # one new token over the slot window (kept tokens + itself, which update() wrote into its free slot)
+        out, mass = owner.kernels.window_attention(query, key, value, layer.slot_mask(), layer.write_slot, scale,
+                                                   want_scores=layer.needs_scores, score_reduce=reduce)
         layer.commit_decode(mass)
     return out.transpose(1, 2).contiguous(), mass
 

@@ -146,6 +146,11 @@ class H2OLayer(CacheLayerMixin):
         """(b, g, s) bool: which slots of the window returned by the last update hold a token (the new one too)."""
         return self.store.pos[:, :, :self._window] >= 0
 
+    @property
+    def write_slot(self) -> Tensor:
+        """(b, g) long: the slot the last update wrote the new token into."""
+        return self._write_slot
+
     def commit_prefill(self, scores: Tensor | None, token_valid: Tensor) -> None:
         """Keep the policy's choice of the prompt rows. scores (b, g, p) fp32 column sums over the real queries
         (None when the policy ranks without them); token_valid (b, p) bool, False for padding."""
@@ -217,7 +222,7 @@ class H2OCache(Cache):
         self.eviction, self.max_new_tokens, self.query_chunk = eviction, max_new_tokens, query_chunk
         self.kv_format = None if kv_bits is None else quant_format(kv_bits, group_size)   # None: the model's dtype
         self.policy = get_policy(eviction.policy)
-        self.kernels = resolve_kernels()   # the decode commit's compiled kernel, read once per cache
+        self.kernels = resolve_kernels()   # its attention's and decode commit's kernels, resolved once per cache
         self.budget: Budget | None = None
         self._generator: torch.Generator | None = None
         self._unattended: H2OLayer | None = None

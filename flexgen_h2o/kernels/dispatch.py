@@ -1,16 +1,34 @@
 """Kernels: which compiled kernel takes which call, decided once per engine.
 
 resolve() reads the switches below once and loads the build (kernels/build.py); the engine hands the result to
-its layers (StepContext.kernels) and caches (KVCache.kernels), so a switch flipped mid-run changes nothing, and a
-layer never asks which path runs. Each method takes the compiled kernel where it applies (fp32 on a CPU, the
-build loaded) and the plain torch math of models/ops.py (TorchKernels) everywhere else.
+its layers (StepContext.kernels) and caches (KVCache.kernels), and an HF H2OCache keeps its own (hf/cache.py), so
+a switch flipped mid-run changes nothing, and a layer never asks which path runs. The compiled kernels take a
+CPU's fp32 math when the build is loaded (Kernels.compiled_on, fixed here); every other call, a GPU's or a CPU's
+without the build, runs the plain torch math of models/ops.py (TorchKernels), which is also the reference the
+kernels' tests compare against (tests/test_fused_attention.py, tests/test_decode_kernel.py).
+
+Attention has one entry point per phase, TorchKernels.prompt_attention and .decode_attention (models/ops.py),
+which models/transformer.py's AttentionLayer calls; hf/attention.py calls prompt_attention, and for a decode step
+over H2OCache's window window_attention, the method decode_attention ends in for a staged window. Each phase's
+scores (each key's attention mass, which H2O ranks by) are computed in one place per device:
+
+  phase                                  CPU fp32, build loaded            CUDA, or a CPU without the build
+  prompt, scored                         csrc/scored_attention.cpp         ops.grouped_attention
+  prompt, output only                    ops.grouped_attention (SDPA)      ops.grouped_attention (SDPA)
+  decode, the cache's own fp16/int rows  csrc/decode_attention.cpp         ops.narrow_decode_attention
+  decode, a staged window                csrc/decode_attention.cpp (*)     ops.grouped_attention
+
+(*) with batch invariance; FLEXGEN_H2O_BATCH_INVARIANT=0 sends it to ops.grouped_attention (A/B runs).
+ops.narrow_decode_attention is ops.grouped_attention over upcast blocks of sequences, so the torch path computes
+scores in one function. With batch invariance (below) a CPU prompt attends sequence by sequence on its own tokens
+(ops.per_sequence_attention) through whichever prompt path its rule needs.
 
 - Prompt attention (csrc/scored_attention.cpp): H2O's prompt pass, the output and every key's attention mass in
-  one pass whose 3 MB blocks of logits stay in the core's caches; ops.grouped_attention makes 16 MB blocks that
-  every pass reads from L3 or DRAM.
-- Decode attention (csrc/decode_attention.cpp): one step over the fp16 cache read in place, each key or value
-  vector converted in a register and used there by the query heads of its group; ops.narrow_decode_attention
-  upcasts the window with copy_ and multiplies it with small batched GEMMs.
+  one pass whose blocks of logits stay in the core's caches, where ops.grouped_attention's larger blocks are
+  read from L3 or DRAM by each of its passes.
+- Decode attention (csrc/decode_attention.cpp): one step over the fp16 or quantized cache read in place, each key
+  or value row converted in registers and used there by the query heads of its group, where
+  ops.narrow_decode_attention upcasts blocks of the window with copy_ and multiplies them with small batched GEMMs.
 - Commit (csrc/commit_step.cpp, called by kv.cache.KVCache): a decode step's K/V row, position and mass written
   into a CPU-homed cache and the policy's victim chosen, one pass per (sequence, KV head) column, where kv/'s
   rules as torch ops make ~40 passes over the whole window. A policy names its rule (kv/registry.py).
@@ -95,13 +113,16 @@ class Kernels(ops.TorchKernels):
         # choose their blocking by the GEMM's shape. Needs the compiled linears: torch ops alone cannot promise it.
         self.batch_invariant = batch_invariant and ext is not None and hasattr(ext, "quant_linear")
         self.name = "compiled" if ext is not None else "torch"
+        # the device whose fp32 math the compiled kernels take, fixed once: the CPU with the build loaded, else
+        # none (every call on the torch ops)
+        self.compiled_on = "cpu" if ext is not None else None
 
     def __repr__(self) -> str:
         return (f"Kernels({self.name}, layer_math={self.layer_math}, gemm={self.gemm}, "
                 f"batch_invariant={self.batch_invariant})")
 
     def _cpu_fp32(self, x: Tensor) -> bool:
-        return self.ext is not None and x.device.type == "cpu" and x.dtype == torch.float32
+        return x.device.type == self.compiled_on and x.dtype == torch.float32
 
     def _math(self, x: Tensor) -> bool:
         return self.layer_math and x.device.type == "cpu" and x.dtype == torch.float32

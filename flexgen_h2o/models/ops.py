@@ -1,4 +1,4 @@
-"""Pure tensor math shared by OPT and Llama: norms, RoPE, grouped attention with per-key mass, MLPs.
+"""Pure tensor math shared by the model families: norms, RoPE, grouped attention with per-key mass, linears.
 
 No state, no placement: every function takes tensors and returns tensors. Conventions follow transformers'
 modeling_opt.py / modeling_llama.py (rotate_half RoPE, fp32 RMSNorm) so that logits match to fp32 rounding.
@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 if TYPE_CHECKING:
-    from flexgen_h2o.models.layer import StepContext
+    from flexgen_h2o.models.layer import KVView, StepContext
 
 
 # --- norms ---
@@ -85,11 +85,8 @@ def causal_pad_mask(token_valid: Tensor) -> Tensor:
     return mask[:, None]
 
 
-# The scored path materialises fp32 logits and probabilities one block of queries at a time. Blocks above ~32 MB
-# are mmap'd by glibc on every allocation (fresh pages, faulted and zeroed per block) and stream through DRAM
-# in each of the ~5 passes over them. The engine's H2O prompt pass at 16 x 512 measured 1.12x with 16 MB blocks
-# (`python -m benchmarks.studies.attention_ab --old-rev b64ad47 --batch 16 --prompt-len 512 --hh-size 51
-# --recent-size 51 --repeats 3`).
+# The scored path materialises fp32 logits and probabilities one block of queries at a time: a block under glibc's
+# mmap threshold (32 MB) reuses its pages instead of faulting fresh ones on every allocation
 SCORE_BLOCK_BYTES = 16 << 20
 MIN_QUERY_CHUNK = 32             # fewer queries per block and the per-block op overhead starts to show
 
@@ -134,8 +131,7 @@ def grouped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: floa
     no_pads = causal_only and t == s and t > 1
     if not want_scores and t > 1:
         # fused kernel for the prompt when nobody needs the probabilities. is_causal lets the kernel skip the
-        # blocks above the diagonal, which an explicit mask does not (profiled at 2048 tokens: attention took
-        # 39 % of the prompt pass with the mask, ~2x its causal FLOPs)
+        # blocks above the diagonal, which an explicit mask does not
         if no_pads:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=(r > 1))
             return out, None
@@ -153,7 +149,7 @@ def grouped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: floa
     qg = (q * scale).reshape(b, g, r, t, d)
     # k and v arrive as head views of (b, t, heads * d) projections (q * scale above is a new tensor already):
     # a block's matmul over such a view copies it first, and every block re-reads a key and value prefix, so
-    # lay them out once (OPT-1.3B, 16 x 512 on a CPU: H2O's prompt pass spent 9.9 s in copies, against 4.4 s)
+    # lay them out once
     k, v = k.contiguous(), v.contiguous()
     outs, scores = [], torch.zeros(b, g, s, dtype=torch.float32, device=q.device) if want_scores else None
     # a prompt attending to itself (s == t, causal): queries [start, stop) see only keys [0, stop)
@@ -167,8 +163,7 @@ def grouped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: floa
         lo = start if no_pads else 0
         logits[..., lo:].masked_fill_(~mask[:, :, None, start:stop, lo:sk], float("-inf"))
         # fp32 probabilities straight from fp16 logits (a GPU's): softmax upcasts as it reads, so no fp32 copy of
-        # the logits is written and then masked (copies and masks were the largest non-GEMM kernels of H2O's
-        # prompt pass in an H100's profile, `bash scripts/gpu_profile.sh DIR`); on a CPU the logits are fp32 already
+        # the logits is written and then masked (`bash scripts/gpu_profile.sh DIR`); a CPU's logits are fp32 already
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         outs.append(torch.matmul(probs.to(v.dtype).view(b, g, r * tc, sk), v[:, :, :sk]).view(b, g, r, tc, d))
         if want_scores:
@@ -181,9 +176,8 @@ def grouped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: floa
     return out.reshape(b, h, t, d), scores
 
 
-# A block of sequences' keys or values, upcast from the cache's fp16 and multiplied while still in cache. The
-# whole window upcast first is written to DRAM and read back by the matmuls: at batch 108 x 3 heads x 410 slots,
-# 2 x 34 MB written and 2 x 34 MB read per layer on top of the 2 x 17 MB fp16 window itself.
+# Sequences upcast from the cache's narrower rows per block: small enough that a block is multiplied while it is
+# still in cache, where the whole window upcast first would be written to DRAM and read back
 NARROW_BLOCK_BYTES = 4 << 20
 
 
@@ -194,40 +188,28 @@ def narrow_decode_attention(q: Tensor, k: Tensor, v: Tensor, valid: Tensor, slot
     a CPU; fmt: the window's StorageFormat, None for a plain one).
 
     q (b, h, 1, d) in compute dtype; k, v (b, g, s, d) the cache's own window (s rows of fmt.row_width(d) for a
-    quantized one), read only; valid (b, g, s) with
-    the new token's slot already set; k_new, v_new (b, g, 1, d) in compute dtype go into slot (b, g) of
-    each upcast block, so the new token attends to its unrounded self as grouped_attention's does. Same values
-    as grouped_attention on the upcast window: the same matmuls, one block of sequences at a time."""
-    b, h, _, d = q.shape
+    quantized one), read only; valid (b, g, s) with the new token's slot already set; k_new, v_new (b, g, 1, d)
+    in compute dtype go into slot (b, g) of each upcast block, so the new token attends to its unrounded self.
+    grouped_attention on the upcast window, one block of sequences at a time (a sequence's softmax is its own)."""
+    b, _, _, d = q.shape
     g, s = k.shape[1], k.shape[2]
-    r = h // g
     dtype = q.dtype
-    qg = (q * scale).reshape(b, g, r, d)
-    rows = max(1, NARROW_BLOCK_BYTES // (g * s * d * dtype.itemsize))
-    scratch = _scratch(min(rows, b) * g * s * d, dtype, q.device)
+    rows = min(b, max(1, NARROW_BLOCK_BYTES // (g * s * d * dtype.itemsize)))
+    scratch = _scratch(2 * rows * g * s * d, dtype, q.device)
 
-    def blocks(window: Tensor, new_row: Tensor):
-        for lo in range(0, b, rows):
-            hi = min(b, lo + rows)
-            part = window[lo:hi] if fmt is None or not fmt.quantized else fmt.unpack(window[lo:hi], d, dtype)
-            block = scratch[:(hi - lo) * g * s * d].view(hi - lo, g, s, d).copy_(part)
-            write_slot(block, slot[lo:hi], new_row[lo:hi])
-            yield lo, hi, block
+    def upcast(window: Tensor, new_row: Tensor, lo: int, at: int) -> Tensor:
+        part = window[lo:lo + rows] if fmt is None or not fmt.quantized else fmt.unpack(window[lo:lo + rows], d, dtype)
+        n = part.shape[0] * g * s * d
+        block = scratch[at * n:(at + 1) * n].view(part.shape[0], g, s, d).copy_(part)
+        write_slot(block, slot[lo:lo + rows], new_row[lo:lo + rows])
+        return block
 
-    logits = q.new_empty(b, g, r, s)
-    for lo, hi, block in blocks(k, k_new):
-        torch.matmul(qg[lo:hi], block.transpose(-1, -2), out=logits[lo:hi])
-    logits.masked_fill_(~valid[:, :, None, :], float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    out = q.new_empty(b, g, r, d)
-    for lo, hi, block in blocks(v, v_new):
-        torch.matmul(probs[lo:hi], block, out=out[lo:hi])
-    scores = None
-    if want_scores:
-        scores = probs.sum(dim=2)
-        if score_reduce == "mean":
-            scores /= r
-    return out.reshape(b, h, 1, d), scores
+    parts = [grouped_attention(q[lo:lo + rows], upcast(k, k_new, lo, 0), upcast(v, v_new, lo, 1),
+                               valid[lo:lo + rows, :, None, :], scale, want_scores=want_scores,
+                               score_reduce=score_reduce) for lo in range(0, b, rows)]
+    if len(parts) == 1:
+        return parts[0]
+    return torch.cat([o for o, _ in parts]), (torch.cat([sc for _, sc in parts]) if want_scores else None)
 
 
 def split_heads(x: Tensor, n_heads: int) -> Tensor:
@@ -243,10 +225,8 @@ def merge_heads(x: Tensor) -> Tensor:
 
 
 def write_slot(cache: Tensor, slot: Tensor, row: Tensor) -> None:
-    """cache (b, g, s, ...)[b, g, slot[b, g]] = row (b, g, 1, ...), in place.
-
-    One index_copy_ over a flat view: on CPU, scatter_ into a half tensor rewrites the whole tensor (~1 ms
-    for an 8 MB cache, against 0.03 ms), which made it the largest cost of an H2O decode step."""
+    """cache (b, g, s, ...)[b, g, slot[b, g]] = row (b, g, 1, ...), in place: one index_copy_ over a flat view, as
+    scatter_ into a half tensor on a CPU rewrites the whole tensor."""
     b, g, s = cache.shape[:3]
     if not cache.is_contiguous():
         index = slot.view(*slot.shape, 1, *([1] * (cache.dim() - 3))).expand(*row.shape)
@@ -277,9 +257,8 @@ def linear(x: Tensor, w: Tensor, b: Tensor | None = None, gemm: Gemm = F.linear)
     multiplies operands of one dtype (kernels.Kernels hands in oneDNN's for a prompt's rows).
 
     A narrower weight is upcast a few MB of rows at a time into one scratch buffer and multiplied while the rows
-    are still in cache, so a step reads the fp16 bytes once: on 2 cores a 2048 x 8192 fp16 weight at batch 6 took
-    6.6 ms this way, against 10.4 ms for the same weight kept in fp32 and 34 ms + the GEMM for converting it whole
-    first. The product is the same GEMM on the same fp32 values, one block of outputs at a time."""
+    are still in cache, so a step reads the fp16 bytes once (docs/architecture.md, "Numerics"). The product is the
+    same GEMM on the same fp32 values, one block of outputs at a time."""
     packed = not isinstance(w, Tensor)          # a quant.PackedMatrix: its rows dequantized a block at a time
     if not packed and w.dtype == x.dtype:
         return gemm(x, w, b)
@@ -297,16 +276,6 @@ def linear(x: Tensor, w: Tensor, b: Tensor | None = None, gemm: Gemm = F.linear)
     if b is not None:
         out += b.to(x.dtype)
     return out
-
-
-# --- MLPs ---
-
-def relu_mlp(x: Tensor, w1: Tensor, b1: Tensor | None, w2: Tensor, b2: Tensor | None) -> Tensor:
-    return linear(torch.relu(linear(x, w1, b1)), w2, b2)
-
-
-def swiglu_mlp(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor) -> Tensor:
-    return linear(F.silu(linear(x, w_gate)) * linear(x, w_up), w_down)
 
 
 def per_sequence_attention(attend: Callable, q: Tensor, k: Tensor, v: Tensor, ctx: "StepContext",
@@ -331,9 +300,10 @@ def per_sequence_attention(attend: Callable, q: Tensor, k: Tensor, v: Tensor, ct
 
 
 class TorchKernels:
-    """The math a layer calls through its StepContext, as the plain torch functions above. kernels.Kernels
-    subclasses it and sends the calls its compiled kernels serve there (a CPU's fp32 with the kernels built),
-    so a layer never asks which path runs."""
+    """The math a layer calls through its StepContext, as the plain torch functions above: the reference the
+    compiled kernels are tested against, and the path on CUDA and wherever no compiled kernel is built.
+    kernels.Kernels subclasses it and overrides the device-level methods its compiled kernels serve (a CPU's fp32),
+    so a layer calls one method per phase, prompt_attention or decode_attention, and never asks which path runs."""
     name = "torch"
     # every op computes a row the same way whatever rows come with it (kernels.Kernels where its compiled kernels
     # serve every call; torch's own GEMMs choose their blocking by the batch's shape)
@@ -354,14 +324,7 @@ class TorchKernels:
     def swiglu_mlp(self, x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor) -> Tensor:
         return self.linear(F.silu(self.linear(x, w_gate)) * self.linear(x, w_up), w_down)
 
-    def scored_prompt_attention(self, q: Tensor, k: Tensor, v: Tensor, token_valid: Tensor, unpadded: bool,
-                                scale: float, score_reduce: str, query_chunk: int) -> tuple[Tensor, Tensor]:
-        """A prompt attending to itself (causal, pads hidden) and each key's mass (b, g, t) from the valid
-        queries: grouped_attention's scored path."""
-        out, scores = grouped_attention(q, k, v, causal_pad_mask(token_valid), scale, want_scores=True,
-                                        query_valid=token_valid, score_reduce=score_reduce,
-                                        query_chunk=query_chunk, causal_only=unpadded)
-        return out, scores                                                       # type: ignore[return-value]
+    # --- attention, one entry point per phase ---
 
     def prompt_attention(self, q: Tensor, k: Tensor, v: Tensor, ctx: "StepContext",
                          scale: float) -> tuple[Tensor, Tensor | None]:
@@ -377,6 +340,44 @@ class TorchKernels:
             return self.scored_prompt_attention(q, k, v, ctx.token_valid, ctx.unpadded, scale, ctx.score_reduce,
                                                 ctx.query_chunk)
         return grouped_attention(q, k, v, causal_pad_mask(ctx.token_valid), scale, causal_only=ctx.unpadded)
+
+    def decode_attention(self, q: Tensor, k_new: Tensor, v_new: Tensor, kv: "KVView", ctx: "StepContext",
+                         scale: float, inv_freq: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+        """One decode step: q (b, h, 1, d) and the new token's k_new, v_new (b, g, 1, d), on the window's device
+        and in its compute dtype. The new token takes its free slot (kv.write_slot) first, so it attends to itself
+        as any kept token does; then attention over the window's valid slots, with each slot's mass (b, g, s)
+        where the rule wants scores. The cache's own narrower window (kv.compute_dtype set) is read in place and
+        never written; a staged window gets the new row, and rolled keys are rotated by rank (kv.key_positions,
+        with the layer's RoPE frequencies inv_freq)."""
+        kv.valid.scatter_(2, kv.write_slot.unsqueeze(-1), True)
+        want, reduce = ctx.want_scores, ctx.score_reduce
+        if kv.compute_dtype is not None:
+            if kv.key_scale is not None:     # stored keys are k / key_scale: the scale goes into the query
+                b, h, _, d = q.shape
+                g = kv.key_scale.shape[1]
+                q = (q.reshape(b, g, h // g, d) * kv.key_scale).reshape(b, h, 1, d)
+                k_new = k_new / kv.key_scale
+            return self.narrow_decode_attention(q, kv.k, kv.v, kv.valid, kv.write_slot, k_new, v_new, scale,
+                                                want_scores=want, score_reduce=reduce, fmt=kv.format)
+        write_slot(kv.k, kv.write_slot, k_new)
+        write_slot(kv.v, kv.write_slot, v_new)
+        keys = kv.k
+        if kv.key_positions is not None:     # rolling: every kept key rotated by its rank
+            cos, sin = rope_cos_sin(kv.key_positions, inv_freq.to(q.device), q.dtype)    # (b, g, s, d)
+            keys = self.apply_rope(keys, cos, sin)
+        return self.window_attention(q, keys, kv.v, kv.valid, kv.write_slot, scale, want_scores=want,
+                                     score_reduce=reduce)
+
+    # --- the device-level attention the entry points call (kernels.Kernels: the compiled ones on a CPU) ---
+
+    def scored_prompt_attention(self, q: Tensor, k: Tensor, v: Tensor, token_valid: Tensor, unpadded: bool,
+                                scale: float, score_reduce: str, query_chunk: int) -> tuple[Tensor, Tensor]:
+        """A prompt attending to itself (causal, pads hidden) and each key's mass (b, g, t) from the valid
+        queries: grouped_attention's scored path."""
+        out, scores = grouped_attention(q, k, v, causal_pad_mask(token_valid), scale, want_scores=True,
+                                        query_valid=token_valid, score_reduce=score_reduce,
+                                        query_chunk=query_chunk, causal_only=unpadded)
+        return out, scores                                                       # type: ignore[return-value]
 
     def narrow_decode_attention(self, q: Tensor, k: Tensor, v: Tensor, valid: Tensor, slot: Tensor,
                                 k_new: Tensor, v_new: Tensor, scale: float, *, want_scores: bool = False,

@@ -94,35 +94,13 @@ class AttentionLayer(_Base):
                 k_store = k                      # cache holds keys rotated at their true positions
         scale = cfg.head_dim ** -0.5
         if kv is None:
-            # prompt: attend among the new tokens only (real positions in both position modes), with each key's
-            # mass where the rule wants it (H2O's prompt pass; on a CPU in one compiled pass)
+            # prompt: the new tokens attend among themselves (real positions in both position modes), with each
+            # key's mass where the rule wants it
             out, scores = kernels.prompt_attention(q, k, v, ctx, scale)
-            return self._finish(x, out, w, k_store, v, scores, ctx)
-        att_dtype = kv.compute_dtype or kv.k.dtype
-        if kv.k.device != q.device:          # attention where the KV was staged (cpu_cache_compute)
-            q, k_store, v = (t.to(kv.k.device, att_dtype) for t in (q, k_store, v))
-        # one new token: it goes into its free slot first, so it attends to itself like any other row
-        kv.valid.scatter_(2, kv.write_slot.unsqueeze(-1), True)
-        if kv.compute_dtype is not None:     # the cache's own fp16/int window, read in place, never written
-            # on a CPU the compiled kernel converts each row once in cache; else the torch ops upcast by blocks
-            q_att, k_att = q, k_store
-            if kv.key_scale is not None:     # stored keys are k / key_scale: the scale goes into the query
-                b_, h_, _, d_ = q.shape
-                g_ = kv.key_scale.shape[1]
-                q_att = (q.reshape(b_, g_, h_ // g_, d_) * kv.key_scale).reshape(b_, h_, 1, d_)
-                k_att = k_store / kv.key_scale
-            out, scores = kernels.narrow_decode_attention(q_att, kv.k, kv.v, kv.valid, kv.write_slot, k_att, v,
-                                                          scale, want_scores=ctx.want_scores,
-                                                          score_reduce=ctx.score_reduce, fmt=kv.format)
-            return self._finish(x, out, w, k_store, v, scores, ctx)
-        ops.write_slot(kv.k, kv.write_slot, k_store)
-        ops.write_slot(kv.v, kv.write_slot, v)
-        keys, values = kv.k, kv.v
-        if kv.key_positions is not None:     # rolling: re-rotate every kept key by its rank
-            kcos, ksin = ops.rope_cos_sin(kv.key_positions, self.inv_freq.to(q.device), q.dtype)  # (b, g, s, d)
-            keys = kernels.apply_rope(keys, kcos, ksin)
-        out, scores = kernels.window_attention(q, keys, values, kv.valid, kv.write_slot, scale,
-                                               want_scores=ctx.want_scores, score_reduce=ctx.score_reduce)
+        else:
+            if kv.k.device != q.device:      # attention where the KV was staged (cpu_cache_compute)
+                q, k_store, v = (t.to(kv.k.device, kv.compute_dtype or kv.k.dtype) for t in (q, k_store, v))
+            out, scores = kernels.decode_attention(q, k_store, v, kv, ctx, scale, self.inv_freq)
         return self._finish(x, out, w, k_store, v, scores, ctx)
 
     def _finish(self, x: Tensor, out: Tensor, w: Mapping[str, Tensor], k_store: Tensor, v: Tensor,

@@ -231,24 +231,29 @@ def test_cache_bytes_constant_over_256_decode_steps():
 # --- 4. chunked prompt scoring, padding ---
 
 def test_prompt_scores_are_computed_in_query_chunks(monkeypatch):
-    import flexgen_h2o.hf.attention as attention
+    """H2OCache's query_chunk sizes the torch path's scored blocks (ops.grouped_attention; the compiled kernel
+    keeps its own blocks), which the HF path reaches through the engine's Kernels.prompt_attention."""
+    from flexgen_h2o.models import ops
     seen = []
-    real = attention._scored_chunk
+    real = ops.score_blocking
 
-    def spy(q, k, v, mask, *a, **kw):
-        seen.append((q.shape[2], mask.shape[-2], k.shape[2]))
-        return real(q, k, v, mask, *a, **kw)
+    def spy(batch, heads, keys, queries, query_chunk, cap):
+        rows, chunk = real(batch, heads, keys, queries, query_chunk, cap)
+        if queries > 1:                                  # the prompt; a decode step has one query
+            seen.append((queries, chunk))
+        return rows, chunk
 
     model = h2o_model("llama-gqa")
     prompts = random_prompts(LENGTHS)
     big = H2OCache(H2O_SINK)
+    big.kernels = ops.TORCH
     want_tokens, want_logits = hf_generate(model, prompts, big)
-    monkeypatch.setattr(attention, "_scored_chunk", spy)
+    monkeypatch.setattr(ops, "score_blocking", spy)
     small = H2OCache(H2O_SINK, query_chunk=5)
+    small.kernels = ops.TORCH
     tokens, logits = hf_generate(model, prompts, small)
-    # 24-token prompt, 2 layers: 5 blocks of at most 5 queries each, over the keys up to the block's end
-    assert [x for x, _, _ in seen] == [5, 5, 5, 5, 4] * 2 and all(m == x for x, m, _ in seen)
-    assert [n for _, _, n in seen] == [5, 10, 15, 20, 24] * 2
+    # 24-token prompt, 2 layers: blocks of 5 queries
+    assert seen == [(24, 5)] * 2
     if same_run(model, tokens, want_tokens, logits, want_logits) == [N_NEW] * len(prompts):
         assert small.kept_positions() == big.kept_positions()
 
@@ -292,11 +297,10 @@ def test_prompt_attention_matches_eager_probabilities():
     # chunked and whole: two fp32 orders, within tolerances.attention_bounds (mean: one division more)
     out_bound, score_bound = attention_bounds(q, k, v, allowed, 0.3, valid)
     for chunk in (1, 4, 64):
-        out, scores = prompt_attention(q, k, v, valid, 0.3, query_valid=valid, want_scores=True, chunk=chunk)
+        out, scores = prompt_attention(q, k, v, valid, 0.3, want_scores=True, chunk=chunk)
         assert_within(out, want_out, out_bound, f"out, chunk {chunk}")
         assert_within(scores, want_sum, score_bound, f"scores, chunk {chunk}")
-        _, mean = prompt_attention(q, k, v, valid, 0.3, query_valid=valid, want_scores=True, chunk=chunk,
-                                   score_reduce="mean")
+        _, mean = prompt_attention(q, k, v, valid, 0.3, want_scores=True, chunk=chunk, score_reduce="mean")
         assert_within(mean, want_sum / (h // g), score_bound / (h // g) * (1 + 2 * EPS32), f"mean, chunk {chunk}")
     # the check has teeth: counting the pad queries of the middle hole would change the real keys' scores
     every_query = probs.sum(2).view(b, g, h // g, t).sum(2)
