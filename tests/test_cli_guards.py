@@ -100,8 +100,8 @@ def _bad_configs(cfg: str) -> list[tuple[str, str, str]]:
         ("not json", broken, f"error: {cfg} is not valid JSON (line {e.lineno}, column {e.colno}: {e.msg}); fix it "
                              "or copy it again from the original checkpoint"),
         ("model_type", json.dumps(dict(LLAMA, model_type="gpt2")),
-         f'error: {cfg}: model_type "gpt2" is not supported; flexgen_h2o runs OPT and Llama-like models (model_type '
-         '"opt", "llama" or "mistral")'),
+         f'error: {cfg}: model_type "gpt2" is not supported; flexgen_h2o runs OPT, Llama-like, Qwen2 and Mistral '
+         'models (model_type "opt", "llama", "qwen2" or "mistral")'),
     ]
 
 

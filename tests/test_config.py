@@ -29,7 +29,7 @@ def test_hf_ids_map_to_presets():
     (LlamaConfig(hidden_size=64, num_hidden_layers=2, intermediate_size=128, num_attention_heads=4,
                  num_key_value_heads=2), "llama", 2),
     (MistralConfig(hidden_size=64, num_hidden_layers=2, intermediate_size=128, num_attention_heads=4,
-                   num_key_value_heads=1, sliding_window=None), "llama", 1),
+                   num_key_value_heads=1, sliding_window=None), "mistral", 1),
 ])
 def test_local_checkpoint_folder_is_read_from_config_json(tmp_path, hf_cfg, family, kv_heads):
     hf_cfg.save_pretrained(tmp_path)

@@ -1,4 +1,4 @@
-"""ModelConfig: one frozen description of an OPT or Llama-family decoder, plus named presets.
+"""ModelConfig: one frozen description of an OPT or Llama-like decoder, plus named presets.
 
 Owns shapes and hyper-parameters only; imports nothing from the package (reading a config.json asks the
 family registry, models/families.py, which family reads it). Sources for the preset numbers:
@@ -20,7 +20,7 @@ class ModelNameError(ValueError):
 @dataclass(frozen=True)
 class ModelConfig:
     name: str                          # preset name or folder path, for logs
-    family: str                        # "opt" or "llama"
+    family: str                        # a key of models/families.py FAMILIES: "opt", "llama", "qwen2", "mistral"
     n_layers: int
     hidden_size: int                   # model width m
     n_heads: int                       # query heads h
@@ -28,7 +28,8 @@ class ModelConfig:
     head_dim: int                      # d
     ffn_size: int
     vocab_size: int
-    max_seq_len: int                   # context window the positions were trained for
+    max_seq_len: int                   # context window the positions were trained for, or a shorter sliding
+                                       # window: a longer job is refused rather than run unlike the model
     activation: str = "relu"           # "relu" (OPT) or "silu" (Llama SwiGLU)
     norm: str = "layernorm"            # "layernorm" or "rmsnorm"
     norm_eps: float = 1e-5
@@ -38,7 +39,8 @@ class ModelConfig:
     rope_scaling: tuple[tuple[str, Any], ...] | None = None   # e.g. llama3 scaling, as sorted items (hashable)
     tie_word_embeddings: bool = True
     word_embed_dim: int | None = None  # OPT project_in/out width when it differs from hidden_size
-    attn_bias: bool = True             # OPT has q/k/v/out biases, Llama none
+    attn_bias: bool = True             # q/k/v biases: OPT and Qwen2 have them, Llama none
+    out_bias: bool = True              # the output projection's bias: OPT has it, Llama and Qwen2 none
     mlp_bias: bool = True
     final_norm: bool = True            # opt-350m has no final LayerNorm
     bos_id: int | None = 2
@@ -80,8 +82,8 @@ class ModelConfig:
 
     def n_params(self) -> int:
         h, e, f, v = self.hidden_size, self.embed_dim, self.ffn_size, self.vocab_size
-        kv = self.n_kv_heads * self.head_dim
-        attn = h * (h + 2 * kv) + h * h + ((h + 2 * kv + h) if self.attn_bias else 0)
+        q, kv = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        attn = h * (q + 2 * kv) + q * h + ((q + 2 * kv) if self.attn_bias else 0) + (h if self.out_bias else 0)
         n_mats = 2 if self.activation == "relu" else 3
         mlp = n_mats * h * f + ((f + h) if self.mlp_bias else 0)
         norm_params = 2 * h if self.norm == "layernorm" else h
@@ -108,12 +110,23 @@ def _opt(name: str, layers: int, hidden: int, heads: int, **kw: Any) -> ModelCon
 
 def _llama(name: str, layers: int, hidden: int, heads: int, kv_heads: int, ffn: int, vocab: int, ctx: int,
            theta: float, eps: float, hf_id: str, **kw: Any) -> ModelConfig:
-    fields = dict(bos_id=1, eos_id=2, pad_id=None, tie_word_embeddings=False)
+    """A Llama-like preset; kw overrides the Llama defaults (family, head_dim, biases, token ids, tying)."""
+    fields = dict(family="llama", head_dim=hidden // heads, bos_id=1, eos_id=2, pad_id=None,
+                  tie_word_embeddings=False, attn_bias=False, out_bias=False, mlp_bias=False)
     fields.update(kw)
-    return ModelConfig(name=name, family="llama", n_layers=layers, hidden_size=hidden, n_heads=heads,
-                       n_kv_heads=kv_heads, head_dim=hidden // heads, ffn_size=ffn, vocab_size=vocab,
-                       max_seq_len=ctx, activation="silu", norm="rmsnorm", norm_eps=eps, positions="rope",
-                       rope_theta=theta, attn_bias=False, mlp_bias=False, hf_id=hf_id, **fields)
+    return ModelConfig(name=name, n_layers=layers, hidden_size=hidden, n_heads=heads, n_kv_heads=kv_heads,
+                       ffn_size=ffn, vocab_size=vocab, max_seq_len=ctx, activation="silu", norm="rmsnorm",
+                       norm_eps=eps, positions="rope", rope_theta=theta, hf_id=hf_id, **fields)
+
+
+def _qwen(name: str, layers: int, hidden: int, heads: int, kv_heads: int, ffn: int, vocab: int, ctx: int,
+          eps: float, tied: bool, hf_id: str) -> list[ModelConfig]:
+    """A Qwen2 or Qwen2.5 base checkpoint and its -Instruct twin: the same tensors, but the chat model's
+    config.json has 32768 positions, rms_norm_eps 1e-6, and ends a turn with <|im_end|> (151645)."""
+    base = _llama(name, layers, hidden, heads, kv_heads, ffn, vocab, ctx, 1e6, eps, hf_id, family="qwen2",
+                  attn_bias=True, tie_word_embeddings=tied, bos_id=151643, eos_id=151643)
+    return [base, base.replace(name=name + "-instruct", hf_id=hf_id + "-Instruct", max_seq_len=32768, norm_eps=1e-6,
+                               eos_id=151645)]
 
 
 _LLAMA3_SCALING = tuple(sorted({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -145,13 +158,35 @@ PRESETS: dict[str, ModelConfig] = {c.name: c for c in [
            rope_scaling=_LLAMA3_SCALING, **_L3),
     _llama("smollm2-135m", 30, 576, 9, 3, 1536, 49152, 8192, 1e5, 1e-5, "HuggingFaceTB/SmolLM2-135M-Instruct",
            tie_word_embeddings=True, bos_id=1, eos_id=2, pad_id=2),
+    *_qwen("qwen2-0.5b", 24, 896, 14, 2, 4864, 151936, 131072, 1e-6, True, "Qwen/Qwen2-0.5B"),
+    *_qwen("qwen2-1.5b", 28, 1536, 12, 2, 8960, 151936, 131072, 1e-6, True, "Qwen/Qwen2-1.5B"),
+    *_qwen("qwen2-7b", 28, 3584, 28, 4, 18944, 152064, 131072, 1e-6, False, "Qwen/Qwen2-7B"),
+    *_qwen("qwen2-72b", 80, 8192, 64, 8, 29568, 152064, 131072, 1e-5, False, "Qwen/Qwen2-72B"),
+    *_qwen("qwen2.5-0.5b", 24, 896, 14, 2, 4864, 151936, 32768, 1e-6, True, "Qwen/Qwen2.5-0.5B"),
+    *_qwen("qwen2.5-1.5b", 28, 1536, 12, 2, 8960, 151936, 131072, 1e-6, True, "Qwen/Qwen2.5-1.5B"),
+    *_qwen("qwen2.5-3b", 36, 2048, 16, 2, 11008, 151936, 32768, 1e-6, True, "Qwen/Qwen2.5-3B"),
+    *_qwen("qwen2.5-7b", 28, 3584, 28, 4, 18944, 152064, 131072, 1e-6, False, "Qwen/Qwen2.5-7B"),
+    *_qwen("qwen2.5-14b", 48, 5120, 40, 8, 13824, 152064, 131072, 1e-5, False, "Qwen/Qwen2.5-14B"),
+    *_qwen("qwen2.5-32b", 64, 5120, 40, 8, 27648, 152064, 131072, 1e-5, False, "Qwen/Qwen2.5-32B"),
+    *_qwen("qwen2.5-72b", 80, 8192, 64, 8, 29568, 152064, 131072, 1e-5, False, "Qwen/Qwen2.5-72B"),
+    # v0.1 attends over a 4096-token sliding window (of 32768 positions): longer jobs are refused
+    _llama("mistral-7b-v0.1", 32, 4096, 32, 8, 14336, 32000, 4096, 1e4, 1e-5, "mistralai/Mistral-7B-v0.1",
+           family="mistral"),
+    _llama("mistral-7b-v0.3", 32, 4096, 32, 8, 14336, 32768, 32768, 1e6, 1e-5, "mistralai/Mistral-7B-v0.3",
+           family="mistral"),
+    _llama("mistral-nemo-12b", 40, 5120, 32, 8, 14336, 131072, 1024000, 1e6, 1e-5,
+           "mistralai/Mistral-Nemo-Base-2407", family="mistral", head_dim=128),
 ]}
 
 HF_ID_TO_PRESET: dict[str, str] = {c.hf_id.lower(): n for n, c in PRESETS.items() if c.hf_id}
 HF_ID_TO_PRESET.update({"huggingfacetb/smollm2-135m": "smollm2-135m", "meta-llama/llama-2-7b-chat-hf": "llama-2-7b",
                         "meta-llama/llama-2-13b-chat-hf": "llama-2-13b", "meta-llama/llama-2-70b-chat-hf":
                         "llama-2-70b", "meta-llama/meta-llama-3-8b-instruct": "llama-3-8b",
-                        "meta-llama/llama-3.1-8b-instruct": "llama-3.1-8b"})
+                        "meta-llama/llama-3.1-8b-instruct": "llama-3.1-8b",
+                        # the chat twins of these share their base's config.json
+                        "mistralai/mistral-7b-instruct-v0.1": "mistral-7b-v0.1",
+                        "mistralai/mistral-7b-instruct-v0.3": "mistral-7b-v0.3",
+                        "mistralai/mistral-nemo-instruct-2407": "mistral-nemo-12b"})
 
 
 # --- reading HF config.json ---

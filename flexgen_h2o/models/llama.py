@@ -32,9 +32,11 @@ def build_llama_layers(cfg: ModelConfig) -> list:
                 _spec("self_attn.v_proj.weight", p + "self_attn.v_proj.weight", (kv_dim, h)),
                 _spec("self_attn.o_proj.weight", p + "self_attn.o_proj.weight", (h, q_dim)),
                 _spec("input_layernorm.weight", p + "input_layernorm.weight", (h,), "ones")]
-        if cfg.attn_bias:   # Qwen2-style configs carry q/k/v biases
+        if cfg.attn_bias:
             attn += [_spec(f"self_attn.{x}_proj.bias", p + f"self_attn.{x}_proj.bias", (d,), "zeros")
                      for x, d in (("q", q_dim), ("k", kv_dim), ("v", kv_dim))]
+        if cfg.out_bias:
+            attn.append(_spec("self_attn.o_proj.bias", p + "self_attn.o_proj.bias", (h,), "zeros"))
         mlp = [_spec("mlp.gate_proj.weight", p + "mlp.gate_proj.weight", (f, h)),
                _spec("mlp.up_proj.weight", p + "mlp.up_proj.weight", (f, h)),
                _spec("mlp.down_proj.weight", p + "mlp.down_proj.weight", (h, f)),
@@ -47,8 +49,28 @@ def build_llama_layers(cfg: ModelConfig) -> list:
     return layers
 
 
-def llama_from_hf(f: HFFields, common: dict[str, Any]) -> ModelConfig:
-    """A Llama-like config.json's own fields (`common`: the shapes every family reads)."""
+def sliding_window(f: HFFields, n_layers: int) -> int | None:
+    """The window of a config.json whose layers (any of them) attend to their last `sliding_window` tokens only:
+    all layers (Mistral), those `layer_types` names "sliding_attention" (transformers 5), or, where only
+    `max_window_layers` says, the layers from that index on (Qwen2); `use_sliding_window: false` turns it off."""
+    window = f.int("sliding_window", None)
+    if window is None or not f.flag("use_sliding_window", True):
+        return None
+    types = f.hf.get("layer_types")
+    if isinstance(types, list):
+        return window if "sliding_attention" in types else None
+    first = f.hf.get("max_window_layers")
+    return None if isinstance(first, int) and first >= n_layers else window
+
+
+def llama_from_hf(f: HFFields, common: dict[str, Any], family: str = "llama", qkv_bias: bool | None = None,
+                  windowed: bool = False) -> ModelConfig:
+    """A Llama-like config.json's own fields (`common`: the shapes every family reads). family: the registry
+    name the config gets; qkv_bias: the family always has q/k/v biases and no o_proj bias (Qwen2), else
+    `attention_bias` sets all four; windowed: the family reads a sliding window (`sliding_window`), which caps the
+    context: the engine's attention sees every kept key, so a job within the window is exactly the model's and
+    a longer one is refused by the context-window check (ModelConfig.max_seq_len), as a job past a model's
+    positions is; position rolling, which may run past either, keeps the rolled distances below the KV budget."""
     heads = common["n_heads"]
     kv_heads = f.int("num_key_value_heads", heads)
     if heads % kv_heads:
@@ -60,12 +82,16 @@ def llama_from_hf(f: HFFields, common: dict[str, Any]) -> ModelConfig:
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
     if rope_type not in ("default", "llama3"):
         raise ModelNameError(f"{f.where}: rope type {rope_type!r} is not supported (only default and llama3)")
-    if f.hf.get("sliding_window") and f.hf.get("use_sliding_window", True) and f.model_type == "mistral":
-        raise ModelNameError(f"{f.where}: sliding-window attention is not supported")
+    if f.flag("mlp_bias", False):     # the SwiGLU kernels take no biases: refused, never dropped
+        raise CheckpointConfigError(f"{f.where}: \"mlp_bias\": true is not supported (MLP biases)")
+    window = sliding_window(f, common["n_layers"]) if windowed else None
+    if window is not None:
+        common = dict(common, max_seq_len=min(common["max_seq_len"], window))
+    bias = f.flag("attention_bias", False)
     return ModelConfig(
-        family="llama", n_kv_heads=kv_heads, ffn_size=f.int("intermediate_size"), activation="silu",
+        family=family, n_kv_heads=kv_heads, ffn_size=f.int("intermediate_size"), activation="silu",
         norm="rmsnorm", norm_eps=f.num("rms_norm_eps", 1e-6), positions="rope", rope_theta=float(theta),
         rope_scaling=tuple(sorted(scaling.items())) if rope_type == "llama3" else None,
-        tie_word_embeddings=f.flag("tie_word_embeddings", False), attn_bias=f.flag("attention_bias", False),
-        mlp_bias=f.flag("mlp_bias", False), bos_id=f.token("bos_token_id"), eos_id=f.token("eos_token_id"),
-        pad_id=f.token("pad_token_id"), **common)
+        tie_word_embeddings=f.flag("tie_word_embeddings", False), attn_bias=bias if qkv_bias is None else qkv_bias,
+        out_bias=bias if qkv_bias is None else False, mlp_bias=False,
+        bos_id=f.token("bos_token_id"), eos_id=f.token("eos_token_id"), pad_id=f.token("pad_token_id"), **common)

@@ -40,8 +40,9 @@ def build_opt_layers(cfg: ModelConfig) -> list:
     for i in range(cfg.n_layers):
         p = f"layers.{i}."
         attn = []
-        for proj in ("q_proj", "k_proj", "v_proj", "out_proj"):
+        for proj in ("q_proj", "k_proj", "v_proj"):
             attn += _linear(f"self_attn.{proj}", p + f"self_attn.{proj}", h, h, cfg.attn_bias)
+        attn += _linear("self_attn.out_proj", p + "self_attn.out_proj", h, h, cfg.out_bias)
         attn += _ln("self_attn_layer_norm", p + "self_attn_layer_norm", h)
         mlp = (_linear("fc1", p + "fc1", f, h, cfg.mlp_bias) + _linear("fc2", p + "fc2", h, f, cfg.mlp_bias)
                + _ln("final_layer_norm", p + "final_layer_norm", h))
@@ -65,7 +66,7 @@ def opt_from_hf(f: HFFields, common: dict[str, Any]) -> ModelConfig:
     act = f.get("activation_function", "relu", "\"relu\" (every OPT model uses it)", lambda v: v == "relu")
     return ModelConfig(
         family="opt", n_kv_heads=heads, ffn_size=f.int("ffn_dim"), activation=act, pre_norm=pre,
-        word_embed_dim=proj if proj != hidden else None, attn_bias=bias, mlp_bias=bias,
+        word_embed_dim=proj if proj != hidden else None, attn_bias=bias, out_bias=bias, mlp_bias=bias,
         final_norm=pre and not f.flag("_remove_final_layer_norm", False),
         tie_word_embeddings=f.flag("tie_word_embeddings", True), bos_id=f.token("bos_token_id", 2),
         eos_id=f.token("eos_token_id", 2), pad_id=f.token("pad_token_id", 1), **common)
