@@ -24,7 +24,7 @@ def split_by_fraction(n: int, fractions: tuple[float, float, float]) -> list[tup
 
 PREFILL_TOKENS = 4096     # default prompt tokens per prefill forward: GEMMs this tall already run at full rate
 # on a GPU each chunk's few hundred small kernels, and the H2O commit's host sync, leave the device idle between
-# small chunks (`bash scripts/gpu_profile.sh DIR` shows the idle time per chunk size)
+# small chunks (`python -m benchmarks.studies.profile_decode --device cuda --phase prefill` shows it per chunk)
 PREFILL_TOKENS_GPU = 16384
 
 

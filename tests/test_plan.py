@@ -38,3 +38,34 @@ def test_a_budget_that_holds_the_run_plans_the_full_rule():
     evicting = estimate(PRESETS["opt-125m"], OffloadPolicy(gpu_batch_size=2), EvictionConfig(policy="h2o", hh_size=2,
                         recent_size=2), prompt_len=9, gen_len=4)
     assert evicting.plan.policy == "h2o" and evicting.plan.score_block > 0
+
+
+def test_a_job_is_planned_once_and_handed_down(monkeypatch):
+    """planner/job.plan_job checks the prompts, resolves every budget and plans every block; the engine's blocks
+    and a refilled run allocate from those plans and join with those budgets, resolving nothing again."""
+    ev = EvictionConfig(policy="h2o", hh_ratio=0.3)
+    engine = make_engine(tiny_hf("llama-gqa"), offload=OffloadPolicy(gpu_batch_size=2, num_gpu_batches=1),
+                         eviction=ev, record=False)
+    prompts = random_prompts([12, 5, 9, 20, 7])
+    max_new = [3, 5, 4, 2, 6]
+    blocks, refill = engine.plan(prompts, max_new, bucket=True), engine.plan(prompts, max_new, refill=True)
+    assert blocks.blocks == ((3, 0), (2, 4), (1,))            # longest first
+    assert [b.budget for b in blocks.budgets] == [ev.resolve(len(p), g).budget for p, g in zip(prompts, max_new)]
+    assert refill.blocks == ((0, 1, 2, 3, 4),) and refill.plans[0].n_seqs == 2
+    want = {}
+    for k, block in enumerate(blocks.blocks):
+        out = engine.generate_block(blocks, k, [prompts[i] for i in block], greedy(6), list(block))
+        want.update(zip(block, out[0]))
+
+    def resolved_again(*a, **kw):
+        raise AssertionError("a budget was resolved after the job was planned")
+    monkeypatch.setattr(EvictionConfig, "resolve", resolved_again)
+    monkeypatch.setattr(EvictionConfig, "resolve_rows", resolved_again)
+    for k, block in enumerate(blocks.blocks):
+        out = engine.generate_block(blocks, k, [prompts[i] for i in block], greedy(6), list(block))
+        assert engine.last_plan is blocks.plans[k]
+        assert dict(zip(block, out[0])) == {i: want[i] for i in block}
+    got = {f.index: f.token_ids for done in engine.generate_refill(prompts, greedy(6), max_new, job=refill)
+           for f in done}
+    assert engine.last_plan is refill.plans[0] and got == want     # batch invariance: any row, any join
+    engine.close()

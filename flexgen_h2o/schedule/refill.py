@@ -207,7 +207,8 @@ class RefillRun:
         def on_logits(token: int, batch: int, logits: torch.Tensor) -> None:
             k, rs = owners[batch]
             seqs = joins[batch].seq_index
-            self._took(k, rs, seqs, self.sampler(logits, list(seqs)), logits)
+            joins[batch].next_ids = ids = self.sampler(logits, list(seqs))    # a stage's link sends them on
+            self._took(k, rs, seqs, ids, logits)
 
         def on_ids(token: int, batch: int, ids: torch.Tensor) -> None:      # a pipeline stage without the head
             k, rs = owners[batch]
