@@ -169,7 +169,8 @@ def test_h2o_matches_the_masked_reference(kind):
 def test_a_job_longer_than_the_sliding_window_is_refused():
     engine = make_engine(tiny("mistral-window"), record=False)
     assert engine.model.max_seq_len == WINDOW
-    with pytest.raises(ConfigError, match=rf"prompt \(90\) \+ new tokens \(8\) exceed the context window \({WINDOW}\)"):
+    with pytest.raises(ConfigError, match=rf"\(90 tokens\) \+ max_new_tokens \(8\) exceed the context window "
+                                          rf"\({WINDOW}\)"):
         engine.generate(random_prompts([90]), greedy(8))
 
 
