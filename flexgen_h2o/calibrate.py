@@ -17,6 +17,7 @@ torch version, whether the compiled kernels load, GPU name, and the offload fold
 """
 from __future__ import annotations
 
+import argparse
 import fcntl
 import hashlib
 import json
@@ -30,11 +31,25 @@ from typing import Any, Callable
 if __name__ == "__main__":       # an entry point: spin-waiting OpenMP threads would distort every rate
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
+
+from flexgen_h2o import model_probe  # noqa: E402
+from flexgen_h2o.backend import get_backend  # noqa: E402
+from flexgen_h2o.config import GenerationConfig, OffloadPolicy  # noqa: E402
+from flexgen_h2o.engine import Engine  # noqa: E402
+from flexgen_h2o.formats import storage_format  # noqa: E402
+from flexgen_h2o.kernels import build, resolve  # noqa: E402
+from flexgen_h2o.kv import EvictionConfig  # noqa: E402
+from flexgen_h2o.memory.tier import drop_file_cache  # noqa: E402
+from flexgen_h2o.models import PRESETS, all_specs, build_layers, ops, resolve_model, schedule_groups  # noqa: E402
+from flexgen_h2o.planner.cost import PROBE_ROWS, probe_key  # noqa: E402
+from flexgen_h2o.planner.preflight import Machine, PreflightError  # noqa: E402
+from flexgen_h2o.planner.search import search  # noqa: E402
+from flexgen_h2o.weights import store_root  # noqa: E402
 
 ROWS = (1, 4, 16, 64, 256, 1024)          # linear rows measured: decode steps to prompt chunks
 LINEAR_K, LINEAR_N = 1024, 2816           # one weight matrix: 5.5 MiB in fp16
-LLC_BYTES = 64 << 20                      # rotate among more weight bytes than this
 DISK_PROBE_BYTES = 256 << 20
 WEIGHT_FORMATS = ("fp16", "int8-g64", "int4-g64")
 VERSION = 2                               # bump when what is measured changes: older caches are measured again
@@ -54,36 +69,12 @@ def best_time(fn: Callable[[], Any], min_s: float, sync: Callable[[], None] = la
     return best
 
 
-def median_time(fn: Callable[[], Any], min_s: float, sync: Callable[[], None] = lambda: None) -> float:
-    """Median single-call time over at least 5 calls lasting min_s in all (after a warm-up call): what a run
-    meets, where the best of back-to-back calls would over-rate it."""
-    fn()
-    sync()
-    times: list[float] = []
-    while sum(times) < min_s or len(times) < 5:
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2]
-
-
-def packed_weight(w: torch.Tensor, fmt_name: str, device: torch.device) -> Any:
-    """A matrix as the engine stages it in a storage format: an fp16 tensor or a PackedMatrix."""
-    from flexgen_h2o.formats import storage_format
-    from flexgen_h2o.quant import PackedMatrix
-    fmt = storage_format(fmt_name)
-    if fmt.quantized:
-        return PackedMatrix(fmt.pack(w).to(device), w.shape[1], fmt.quant_for(w.shape[1]))
-    return w.to(device, torch.float16)
-
-
 def _weights(fmt_name: str, device: torch.device) -> list[Any]:
     """Weight matrices in a storage format as the engine stages them: fp16 tensors or PackedMatrix rows."""
-    from flexgen_h2o.formats import storage_format
-    n = max(2, LLC_BYTES // storage_format(fmt_name).nbytes(LINEAR_K * LINEAR_N, LINEAR_K) + 1)
-    return [packed_weight(torch.randn(LINEAR_N, LINEAR_K, generator=torch.Generator().manual_seed(i)) * 0.02, fmt_name,
-                    device) for i in range(n)]
+    n = max(2, model_probe.LLC_BYTES // storage_format(fmt_name).nbytes(LINEAR_K * LINEAR_N, LINEAR_K) + 1)
+    seeded = (torch.Generator().manual_seed(i) for i in range(n))
+    return [model_probe.packed_weight(torch.randn(LINEAR_N, LINEAR_K, generator=g) * 0.02, fmt_name, device)
+            for g in seeded]
 
 
 def measure_linear(kernels: Any, device: torch.device, dtype: torch.dtype, sync: Callable[[], None],
@@ -105,7 +96,6 @@ def measure_attention(kernels: Any, device: torch.device, dtype: torch.dtype, sy
                       min_s: float) -> dict[str, float]:
     """Decode attention: nanoseconds per (sequence, KV head, slot) read, per KV format; prompt attention: GFLOP/s
     of the scored (H2O) and plain paths at a 1,024-token prompt."""
-    from flexgen_h2o.formats import storage_format
     b, h, g, s, d = 32, 12, 4, 512, 64
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(b, h, 1, d, generator=gen).to(device, dtype)
@@ -128,7 +118,6 @@ def measure_attention(kernels: Any, device: torch.device, dtype: torch.dtype, sy
     flops = 2 * 2 * h * d * n * n / 2                          # QK^T and PV, causal half
     t = best_time(lambda: kernels.scored_prompt_attention(qp, kp, vp, tv, True, 0.125, "sum", 256), min_s, sync)
     out["prompt_scored_GFLOPs"] = flops / t / 1e9
-    from flexgen_h2o.models import ops
     mask = ops.causal_pad_mask(tv)
     t = best_time(lambda: ops.grouped_attention(qp, kp, vp, mask, 0.125, causal_only=True), min_s, sync)
     out["prompt_plain_GFLOPs"] = flops / t / 1e9
@@ -145,7 +134,6 @@ def measure_memory(min_s: float, nbytes: int = 256 << 20) -> dict[str, float]:
 
 def measure_disk(folder: Path, nbytes: int = DISK_PROBE_BYTES) -> dict[str, float]:
     """Sequential write with fsync, the page cache dropped, a cold read, then the same read from the page cache."""
-    from flexgen_h2o.memory.tier import drop_file_cache
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"calibrate-{os.getpid()}.bin"
     chunk = os.urandom(8 << 20)
@@ -175,11 +163,6 @@ def measure_disk(folder: Path, nbytes: int = DISK_PROBE_BYTES) -> dict[str, floa
 def measure_fixed(device: str) -> dict[str, float]:
     """Seconds a decode step and a prompt pass cost per schedule layer and GPU batch beyond their bytes and FLOPs:
     a 4-layer model 64 wide through the real engine, one sequence."""
-    import numpy as np
-
-    from flexgen_h2o.config import GenerationConfig, OffloadPolicy
-    from flexgen_h2o.engine import Engine
-    from flexgen_h2o.models import PRESETS, all_specs, build_layers, schedule_groups
     cfg = PRESETS["smollm2-135m"].replace(name="calibrate-tiny", n_layers=4, hidden_size=64, n_heads=4,
                                           n_kv_heads=2, head_dim=16, ffn_size=128, vocab_size=256)
     rng = np.random.default_rng(0)
@@ -213,8 +196,6 @@ def measure_gpu(backend: Any, min_s: float) -> dict[str, float] | None:
 
 
 def identity(offload_root: Path) -> dict[str, Any]:
-    from flexgen_h2o.backend import get_backend
-    from flexgen_h2o.kernels import build
     root = offload_root.expanduser().absolute()
     while not root.exists() and root != root.parent:
         root = root.parent
@@ -226,7 +207,6 @@ def identity(offload_root: Path) -> dict[str, Any]:
 
 def measure(offload_root: Path, smoke: bool = False) -> dict[str, Any]:
     """Every rate of this machine (smoke: shorter timings, for tests)."""
-    from flexgen_h2o.kernels import resolve
     t0 = time.perf_counter()
     min_s = 0.02 if smoke else 0.15
     kernels = resolve()
@@ -237,7 +217,6 @@ def measure(offload_root: Path, smoke: bool = False) -> dict[str, Any]:
     res.update(measure_memory(min_s))
     res.update(measure_disk(offload_root, (32 << 20) if smoke else DISK_PROBE_BYTES))
     res.update(measure_fixed("cpu"))
-    from flexgen_h2o.backend import get_backend
     backend = get_backend()
     gpu = measure_gpu(backend, min_s)
     if gpu is not None:
@@ -251,7 +230,6 @@ def measure(offload_root: Path, smoke: bool = False) -> dict[str, Any]:
 
 
 def cache_path(offload_root: Path) -> Path:
-    from flexgen_h2o.weights import store_root
     key = hashlib.sha1(json.dumps(identity(offload_root), sort_keys=True).encode()).hexdigest()[:12]
     return store_root() / "machine" / f"rates-{key}.json"
 
@@ -299,15 +277,10 @@ def add_model(res: dict[str, Any], model: Any, formats: tuple[str, ...], smoke: 
               say: Callable[[str], None] = print) -> bool:
     """Time `model` itself in each weight format not timed yet (model_probe.py: its matrices, and a block's decode
     step through the engine), into res, on the GPU too when there is one; True when something was measured."""
-    from flexgen_h2o.kernels import resolve
-    from flexgen_h2o.model_probe import fits, measure_block, measure_matrices
-    from flexgen_h2o.planner.cost import PROBE_ROWS, probe_key
-    from flexgen_h2o.planner.preflight import Machine
     min_s = 0.02 if smoke else 0.15
     rows = PROBE_ROWS[:3] if smoke else PROBE_ROWS
     sides = [(res, resolve(), torch.device("cpu"), torch.float32, lambda: None)]
     if res.get("gpu"):
-        from flexgen_h2o.backend import get_backend
         backend = get_backend()
         sides.append((res["gpu"], resolve(load=False), backend.compute_device, torch.float16, backend.synchronize))
     did, ram = False, Machine.probe().ram_available
@@ -321,9 +294,10 @@ def add_model(res: dict[str, Any], model: Any, formats: tuple[str, ...], smoke: 
             if not did:
                 say(f"timing {model.name} itself for the cost model (once per shape and weight format; cached) ...")
             did = True
-            matrices[key] = measure_matrices(model, name, kernels, device, dtype, sync, min_s)
+            matrices[key] = model_probe.measure_matrices(model, name, kernels, device, dtype, sync, min_s)
             # a model whose probe copies (model_probe.fits) exceed half the RAM is priced from the machine rates
-            blocks[key] = measure_block(model, name, rows, str(device), say) if fits(model, name, ram) else {}
+            blocks[key] = (model_probe.measure_block(model, name, rows, str(device), say)
+                           if model_probe.fits(model, name, ram) else {})
     return did
 
 
@@ -338,13 +312,7 @@ def cpu_model() -> str:
 def auto_offload(model: Any, *, prompt_len: int, gen_len: int, n_prompts: int, eviction: Any = None,
                  device: str | None = None, offload_dir: str = "~/flexgen_offload_dir", base: Any = None,
                  calibrate: bool = False) -> tuple[Any, Any]:
-    """(OffloadPolicy, Prediction): the best plan the search finds for this job on this machine (OffloadPolicy.auto)."""
-    from flexgen_h2o.backend import get_backend
-    from flexgen_h2o.config import OffloadPolicy
-    from flexgen_h2o.kv import EvictionConfig
-    from flexgen_h2o.models import resolve_model
-    from flexgen_h2o.planner.preflight import Machine, PreflightError
-    from flexgen_h2o.planner.search import search
+    """(OffloadPolicy, Prediction): the best plan the search finds for this job on this machine."""
     cfg = resolve_model(model) if isinstance(model, str) else model
     backend = get_backend(device)
     root = Path(os.path.expanduser(offload_dir))
@@ -361,7 +329,6 @@ def auto_offload(model: Any, *, prompt_len: int, gen_len: int, n_prompts: int, e
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m flexgen_h2o.calibrate [--offload-dir D]`: measure this machine's rates again and cache them."""
-    import argparse
     p = argparse.ArgumentParser(prog="python -m flexgen_h2o.calibrate", description=main.__doc__)
     p.add_argument("--offload-dir", default="~/flexgen_offload_dir",
                    help="the disk tier's folder (its file system is measured)")

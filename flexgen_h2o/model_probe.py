@@ -19,8 +19,15 @@ from typing import Any, Callable
 
 import torch
 
-from flexgen_h2o.planner.cost import PROBE_PROMPT     # the cost model prices the slots beyond its window
+from flexgen_h2o.config import GenerationConfig, OffloadPolicy
+from flexgen_h2o.engine import Engine
+from flexgen_h2o.formats import storage_format
+from flexgen_h2o.models import all_specs, build_layers
+from flexgen_h2o.planner.cost import PROBE_PROMPT, PROBE_ROWS, probe_shapes
+from flexgen_h2o.quant import PackedMatrix
+from flexgen_h2o.weights import DummyStore
 
+LLC_BYTES = 64 << 20                      # rotate among more weight bytes than this (calibrate.py does too)
 PROBE_STEPS = 8                           # decode steps timed per run (after the first, which is dropped)
 PROBE_VOCAB = 512
 MAX_COPIES = 64                           # copies of a block's matrices rotated past the LLC (measure_matrices)
@@ -28,8 +35,29 @@ STOP_S = 0.3                              # row counts stop once a 1-block step 
                                           # there: the cost model scales the largest timed one by rows)
 
 
+def median_time(fn: Callable[[], Any], min_s: float, sync: Callable[[], None] = lambda: None) -> float:
+    """Median single-call time over at least 5 calls lasting min_s in all (after a warm-up call): what a run
+    meets, where the best of back-to-back calls would over-rate it."""
+    fn()
+    sync()
+    times: list[float] = []
+    while sum(times) < min_s or len(times) < 5:
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
+def packed_weight(w: torch.Tensor, fmt_name: str, device: torch.device) -> Any:
+    """A matrix as the engine stages it in a storage format: an fp16 tensor or a PackedMatrix."""
+    fmt = storage_format(fmt_name)
+    if fmt.quantized:
+        return PackedMatrix(fmt.pack(w).to(device), w.shape[1], fmt.quant_for(w.shape[1]))
+    return w.to(device, torch.float16)
+
+
 def _block_params(cfg: Any) -> int:
-    from flexgen_h2o.models import build_layers
     return sum(s.numel for layer in build_layers(cfg.replace(n_layers=1)) if layer.kind in ("attn", "mlp")
                for s in layer.weight_specs())
 
@@ -37,8 +65,6 @@ def _block_params(cfg: Any) -> int:
 def probe_blocks(cfg: Any, fmt_name: str) -> int:
     """Blocks of the probe's larger model: 3, or enough that their weights pass the last-level cache, at most
     the model's own."""
-    from flexgen_h2o.calibrate import LLC_BYTES
-    from flexgen_h2o.formats import storage_format
     per_block = storage_format(fmt_name).nbytes(_block_params(cfg))
     return max(2, min(cfg.n_layers, max(3, 1 + math.ceil(LLC_BYTES / per_block))))
 
@@ -49,10 +75,6 @@ def fits(cfg: Any, fmt_name: str, ram_available: int) -> bool:
 
 
 def _engine(cfg: Any, blocks: int, fmt_name: str, rows: int, device: str) -> Any:
-    from flexgen_h2o.config import OffloadPolicy
-    from flexgen_h2o.engine import Engine
-    from flexgen_h2o.models import all_specs, build_layers
-    from flexgen_h2o.weights import DummyStore
     small = cfg.replace(n_layers=blocks, vocab_size=min(cfg.vocab_size, PROBE_VOCAB))
     bits = None if fmt_name == "fp16" else int(fmt_name[3])
     return Engine(small, DummyStore(all_specs(build_layers(small))).read, device=device,
@@ -60,7 +82,6 @@ def _engine(cfg: Any, blocks: int, fmt_name: str, rows: int, device: str) -> Any
 
 
 def _step_s(engine: Any, rows: int) -> float:
-    from flexgen_h2o.config import GenerationConfig
     out = engine.generate([[5 + i % 7] * PROBE_PROMPT for i in range(rows)],
                           GenerationConfig(max_new_tokens=PROBE_STEPS + 2, stop_at_eos=False))
     steps = sorted(out.metrics["step_times_s"][1:])
@@ -95,8 +116,6 @@ def measure_matrices(cfg: Any, fmt_name: str, kernels: Any, device: torch.device
     """GFLOP/s of one transformer block's matrices (the model's own input widths, planner/cost.probe_shapes) in
     one weight format at decode rows, called in sequence as a layer calls them, copies rotated past the
     last-level cache, median call (the LM head and embeddings are priced at this rate)."""
-    from flexgen_h2o.calibrate import LLC_BYTES, median_time, packed_weight
-    from flexgen_h2o.planner.cost import PROBE_ROWS, probe_shapes
     shapes = probe_shapes(cfg)
     gen = torch.Generator().manual_seed(0)
     one = [(torch.randn(n, k, generator=gen) * 0.02) for n, k in shapes]
