@@ -17,6 +17,7 @@ from flexgen_h2o.models import ModelConfig, all_specs, build_layers, resolve_mod
 from flexgen_h2o.weights import (DummyStore, EMBEDDED_MODEL, WeightStoreError, convert_checkpoint,
                                  default_store_path, download_and_convert, ensure_embedded_store, open_store,
                                  read_manifest, write_dummy_store)
+from flexgen_h2o.weights.dummy import SOURCE
 
 
 @dataclass
@@ -44,7 +45,6 @@ def fallback_tokenizer() -> Any | None:
 
 def _current_dummy(store: Path) -> bool:
     """A dummy store this version's generator wrote (an older one holds other values: written again)."""
-    from flexgen_h2o.weights.dummy import SOURCE
     try:
         return read_manifest(store).get("source") == SOURCE.format(seed=0)
     except (OSError, ValueError, WeightStoreError):

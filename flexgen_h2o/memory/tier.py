@@ -7,6 +7,7 @@ out; the engine reads and writes the payloads (or a disk tensor's `torch_view`) 
 """
 from __future__ import annotations
 
+import ctypes
 import errno
 import itertools
 import os
@@ -189,7 +190,6 @@ def _fallocate(path: str, nbytes: int) -> None:
 def release_free_heap() -> None:
     """glibc's malloc_trim(0): free heap pages go back to the OS wherever they lie (elsewhere: nothing)."""
     try:
-        import ctypes
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass

@@ -22,6 +22,7 @@ from typing import Callable
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 from flexgen_h2o.formats import StorageFormat
 from flexgen_h2o.memory import release_free_heap
@@ -68,7 +69,6 @@ def convert(folder: Path, read: Read, shapes: dict[str, tuple[int, ...]], fmt: S
     tmp = folder.parent / f"{folder.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
     tmp.mkdir(parents=True)
     try:
-        from tqdm import tqdm
         names = sorted(shapes)
         for name in tqdm(names, desc=f"compressing weights to {fmt.name}", unit="matrix",
                          disable=None if progress else True):
