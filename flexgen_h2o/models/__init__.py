@@ -1,9 +1,9 @@
-"""Model math: configs, the layer protocol, and the OPT and Llama layer lists."""
+"""Model math: configs, the layer protocol, the OPT and Llama layer lists, and the family registry."""
 from __future__ import annotations
 
-from flexgen_h2o.models.config import PRESETS, ModelConfig, ModelNameError, from_hf_config, resolve_model
+from flexgen_h2o.models.config import PRESETS, ModelConfig, ModelNameError
 from flexgen_h2o.models.layer import KVSpec, KVView, Layer, LayerOutput, StepContext, WeightSpec
-from flexgen_h2o.models.families import FAMILIES, Family, family_of
+from flexgen_h2o.models.families import FAMILIES, Family, family_of, from_hf_config, resolve_model
 from flexgen_h2o.models.llama import build_llama_layers
 from flexgen_h2o.models.opt import build_opt_layers
 from flexgen_h2o.models.transformer import all_specs, schedule_groups

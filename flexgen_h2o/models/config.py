@@ -1,14 +1,13 @@
 """ModelConfig: one frozen description of an OPT or Llama-like decoder, plus named presets.
 
-Owns shapes and hyper-parameters only; imports nothing from the package (reading a config.json asks the
-family registry, models/families.py, which family reads it). Sources for the preset numbers:
-the HF config.json of each checkpoint.
+Owns shapes and hyper-parameters, the presets and typed reads of a config.json's fields; imports nothing from
+the package (reading a whole config.json, and resolving a model name, is models/families.py's: it knows which
+family reads it). Sources for the preset numbers: the HF config.json of each checkpoint.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
-import os
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -243,69 +242,8 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _listing(items: list[str], last: str) -> str:
-    """'a, b or c'."""
-    return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} {last} {items[-1]}"
-
-
 def first_set(d: dict[str, Any], *keys: str, default: Any = None) -> Any:
     for k in keys:
         if d.get(k) is not None:
             return d[k]
     return default
-
-
-def from_hf_config(hf: dict[str, Any], name: str = "custom", source: str | None = None) -> ModelConfig:
-    """Map an HF config dict to a ModelConfig, by the registered family that reads it (models/families.py).
-    `source` (the config.json path) is what error messages name; a bad field raises CheckpointConfigError."""
-    where = source or name
-    if not isinstance(hf, dict):
-        raise CheckpointConfigError(f"{where}: expected a JSON object of model settings, got {type(hf).__name__}; "
-                                    "use the config.json saved with the checkpoint")
-    from flexgen_h2o.models.families import FAMILIES, family_for_hf     # the families import this module
-    model_type = hf.get("model_type") or ""
-    family = family_for_hf(hf)
-    known = _listing([json.dumps(t) for fam in FAMILIES.values() for t in fam.hf_model_types], "or")
-    runs = f"flexgen_h2o runs {_listing([fam.label for fam in FAMILIES.values()], 'and')} models"
-    if not model_type and family is None:
-        raise CheckpointConfigError(f"{where}: field \"model_type\" is missing; set it to {known} ({runs})")
-    if family is None:
-        raise CheckpointConfigError(f"{where}: model_type {json.dumps(model_type)} is not supported; {runs} "
-                                    f"(model_type {known})")
-    f = HFFields(hf, where, model_type or family.name)
-    hidden, heads = f.int("hidden_size"), f.int("num_attention_heads")
-    head_dim = f.int("head_dim", None)
-    if head_dim is None and hidden % heads:
-        raise CheckpointConfigError(f"{where}: \"hidden_size\" ({hidden}) is not a multiple of "
-                                    f"\"num_attention_heads\" ({heads}); fix one of them, or add \"head_dim\"")
-    common = dict(name=name, n_layers=f.int("num_hidden_layers"), hidden_size=hidden, n_heads=heads,
-                  head_dim=head_dim or hidden // heads, vocab_size=f.int("vocab_size"),
-                  max_seq_len=f.int("max_position_embeddings", 2048))
-    return family.from_hf(f, common)
-
-
-def read_hf_config(path: str | os.PathLike) -> dict[str, Any]:
-    """A checkpoint's config.json as a dict; unreadable or malformed files raise CheckpointConfigError."""
-    try:
-        with open(path, encoding="utf-8") as fh:
-            return json.load(fh)
-    except json.JSONDecodeError as e:
-        raise CheckpointConfigError(f"{path} is not valid JSON (line {e.lineno}, column {e.colno}: {e.msg}); fix it "
-                                    "or copy it again from the original checkpoint") from None
-    except UnicodeDecodeError:
-        raise CheckpointConfigError(f"{path} is not UTF-8 text; copy it again from the original checkpoint") from None
-    except OSError as e:
-        raise CheckpointConfigError(f"cannot read {path}: {e.strerror or e}") from None
-
-
-def resolve_model(spec: str) -> ModelConfig:
-    """A preset name (`opt-30b`), an HF id (`facebook/opt-30b`) or a local folder with config.json."""
-    if spec in PRESETS:
-        return PRESETS[spec]
-    if spec.lower() in HF_ID_TO_PRESET:
-        return PRESETS[HF_ID_TO_PRESET[spec.lower()]]
-    cfg_path = os.path.join(os.path.expanduser(spec), "config.json")
-    if os.path.isfile(cfg_path):
-        return from_hf_config(read_hf_config(cfg_path), name=spec, source=cfg_path)
-    raise ModelNameError(f"unknown model {spec!r}: use a preset ({', '.join(sorted(PRESETS))}), one of their HF ids, "
-                         "or a local checkpoint folder with a config.json")
