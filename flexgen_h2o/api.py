@@ -18,13 +18,18 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Iterator, Mapping, Sequence
 
+from flexgen_h2o.backend import get_backend
 from flexgen_h2o.config import ConfigError, GenerationConfig, OffloadPolicy
+from flexgen_h2o.engine import Engine
 from flexgen_h2o.formats import WEIGHT_FORMAT
 from flexgen_h2o.kv import EvictionConfig
+from flexgen_h2o.loader import load_model
+from flexgen_h2o.models import resolve_model
 from flexgen_h2o.planner import PARTS, preflight as run_preflight
 from flexgen_h2o.planner.job import JobPlan
 from flexgen_h2o.schedule.blocks import (BlockResult, add_metrics, encode_prompts, refill_totals, run_blocks,
                                          run_refill)
+from flexgen_h2o.weights import WeightStoreError, default_store_path
 
 DEFAULT_OFFLOAD_DIR = "~/flexgen_offload_dir"
 
@@ -89,10 +94,6 @@ class LLM:
                  offload: OffloadPolicy | Mapping | None = None, eviction: EvictionConfig | Mapping | None = None,
                  device: str | None = None, offload_dir: str | None = None, preflight: bool = True,
                  progress: bool = False, refill: bool = True, refill_share: float | None = None):
-        from flexgen_h2o.backend import get_backend
-        from flexgen_h2o.loader import load_model
-        from flexgen_h2o.models import resolve_model
-        from flexgen_h2o.weights import WeightStoreError, default_store_path
 
         offload, eviction = _offload(offload), _eviction(eviction)
         cfg = resolve_model(model)
@@ -125,7 +126,6 @@ class LLM:
     def _setup(self, loaded: Any, offload: OffloadPolicy, eviction: EvictionConfig, device: str | None,
                offload_dir: str | None, preflight: bool, progress: bool, refill: bool,
                refill_share: float | None, stage: tuple[int, int] | None = None) -> None:
-        from flexgen_h2o.engine import Engine
         if refill_share is not None and not 0 <= refill_share <= 1:
             raise ConfigError(f"refill_share must be in [0, 1], got {refill_share}")
         self.loaded, self.config, self.tokenizer = loaded, loaded.config, loaded.tokenizer

@@ -19,17 +19,19 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import argparse  # noqa: E402
 import json  # noqa: E402
 import sys  # noqa: E402
+from dataclasses import replace  # noqa: E402
 from typing import Any  # noqa: E402
 
-from flexgen_h2o.config import ConfigError, OffloadPolicy  # noqa: E402
+from flexgen_h2o.config import ConfigError, GenerationConfig, OffloadPolicy  # noqa: E402
 from flexgen_h2o.distributed import RankStopped, world_from_env  # noqa: E402
-from flexgen_h2o.frontends.parts import QuietExit  # noqa: E402
-from flexgen_h2o.frontends.scale_out import reporting_rank  # noqa: E402
-from flexgen_h2o.frontends.jsonl import (OutputLock, ResultsFile, check_folder_writable,  # noqa: E402
-                                         check_writable, read_requests)
-from flexgen_h2o.frontends.settings import answer_settings  # noqa: E402
 from flexgen_h2o.frontends.cli import (build_parser, check_flags, compression_bits, eviction_from_args,  # noqa: E402
                                        log_file_name, placement, run_sampling)
+from flexgen_h2o.frontends.jsonl import (OutputLock, ResultsFile, check_folder_writable,  # noqa: E402
+                                         check_writable, generate_file, read_requests)
+from flexgen_h2o.frontends.parts import QuietExit  # noqa: E402
+from flexgen_h2o.frontends.scale_out import (attach_link, batch_job, idle_rank, join, report_job,  # noqa: E402
+                                             reporting_rank, stage_model, take_share)
+from flexgen_h2o.frontends.settings import answer_settings  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -99,7 +101,6 @@ def _run(args: argparse.Namespace) -> int:
     mode = _mode(args)
     check_flags(args)
     if args.world is not None:
-        from flexgen_h2o.frontends.scale_out import join
         join(args, mode)
     elif args.pipeline_stages > 1 or args.stage_percent or args.stage_order != "auto":
         raise ConfigError("--pipeline-stages, --stage-percent and --stage-order split the model across ranks that "
@@ -123,7 +124,6 @@ def _run(args: argparse.Namespace) -> int:
         return _generate(args, mode, offload, eviction_from_args(args), gen_len, prompt_len, log_path,
                          None, None, None)
     if args.world is not None:
-        from flexgen_h2o.frontends.scale_out import batch_job
         return batch_job(args, lambda *a: _generate(args, mode, offload, eviction_from_args(args), gen_len,
                                                         prompt_len, log_path, *a), gen_len)
     # one run per output, locked before the output is read; removed on every way out but SIGKILL, whose lock
@@ -195,7 +195,6 @@ def _generate(args, mode, offload, eviction, gen_len, prompt_len, log_path, requ
 
     job = plan(offload, prompts, max_new, label)      # every rank checks every prompt, then keeps its share
     if getattr(args, "dp_job", None) is not None:
-        from flexgen_h2o.frontends.scale_out import idle_rank, take_share
         keep = take_share(args.dp_job, prompts, max_new)
         if not keep:
             return idle_rank(args, results, requests)
@@ -214,8 +213,6 @@ def _generate(args, mode, offload, eviction, gen_len, prompt_len, log_path, requ
             job = job.replan(offload=offload, label=label)
     on_disk = args.dummy_weights and offload.weights_on_disk
     stage = getattr(args, "stage", None)          # a pipeline stage: its own layers are checked
-    if stage is not None:
-        from flexgen_h2o.frontends.scale_out import stage_model
     est, checked = _preflight(args, cfg if stage is None else stage_model(cfg, stage), offload, eviction, backend,
                               on_disk, job)
     if mode == "benchmark":
@@ -237,7 +234,6 @@ def _generate(args, mode, offload, eviction, gen_len, prompt_len, log_path, requ
                           offload_dir=args.offload_dir, preflight=False, progress=not args.no_progress,
                           refill=refill, refill_share=args.refill_share, stage=stage)
     if stage is not None:
-        from flexgen_h2o.frontends.scale_out import attach_link
         attach_link(args, llm)
     print(_invariance_line(llm.engine))
     try:
@@ -248,7 +244,6 @@ def _generate(args, mode, offload, eviction, gen_len, prompt_len, log_path, requ
         from flexgen_h2o.frontends.auto import report
         print(report(prediction, metrics))
     if getattr(args, "dp_job", None) is not None:
-        from flexgen_h2o.frontends.scale_out import report_job
         report_job(args, metrics)
     _write_logs(args, metrics, log_path)
     return 0
@@ -302,7 +297,6 @@ def _preflight(args, cfg, offload, eviction, backend, deferred, job) -> tuple:
     from flexgen_h2o.formats import WEIGHT_FORMAT
     from flexgen_h2o.kv import describe_rows
     from flexgen_h2o.memory.offload_dir import sweep_stale
-    from dataclasses import replace
 
     from flexgen_h2o.planner import preflight
     from flexgen_h2o.planner.memory import kv_slot_bytes, plan_bytes
@@ -344,7 +338,6 @@ def _invariance_line(engine) -> str:
 def _run_mode(args, mode, llm, est, texts, prompts, job, gen_len, requests, pending, results) -> dict:
     """Run the mode on the LLM; its metrics."""
     from flexgen_h2o.frontends.benchmark import memory_line, run_benchmark, run_metrics, summary
-    from flexgen_h2o.frontends.jsonl import generate_file
     # newer placements charge resident weights to the tiers; then the peaks must not add them again
     weights_in_tiers = any(t.current_bytes for t in llm.engine.tiers.values())
     if mode == "benchmark":
@@ -390,7 +383,6 @@ def _write_logs(args: argparse.Namespace, metrics: dict, log_path: str | None) -
 
 
 def _gen_config(args: argparse.Namespace, gen_len: int) -> Any:
-    from flexgen_h2o.config import GenerationConfig
     return GenerationConfig(max_new_tokens=gen_len, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             seed=args.seed, stop=tuple(args.stop)).validate()
 

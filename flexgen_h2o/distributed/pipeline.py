@@ -17,6 +17,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from flexgen_h2o.formats import WEIGHT_FORMAT
+from flexgen_h2o.models import build_layers, schedule_groups
+from flexgen_h2o.planner.cost import decode_layer_s, layer_costs
+
 TAG_HIDDEN, TAG_IDS = 11, 12
 
 
@@ -54,9 +58,6 @@ def split_layers(cfg: Any, n_stages: int, sep_layer: bool, rates: dict | None = 
     at the measured rate, a fixed cost per layer call); without them, by matrix FLOPs per token: a stage's compute,
     and on a GPU that streams fp16 weights the bytes its link carries (the same number). An embedding table is a
     row lookup: no FLOPs; the LM head weighs its whole vocabulary matrix."""
-    from flexgen_h2o.formats import WEIGHT_FORMAT
-    from flexgen_h2o.models import build_layers, schedule_groups
-    from flexgen_h2o.planner.cost import decode_layer_s, layer_costs
     layers = build_layers(cfg)
     groups = schedule_groups([layer.kind for layer in layers], sep_layer)
     work = (decode_layer_s(cfg, rates, rows, sep_layer) if rates is not None

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Protocol, Sequence
 
 import torch
+from tqdm import tqdm
 
 from flexgen_h2o.config import ConfigError, GenerationConfig, OffloadPolicy
 from flexgen_h2o.engine import Engine
@@ -94,7 +95,6 @@ class Runner:
         return [range(lo, min(n, lo + self.batch_size)) for lo in range(0, n, self.batch_size)]
 
     def _bar(self, total: int, desc: str):
-        from tqdm import tqdm
         # disable=None: bars only on a terminal, so a nohup log keeps just the per-point lines
         return tqdm(total=total, desc=desc, unit="step", leave=False, disable=None if self.progress else True,
                     mininterval=2.0)

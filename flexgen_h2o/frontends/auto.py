@@ -7,9 +7,15 @@ import os
 from pathlib import Path
 from typing import Any
 
+from flexgen_h2o.calibrate import WEIGHT_FORMATS, cached, rates
 from flexgen_h2o.config import OffloadPolicy
 from flexgen_h2o.kv import EvictionConfig
+from flexgen_h2o.memory.offload_dir import sweep_stale
 from flexgen_h2o.models import ModelConfig
+from flexgen_h2o.planner.cost import page_cache_room, predict
+from flexgen_h2o.planner.plan import Plan
+from flexgen_h2o.planner.preflight import Machine, PreflightError
+from flexgen_h2o.planner.search import describe, search, tok_s
 
 SHOWN = 3          # runner-up plans printed under the chosen one
 
@@ -17,7 +23,6 @@ SHOWN = 3          # runner-up plans printed under the chosen one
 def machine_rates(args: argparse.Namespace, cfg: ModelConfig, formats: tuple[str, ...] | None = None
                   ) -> dict[str, Any]:
     """This machine's rates with cfg's own matrices timed (in `formats`; default all the search tries)."""
-    from flexgen_h2o.calibrate import WEIGHT_FORMATS, rates
     # FLEXGEN_H2O_CALIBRATE_SMOKE=1: shorter timings (the CLI tests check the wiring, not the rates)
     return rates(Path(os.path.expanduser(args.offload_dir)), refresh=args.calibrate,
                  smoke=os.environ.get("FLEXGEN_H2O_CALIBRATE_SMOKE") == "1",
@@ -28,9 +33,6 @@ def choose(args: argparse.Namespace, cfg: ModelConfig, eviction: EvictionConfig,
            base: OffloadPolicy, *, prompt_len: int, gen_len: int, n_prompts: int, dummy_store_bytes: int,
            why: str) -> tuple[OffloadPolicy, Any]:
     """The best-predicted plan that fits (PreflightError with the numbers when none does) and its prediction."""
-    from flexgen_h2o.memory.offload_dir import sweep_stale
-    from flexgen_h2o.planner.preflight import Machine, PreflightError
-    from flexgen_h2o.planner.search import describe, search
     root = os.path.expanduser(args.offload_dir)
     sweep_stale(root)                  # a killed run's folders would count against the free disk
     rates = machine_rates(args, cfg)
@@ -61,9 +63,6 @@ def predict_if_calibrated(args: argparse.Namespace, est: Any, checked: Any, n_pr
     """The cost model's prediction of a run whose placement was given, when this machine's rates are cached
     (nothing is measured for it); else None. gen_len: the length a benchmark reports (its --cut-gen-len steps
     are projected to it), where the plan was made for the cut."""
-    from flexgen_h2o.calibrate import cached
-    from flexgen_h2o.planner.cost import page_cache_room, predict
-    from flexgen_h2o.planner.plan import Plan
     plan = est.plan
     if not args.calibrate and cached(Path(os.path.expanduser(args.offload_dir))) is None:
         return None                    # (rates() reads the small cache file again: not worth threading through)
@@ -86,6 +85,5 @@ def report(prediction: Any, metrics: dict) -> str:
     ram = prediction.peak_bytes.get("RAM")
     rss = metrics.get("peak_rss_bytes")
     mem = f"; peak RSS predicted {ram / 2**30:.2f} GiB, measured {rss / 2**30:.2f}" if ram and rss else ""
-    from flexgen_h2o.planner.search import tok_s
     return (f"cost model: predicted {tok_s(prediction.total_tok_s)} tok/s, measured {tok_s(measured)} "
             f"(predicted / measured {ratio:.2f}){mem}")

@@ -4,6 +4,7 @@ torchrun started several ranks (docs/distributed.md)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 from pathlib import Path
 from typing import Any, Callable
@@ -11,6 +12,8 @@ from typing import Any, Callable
 from flexgen_h2o.config import ConfigError
 from flexgen_h2o.frontends.cli import run_sampling
 from flexgen_h2o.frontends.jsonl import read_requests
+from flexgen_h2o.frontends.parts import DistributedJob, NullPart, RankPart, job_summary
+from flexgen_h2o.frontends.settings import answer_settings
 
 
 def reporting_rank(args: argparse.Namespace) -> int:
@@ -67,10 +70,8 @@ def batch_job(args: argparse.Namespace, generate: Callable[..., int], gen_len: i
     """A batch job across torchrun's ranks (frontends/parts.py): rank 0 reads and locks, each
     data-parallel rank (or a pipeline's last stage) appends to its part, rank 0 merges. generate(requests,
     pending, results) is the CLI's generation of the pending requests."""
-    from flexgen_h2o.frontends.parts import DistributedJob, NullPart, RankPart
     read = lambda: read_requests(args.input, gen_len, sampling=run_sampling(args),  # noqa: E731
                                  chat_template=not args.no_chat_template)
-    from flexgen_h2o.frontends.settings import answer_settings
     with DistributedJob(args.world, args.output, overwrite=args.overwrite, read=read,
                         settings=answer_settings(args, gen_len)) as job:
         requests, pending = job.requests, job.pending
@@ -102,7 +103,6 @@ def idle_rank(args: argparse.Namespace, results: Any, requests: list) -> int:
 
 def report_job(args: argparse.Namespace, metrics: dict) -> None:
     """Every rank's metrics to rank 0, which prints the job's line."""
-    from flexgen_h2o.frontends.parts import job_summary
     per_rank = args.world.gather({k: metrics.get(k) for k in ("prompts", "prompt_tokens", "generated_tokens",
                                                                 "total_s") if k in metrics})
     if args.world.is_main:
@@ -113,7 +113,6 @@ def report_job(args: argparse.Namespace, metrics: dict) -> None:
 def stage_model(cfg: Any, stage: tuple[int, int]) -> Any:
     """The model as a stage's preflight counts it: its own transformer layers (the embedding and head are
     counted on every stage: an over-count of at most two tables)."""
-    import dataclasses
 
     from flexgen_h2o.models import build_layers
     n = sum(1 for i, layer in enumerate(build_layers(cfg)) if stage[0] <= i < stage[1] and layer.kind == "attn")

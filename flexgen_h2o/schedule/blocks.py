@@ -12,6 +12,8 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
+from tqdm import tqdm
+
 from flexgen_h2o.config import ConfigError, GenerationConfig
 from flexgen_h2o.planner.job import JobPlan
 
@@ -41,7 +43,6 @@ class Progress:
     per-step hook (one call per GPU batch and token step)."""
 
     def __init__(self, enabled: bool, prompt_tokens: int, new_tokens: int):
-        from tqdm import tqdm
         kw = dict(unit="tok", unit_scale=True, dynamic_ncols=True, disable=not enabled, leave=True)
         self.prefill = tqdm(total=prompt_tokens, desc="prefill", position=0, **kw)
         self.decode = tqdm(total=new_tokens, desc="decode ", position=1, **kw)
@@ -71,7 +72,6 @@ class RefillProgress:
     (its total the job's max_new_tokens, lowered as prompts stop early)."""
 
     def __init__(self, enabled: bool, n_prompts: int, new_tokens: int):
-        from tqdm import tqdm
         kw = dict(dynamic_ncols=True, disable=not enabled, leave=True)
         self.prompts = tqdm(total=n_prompts, desc="prompts", unit="prompt", position=0, **kw)
         self.decode = tqdm(total=new_tokens, desc="decode ", unit="tok", unit_scale=True, position=1, **kw)
