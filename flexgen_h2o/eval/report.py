@@ -8,66 +8,18 @@ from pathlib import Path
 from statistics import median
 
 from flexgen_h2o.eval.grid import parse_budget
+from flexgen_h2o.eval.report_retrieval import haystack_section, ruler_section
+from flexgen_h2o.eval.report_tables import (MISSING, budgets_and_policies, depth_heatmap, fmt, mark, meta_line,
+                                            policy_grid, pyplot, save_figure, table)
 from flexgen_h2o.eval.results import load_results
 
 TASKS = ("perplexity", "summarization", "streaming", "needle", "ruler", "haystack")
-MISSING = "–"
-
-
-def _fmt(x: float | None, digits: int = 2) -> str:
-    return MISSING if x is None else f"{x:.{digits}f}"
-
-
-def _table(header: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
-
-
-def _budgets_and_policies(records: dict, prefix: str = "") -> tuple[list[str], list[str]]:
-    """Budget labels (percentages first, then slots ascending) and evicting policies, in first-seen order."""
-    budgets, policies = [], []
-    for key, r in records.items():
-        if not key.startswith(prefix) or r["budget"] == "full" or r.get("rolling"):
-            continue
-        budgets += [r["budget"]] if r["budget"] not in budgets else []
-        policies += [r["policy"]] if r["policy"] not in policies else []
-
-    def order(label: str):
-        spec = parse_budget(label)
-        return (0, spec.fraction) if spec.is_fraction else (1, spec.slots)
-    return sorted(budgets, key=order), policies
-
-
-def _mark(r: dict) -> str:
-    """'*' where no block evicted: the budget held the whole run, so the point is the full cache itself."""
-    return "*" if r.get("blocks_evicting") == 0 and r.get("budget") != "full" else ""
-
-
-def _policy_grid(records: dict, prefix: str, value, digits: int = 2) -> tuple[list[str], list[list[str]]]:
-    budgets, policies = _budgets_and_policies(records, prefix)
-    full = records.get(prefix + "full")
-    header = ["policy"] + budgets + ["full"]
-    rows = []
-    for p in policies:
-        cells = []
-        for b in budgets:
-            r = records.get(f"{prefix}{p}@{b}")
-            cells.append(MISSING if r is None else _fmt(value(r), digits) + _mark(r))
-        rows.append([p] + cells + [_fmt(value(full), digits) if full else MISSING])
-    return header, rows
-
-
-def _plt():
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    return plt
 
 
 def _budget_plot(records: dict, prefix: str, value, ylabel: str, title: str, path: Path, log_y: bool = False) -> None:
     """Two panels (% of the sequence | absolute slots), budget on x, one line per policy, full dashed."""
-    plt = _plt()
-    budgets, policies = _budgets_and_policies(records, prefix)
+    plt = pyplot()
+    budgets, policies = budgets_and_policies(records, prefix)
     groups = [[b for b in budgets if b.endswith("%")], [b for b in budgets if not b.endswith("%")]]
     groups = [g for g in groups if g]
     if not groups:
@@ -91,26 +43,22 @@ def _budget_plot(records: dict, prefix: str, value, ylabel: str, title: str, pat
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle(title)
-    _save(fig, path)
-
-
-def _meta_line(data: dict) -> str:
-    return "settings: " + ", ".join(f"{k}={v}" for k, v in data["meta"].items())
+    save_figure(fig, path)
 
 
 def perplexity_section(data: dict, out: Path) -> str:
     recs = data["records"]
-    parts = ["## Perplexity", _meta_line(data)]
+    parts = ["## Perplexity", meta_line(data)]
     for corpus in data["meta"].get("corpora", []):
         prefix = f"{corpus}/"
-        header, rows = _policy_grid(recs, prefix, lambda r: r["ppl"])
+        header, rows = policy_grid(recs, prefix, lambda r: r["ppl"])
         png = out / f"perplexity_{corpus}.png"
         _budget_plot(recs, prefix, lambda r: r["ppl"], "perplexity", f"Perplexity ({corpus})", png, log_y=True)
-        parts += [f"### {corpus}", _table(header, rows), f"![perplexity {corpus}]({png.name})"]
+        parts += [f"### {corpus}", table(header, rows), f"![perplexity {corpus}]({png.name})"]
         header, rows = item_ratio_table(recs, prefix, ITEM_TABLE_BUDGET)
         if rows:
             parts += [f"Each window's perplexity at {ITEM_TABLE_BUDGET} over full's on the same window (one window "
-                      "whose text copies from far back can carry the corpus figure):", _table(header, rows)]
+                      "whose text copies from far back can carry the corpus figure):", table(header, rows)]
     parts.append("`*`: the budget held the whole sequence, so nothing was evicted (identical to full).")
     return "\n\n".join(parts)
 
@@ -128,27 +76,27 @@ def item_ratio_table(records: dict, prefix: str, budget: str) -> tuple[list[str]
         return [], []
     base = full["item_ppl"]
     ratios = {p: [x / b for x, b in zip(r["item_ppl"], base)] for p, r in points.items()}
-    rows = [[str(i), _fmt(b)] + [f"{ratios[p][i]:.3f}" for p in points] for i, b in enumerate(base)]
-    rows.append(["median", _fmt(median(base))] + [f"{median(ratios[p]):.3f}" for p in points])
+    rows = [[str(i), fmt(b)] + [f"{ratios[p][i]:.3f}" for p in points] for i, b in enumerate(base)]
+    rows.append(["median", fmt(median(base))] + [f"{median(ratios[p]):.3f}" for p in points])
     return ["window", "full ppl", *points], rows
 
 
 def summarization_section(data: dict, out: Path) -> str:
     recs = data["records"]
-    parts = ["## Summarization (XSUM-style, Lee news)", _meta_line(data)]
-    header, rows = _policy_grid(recs, "", lambda r: r["vs_reference"]["rouge2"], 4)
+    parts = ["## Summarization (XSUM-style, Lee news)", meta_line(data)]
+    header, rows = policy_grid(recs, "", lambda r: r["vs_reference"]["rouge2"], 4)
     parts += ["Rouge-2 against the lead sentence (seed 000's shape; KV size in slots or % of the sequence):",
-              _table(header, rows)]
-    header, rows = _policy_grid(recs, "", lambda r: (r["vs_full"] or {"rouge2": 1.0})["rouge2"], 4)
-    parts += ["Fidelity: Rouge-2 against the full-cache summary of the same article:", _table(header, rows)]
+              table(header, rows)]
+    header, rows = policy_grid(recs, "", lambda r: (r["vs_full"] or {"rouge2": 1.0})["rouge2"], 4)
+    parts += ["Fidelity: Rouge-2 against the full-cache summary of the same article:", table(header, rows)]
     detail = []
     for key, r in recs.items():
         ref, fid = r["vs_reference"], r["vs_full"]
-        detail.append([key + _mark(r)] + [_fmt(ref[t], 4) for t in ("rouge1", "rouge2", "rougeL")]
-                      + [_fmt(fid[t], 4) if fid else ("1.0000" if key == "full" else MISSING)
+        detail.append([key + mark(r)] + [fmt(ref[t], 4) for t in ("rouge1", "rouge2", "rougeL")]
+                      + [fmt(fid[t], 4) if fid else ("1.0000" if key == "full" else MISSING)
                          for t in ("rouge1", "rouge2", "rougeL")])
     parts += ["All ROUGE F-measures (vs reference | vs full-cache output):",
-              _table(["point", "R-1", "R-2", "R-L", "R-1 fid", "R-2 fid", "R-L fid"], detail)]
+              table(["point", "R-1", "R-2", "R-L", "R-1 fid", "R-2 fid", "R-L fid"], detail)]
     png = out / "summarization_rouge2.png"
     _budget_plot(recs, "", lambda r: r["vs_reference"]["rouge2"], "Rouge-2", "Summarization Rouge-2", png)
     parts.append(f"![summarization]({png.name})")
@@ -159,15 +107,15 @@ def streaming_section(data: dict, out: Path) -> str:
     recs = data["records"]
     full = recs.get("full")
     # the text itself gets easier or harder along one stream; full's own last 10 % is the control for that
-    rows = [[k, _fmt(r["ppl"]), _fmt(r["ppl_first10"]), _fmt(r["ppl_last10"]), _fmt(r["last_over_first"], 3),
-             _fmt(r["ppl_last10"] / full["ppl_last10"], 3) if full else MISSING, str(r.get("slots_max") or "all")]
+    rows = [[k, fmt(r["ppl"]), fmt(r["ppl_first10"]), fmt(r["ppl_last10"]), fmt(r["last_over_first"], 3),
+             fmt(r["ppl_last10"] / full["ppl_last10"], 3) if full else MISSING, str(r.get("slots_max") or "all")]
             for k, r in recs.items()]
-    parts = ["## Streaming", _meta_line(data),
-             _table(["point", "ppl", "first 10 %", "last 10 %", "last / first", "last 10 % / full's", "slots"], rows)]
+    parts = ["## Streaming", meta_line(data),
+             table(["point", "ppl", "first 10 %", "last 10 %", "last / first", "last 10 % / full's", "slots"], rows)]
     prefill = data["meta"].get("prefill", 0)
     header, per_window = window_table(recs, prefill)
-    parts += ["Perplexity per window of the stream (× full's in the same window):", _table(header, per_window)]
-    plt = _plt()
+    parts += ["Perplexity per window of the stream (× full's in the same window):", table(header, per_window)]
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for k, r in recs.items():
         ax.plot(_window_centres(r, prefill), r["window_ppl"], marker=".", label=k,
@@ -180,7 +128,7 @@ def streaming_section(data: dict, out: Path) -> str:
     ax.set_yscale("log")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
-    parts.append(f"![streaming]({_save(fig, out / 'streaming.png')})")
+    parts.append(f"![streaming]({save_figure(fig, out / 'streaming.png')})")
     return "\n\n".join(parts)
 
 
@@ -202,43 +150,21 @@ def window_table(recs: dict, prefill: int) -> tuple[list[str], list[list[str]]]:
         cells = [f"{centre:.0f}"]
         for k, r in recs.items():
             ratio = f" ({r['window_ppl'][i] / full['window_ppl'][i]:.3f}×)" if full and k != "full" else ""
-            cells.append(_fmt(r["window_ppl"][i]) + ratio)
+            cells.append(fmt(r["window_ppl"][i]) + ratio)
         rows.append(cells)
     return ["window centre (token)", *recs], rows
-
-
-def _save(fig, path: Path) -> str:
-    """Write a figure as PNG and close it; returns the file name for the markdown link."""
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    _plt().close(fig)
-    return path.name
 
 
 def needle_section(data: dict, out: Path) -> str:
     recs = data["records"]
     depths = data["meta"].get("depths", [])
-    rows = [[k + _mark(r), _fmt(r["accuracy"])] + [_fmt(r["accuracy_by_depth"].get(str(d))) for d in depths]
-            + [_fmt(r["answer_nll"], 3)] for k, r in recs.items()]
-    parts = ["## Needle retrieval (pass key)", _meta_line(data),
-             _table(["point", "accuracy"] + [f"{d} %" for d in depths] + ["answer NLL"], rows)]
+    rows = [[k + mark(r), fmt(r["accuracy"])] + [fmt(r["accuracy_by_depth"].get(str(d))) for d in depths]
+            + [fmt(r["answer_nll"], 3)] for k, r in recs.items()]
+    parts = ["## Needle retrieval (pass key)", meta_line(data),
+             table(["point", "accuracy"] + [f"{d} %" for d in depths] + ["answer NLL"], rows)]
     if recs:
         parts.append(f"![needle]({depth_heatmap(recs, depths, 'exact-match accuracy', out / 'needle.png')})")
     return "\n\n".join(parts)
-
-
-def depth_heatmap(recs: dict, depths: list[int], label: str, path: Path) -> str:
-    """Each grid point's accuracy by needle depth as one heatmap row; returns the PNG's name."""
-    plt = _plt()
-    keys = list(recs)
-    grid = [[recs[k]["accuracy_by_depth"].get(str(d), float("nan")) for d in depths] for k in keys]
-    fig, ax = plt.subplots(figsize=(3.5 + 0.7 * len(depths), 1.5 + 0.3 * len(keys)))
-    im = ax.imshow(grid, vmin=0, vmax=1, cmap="viridis", aspect="auto")
-    ax.set_xticks(range(len(depths)), [f"{d}%" for d in depths])
-    ax.set_yticks(range(len(keys)), keys, fontsize=7)
-    ax.set_xlabel("needle depth")
-    fig.colorbar(im, ax=ax, label=label)
-    return _save(fig, path)
 
 
 def target_checks(results: dict[str, dict]) -> list[str]:
@@ -273,7 +199,6 @@ def target_checks(results: dict[str, dict]) -> list[str]:
 def write_report(out_dir: str | Path, title: str = "Accuracy report") -> Path:
     out = Path(out_dir)
     results = {t: load_results(out, t) for t in TASKS}
-    from flexgen_h2o.eval.report_retrieval import haystack_section, ruler_section   # it imports this module
     builders = {"perplexity": perplexity_section, "summarization": summarization_section,
                 "streaming": streaming_section, "needle": needle_section, "ruler": ruler_section,
                 "haystack": haystack_section}

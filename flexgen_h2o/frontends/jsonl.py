@@ -24,10 +24,8 @@ from flexgen_h2o.config import ConfigError
 from flexgen_h2o.files import real_path
 # read_requests is re-exported: callers import the batch file's reader from here
 from flexgen_h2o.frontends.requests import Request, read_requests, record, result_key, same_request  # noqa: F401
-
-
-class OutputWriteError(OSError):
-    """A write to the output failed (a full disk): the file was cut back to its last whole line."""
+# OutputWriteError is re-exported: the output's own errors are named from here
+from flexgen_h2o.frontends.settings import OutputWriteError, check_settings, save_settings
 
 
 def check_writable(path: str | os.PathLike, flag: str) -> None:
@@ -123,7 +121,6 @@ class ResultsFile:
                                       f"{what}; use another --output or pass --overwrite")
             self.done.setdefault(key, rec)
         if self.done and self.settings is not None:      # first: other settings (--gen-len) say more than a line
-            from flexgen_h2o.frontends.settings import check_settings
             self._settings_saved = check_settings(self.path, self.settings)
         if foreign:
             raise ConfigError(foreign)
@@ -151,7 +148,6 @@ class ResultsFile:
             if not self._settings_saved:
                 # after the truncation an --overwrite asked for and before the first line: the file never holds
                 # a line next to settings it was not made with
-                from flexgen_h2o.frontends.settings import save_settings
                 save_settings(self.path, self.settings)
                 self._settings_saved = True
             start = os.fstat(fd).st_size      # the lock holder is the only writer: the end of the last whole line

@@ -33,6 +33,11 @@ FLAGS = {"gen_len": "--gen-len (the default max_new_tokens)", "weights": "--path
          "policy": "--policy / --h2o-variant / --full-cache"}
 
 
+class OutputWriteError(OSError):
+    """A write to a batch job's output or to its settings record failed (a full disk). What is on disk stays
+    whole: the output is cut back to its last whole line (frontends/jsonl.py), the record is replaced atomically."""
+
+
 def settings_path(output: str | os.PathLike) -> Path:
     """`<output>.settings.json` beside the output's real file (an alias of the output shares its record)."""
     real = real_path(output)
@@ -101,7 +106,6 @@ def check_settings(output: str | os.PathLike, settings: dict[str, Any]) -> bool:
 
 def save_settings(output: str | os.PathLike, settings: dict[str, Any]) -> None:
     """Write the record atomically (files.write_atomic): a reader sees the old record or the new."""
-    from flexgen_h2o.frontends.jsonl import OutputWriteError
     path = settings_path(output)
     try:
         write_atomic(path, (json.dumps(settings, indent=1, sort_keys=True) + "\n").encode())
