@@ -27,6 +27,7 @@ $(STAMP):
 install: $(STAMP)
 	@$(VPY) -c 'import sys; from flexgen_h2o.kernels import build; sys.exit(build.build_ahead())' \
 		|| echo "continuing with the torch ops"
+	@$(VPY) -m flexgen_h2o.convert smollm2-135m --quiet > /dev/null    # the embedded model's store, once
 
 # the embedded SmolLM2 answers examples/questions.jsonl as a batch job with H2O (20 % heavy hitters + 20 % recent
 # of each prompt); the answers file is overwritten each time (docs/cli.md, "Batch mode")
