@@ -21,8 +21,7 @@ pipeline stage refills too: every stage gets the ids the last stage sampled and 
 The refill rule: join once `share` of the rows are free (or as many as there are prompts left, or every row);
 share defaults to a quarter of the block (DEFAULT_SHARE: fewer, fuller join passes beat joining at the first
 free row, and where weights stream in each join reads every weight once more; docs/architecture.md, "Continuous
-refill"). Joiners are prefilled
-in groups of similar length, so a join pads little. A prompt's text does not depend on which row it took, what it
+refill"). Joiners are prefilled in groups of similar length, so a join pads little. A prompt's text does not depend on which row it took, what it
 shared the block with or when it joined: every kernel computes each row alone (tests/test_refill.py checks it
 against each prompt run alone).
 """
