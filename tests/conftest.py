@@ -1,4 +1,5 @@
-"""Shared fixtures: the compiled kernels (`kernel`), and the `slow` and `gpu` markers."""
+"""Shared fixtures: the compiled kernels (`kernel`), the converted tiny checkpoint (`tiny`), the SmolLM2 load
+(`smollm2`), and the `slow` and `gpu` markers."""
 from __future__ import annotations
 
 import os
@@ -40,3 +41,49 @@ def kernel():
     if os.environ.get(build.OFF_SWITCH, "1") == "0":
         pytest.skip(f"compiled kernels switched off ({build.OFF_SWITCH}=0)")
     return dispatch.Kernels(ext)
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory):
+    """The tiny Llama checkpoint of tests/tiny_checkpoint.py, converted once per session into its own
+    $FLEXGEN_H2O_HOME: (checkpoint folder, the CLI's environment for that home). A test that writes into the home
+    (the cost model's cached rates, say) takes a copy of it (tiny_checkpoint.own_home)."""
+    from flexgen_h2o.loader import load_model
+    from tests.tiny_checkpoint import cli_env, environment, make_checkpoint
+    root = tmp_path_factory.mktemp("tiny")
+    ckpt = make_checkpoint(root / "tiny")
+    env = cli_env(root / "home")
+    with environment(env):
+        load_model(str(ckpt), progress=False)
+    return ckpt, env
+
+
+SMOLLM2_QUESTIONS = ["What is the capital of France?",
+                     "Name three colours of the rainbow and explain where rainbows come from."]
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """SmolLM2-135M-Instruct from the bundled GGUF, loaded once per session: (the engine's loaded store, the same
+    weights in transformers' LlamaForCausalLM in fp32, SMOLLM2_QUESTIONS as chat-templated token ids). A test that
+    changes the transformers model (its attention implementation, say) puts it back."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from flexgen_h2o.loader import load_model
+    loaded = load_model("smollm2-135m", progress=False)
+    cfg = loaded.config
+    hf_cfg = LlamaConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, num_hidden_layers=cfg.n_layers,
+                         intermediate_size=cfg.ffn_size, num_attention_heads=cfg.n_heads,
+                         num_key_value_heads=cfg.n_kv_heads, max_position_embeddings=cfg.max_seq_len,
+                         rms_norm_eps=cfg.norm_eps, rope_parameters={"rope_type": "default",
+                                                                     "rope_theta": cfg.rope_theta},
+                         tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    model = LlamaForCausalLM(hf_cfg)
+    state = {}
+    for name in model.state_dict():
+        ours = name.removeprefix("model.") if name != "lm_head.weight" else "embed_tokens.weight"
+        state[name] = torch.from_numpy(loaded.read(ours).copy()).float()
+    model.load_state_dict(state)
+    tok = loaded.tokenizer
+    prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True,
+                                       return_dict=False) for q in SMOLLM2_QUESTIONS]
+    return loaded, model.eval(), prompts

@@ -1,4 +1,5 @@
-"""The Python API: `LLM(...).generate(...)` on a tiny checkpoint, its checks, and the same tokens as the CLI."""
+"""The Python API: `LLM(...).generate(...)` on the tiny checkpoint (tests/conftest.py's `tiny`), its checks, and the
+same tokens as the CLI."""
 from __future__ import annotations
 
 import json
@@ -9,23 +10,22 @@ import pytest
 
 from flexgen_h2o import LLM, Completion, ConfigError, EvictionConfig, OffloadPolicy, PreflightError
 from flexgen_h2o.planner import Machine
-from tests.tiny_checkpoint import REPO, cli_env, make_checkpoint, run_cli
+from tests.tiny_checkpoint import REPO, run_main
 
 PROMPTS = ["Hello there", "a", "The quick brown fox jumps", "xyz", "Lorem ipsum dolor sit amet, consectetur",
            "12345", "What is this?"]
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    root = tmp_path_factory.mktemp("api")
-    ckpt = make_checkpoint(root / "tiny")
+@pytest.fixture(scope="module", autouse=True)
+def home(tiny):
+    """The API finds its stores under $FLEXGEN_H2O_HOME: the tiny checkpoint's, converted there already."""
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("FLEXGEN_H2O_HOME", str(root / "home"))
-        yield ckpt, root
+        mp.setenv("FLEXGEN_H2O_HOME", tiny[1]["FLEXGEN_H2O_HOME"])
+        yield
 
 
 @pytest.fixture(scope="module")
-def llm(tiny):
+def llm(tiny, home):
     with LLM(str(tiny[0]), offload={"gpu_batch_size": 3}) as model:
         yield model
 
@@ -117,7 +117,7 @@ def test_import_is_light():
 
 def test_api_gives_the_cli_tokens(tiny, tmp_path):
     """Same prompts, seed, sampling and policies: the CLI's batch output equals LLM.generate, id by id."""
-    ckpt, root = tiny
+    ckpt, env = tiny
     # 8 prompts: every GPU batch holds 2 sequences, one with its KV on the compute tier and one in host memory
     prompts, budgets = PROMPTS + ["one more prompt"], [6, 9, 4, 9, 7, 9, 5, 8]
     rows = [{"prompt": p, "id": f"p{i}", "max_new_tokens": n} for i, (p, n) in enumerate(zip(prompts, budgets))]
@@ -132,10 +132,10 @@ def test_api_gives_the_cli_tokens(tiny, tmp_path):
     assert "stop" in [o.finish_reason for o in api]
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     inp.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    proc = run_cli(["--model", str(ckpt), "--input", str(inp), "--output", str(out), "--percent", "0", "100", "50",
-                    "50", "100", "0", "--gpu-batch-size", "2", "--num-gpu-batches", "2", "--hh-ratio", "0.3",
-                    "--sink-size", "1", "--temperature", "0.9", "--top-k", "20", "--seed", "7", "--stop", stop, "--no-progress"],
-                   cli_env(root / "home"))
+    proc = run_main(["--model", str(ckpt), "--input", str(inp), "--output", str(out), "--percent", "0", "100", "50",
+                     "50", "100", "0", "--gpu-batch-size", "2", "--num-gpu-batches", "2", "--hh-ratio", "0.3",
+                     "--sink-size", "1", "--temperature", "0.9", "--top-k", "20", "--seed", "7", "--stop", stop,
+                     "--no-progress"], env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     cli = [json.loads(x) for x in out.read_text().splitlines()]
     assert [r["id"] for r in cli] == [r["id"] for r in rows]

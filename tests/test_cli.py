@@ -1,39 +1,28 @@
-"""`python -m flexgen_h2o.run` through a subprocess on a tiny local checkpoint: benchmark mode, batch mode,
-resume after SIGKILL, and every input error (one line, exit code 2, nothing written)."""
+"""`python -m flexgen_h2o.run` on the tiny local checkpoint (tests/conftest.py's `tiny`): benchmark mode, batch mode,
+resume after SIGKILL, and every input error (one line, exit code 2, nothing written). In this process through
+run.main (tests/tiny_checkpoint.py, run_main), but for the killed job and the run after it, which are the entry
+point in subprocesses."""
 from __future__ import annotations
 
 import json
 import os
 import re
 import signal
-import subprocess
-import sys
 
 import pytest
 
 from flexgen_h2o.config import OffloadPolicy
 from flexgen_h2o.planner.job import padding_tokens, plan_blocks
 from flexgen_h2o.kv import EvictionConfig
-from flexgen_h2o.loader import load_model
 from flexgen_h2o.models import resolve_model
 from flexgen_h2o.planner import estimate
-from tests.tiny_checkpoint import REPO, cli_env, kill_once_written, make_checkpoint, run_cli
+from tests.tiny_checkpoint import kill_once_written, run_cli, run_main
 
 LOG_RE = [r"model size: ([\d.]+) GB\tcache size: ([\d.]+) GB\thidden size \(p\): ([\d.]+) GB",
           r"peak gpu mem: ([\d.]+) GB\tprojected: (True|False)",
           r"prefill latency: ([\d.]+) s\tprefill throughput: ([\d.]+) token/s",
           r"decode latency: ([\d.]+) s\tdecode throughput: ([\d.]+) token/s",
           r"total latency: ([\d.]+) s\ttotal throughput: ([\d.]+) token/s"]
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    root = tmp_path_factory.mktemp("cli")
-    ckpt = make_checkpoint(root / "tiny")
-    with pytest.MonkeyPatch.context() as mp:      # convert once, so no test depends on running first
-        mp.setenv("FLEXGEN_H2O_HOME", str(root / "home"))
-        load_model(str(ckpt), progress=False)
-    return ckpt, cli_env(root / "home")
 
 
 def _jsonl(path, rows):
@@ -45,7 +34,7 @@ def test_benchmark_mode_log_and_json(tiny, tmp_path):
     ckpt, env = tiny
     log, mj = tmp_path / "bench.log", tmp_path / "m.json"
     log.write_text("earlier run\n")
-    proc = run_cli(["--model", str(ckpt), "--prompt-len", "24", "--gen-len", "6", "--hh-ratio", "0.25",
+    proc = run_main(["--model", str(ckpt), "--prompt-len", "24", "--gen-len", "6", "--hh-ratio", "0.25",
                     "--gpu-batch-size", "2", "--num-gpu-batches", "2", "--percent", "50", "50", "0", "50", "0", "100",
                     "--offload-dir", str(tmp_path / "off"), "--log-file", str(log), "--metrics-json", str(mj)], env)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -95,7 +84,7 @@ def test_batch_mode_keeps_ids_order_and_counts(tiny, tmp_path):
             {"prompt": "hello world", "id": "hw", "max_new_tokens": 1}, {"prompt": "xyz"},
             {"prompt": "Another long prompt that sits in the same bucket as", "id": "long2"}]
     inp, out, mj = _jsonl(tmp_path / "in.jsonl", rows), tmp_path / "out.jsonl", tmp_path / "m.json"
-    proc = run_cli(["--model", str(ckpt), "--input", str(inp), "--output", str(out), "--gen-len", "5",
+    proc = run_main(["--model", str(ckpt), "--input", str(inp), "--output", str(out), "--gen-len", "5",
                     "--gpu-batch-size", "2", "--metrics-json", str(mj), "--seed", "1", "--no-refill"], env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     recs = [json.loads(x) for x in out.read_text().splitlines()]
@@ -124,16 +113,16 @@ def test_resume_after_sigkill(tiny, tmp_path):
     rows = [{"prompt": "Tell me about item number %d, please." % i + "!" * (i % 5) * 6, "id": f"q{i}"}
             for i in range(n)]
     inp, out = _jsonl(tmp_path / "in.jsonl", rows), tmp_path / "out.jsonl"
-    args = ["-m", "flexgen_h2o.run", "--model", str(ckpt), "--input", str(inp), "--output", str(out),
-            "--gen-len", "48", "--gpu-batch-size", "1", "--no-progress", "--metrics-json", str(tmp_path / "m.json")]
-    status = kill_once_written(args[2:], out, env, tmp_path / "log1", lines=2)
+    args = ["--model", str(ckpt), "--input", str(inp), "--output", str(out), "--gen-len", "48", "--gpu-batch-size",
+            "1", "--no-progress", "--metrics-json", str(tmp_path / "m.json")]
+    status = kill_once_written(args, out, env, tmp_path / "log1", lines=2)
     assert status == -signal.SIGKILL, (tmp_path / "log1").read_text()[-2000:]
     raw = out.read_bytes()
     assert raw.endswith(b"\n")                                                # no partial line
     before = [json.loads(x) for x in raw.decode().splitlines()]
     done = [r["id"] for r in before]
     assert len(set(done)) == len(done) and 2 <= len(done) < n, done        # killed mid-way, no duplicates
-    proc2 = subprocess.run([sys.executable, *args], env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
+    proc2 = run_main(args, env)
     assert proc2.returncode == 0, proc2.stderr[-3000:]
     assert f"resuming {out}: {len(done)} of {n} ids already done" in proc2.stdout
     after = [json.loads(x) for x in out.read_text().splitlines()]
@@ -142,8 +131,8 @@ def test_resume_after_sigkill(tiny, tmp_path):
     assert all(by_id[r["id"]] == r for r in before)                          # kept, not regenerated
     m = json.loads((tmp_path / "m.json").read_text())
     assert m["prompts"] == n - len(done)                                     # only the rest ran
-    # a third run has nothing to do and leaves the file as it is
-    proc3 = subprocess.run([sys.executable, *args], env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
+    # a third run has nothing to do and leaves the file as it is: the entry point's exit status, in a subprocess
+    proc3 = run_cli(args, env)
     assert proc3.returncode == 0 and "nothing to do" in proc3.stdout
     assert [json.loads(x) for x in out.read_text().splitlines()] == after
 
@@ -157,11 +146,11 @@ def test_resumed_sampling_gives_the_uninterrupted_tokens(tiny, tmp_path):
     common = ["--model", str(ckpt), "--input", str(inp), "--gen-len", "12", "--gpu-batch-size", "2",
               "--temperature", "1.0", "--top-k", "20", "--seed", "3", "--no-progress"]
     full = tmp_path / "full.jsonl"
-    assert run_cli(common + ["--output", str(full)], env).returncode == 0
+    assert run_main(common + ["--output", str(full)], env).returncode == 0
     want = [json.loads(x) for x in full.read_text().splitlines()]
     partial = tmp_path / "partial.jsonl"
     partial.write_text("".join(json.dumps(want[i]) + "\n" for i in (4, 1)))       # two ids already done
-    proc = run_cli(common + ["--output", str(partial)], env)
+    proc = run_main(common + ["--output", str(partial)], env)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert [json.loads(x) for x in partial.read_text().splitlines()] == want
     assert len({r["text"] for r in want}) > 1                                      # really sampled text
@@ -198,8 +187,8 @@ def test_errors_one_line_exit_2_nothing_written(tiny, tmp_path):
     ckpt, env = tiny
     for args, message in _errors(tmp_path, ckpt):
         before = sorted(os.listdir(tmp_path))
-        proc = run_cli(args + ["--metrics-json", str(tmp_path / "m.json"), "--log-file", str(tmp_path / "l.log")]
-                       if "--metrics-json" not in args else args, env)
+        proc = run_main(args + ["--metrics-json", str(tmp_path / "m.json"), "--log-file", str(tmp_path / "l.log")]
+                        if "--metrics-json" not in args else args, env)
         assert proc.returncode == 2, (args, proc.stderr[-2000:])
         lines = proc.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith(message), (args, proc.stderr)
@@ -210,7 +199,7 @@ def test_errors_one_line_exit_2_nothing_written(tiny, tmp_path):
 def test_hub_error_says_how_to_convert(tiny, tmp_path):
     ckpt, env = tiny
     env = dict(env, FLEXGEN_H2O_HOME=str(tmp_path / "home"))
-    proc = run_cli(["--model", "facebook/opt-13b", "--metrics-json", str(tmp_path / "m.json")], env)
+    proc = run_main(["--model", "facebook/opt-13b", "--metrics-json", str(tmp_path / "m.json")], env)
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1
     assert proc.stderr.startswith("error: weights for facebook/opt-13b are not converted and cannot be downloaded")
     assert "python -m flexgen_h2o.convert /path/to/hf_folder --model facebook/opt-13b" in proc.stderr

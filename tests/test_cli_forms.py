@@ -1,6 +1,7 @@
-"""Batch input forms end to end, through a subprocess on tiny local checkpoints whose character tokenizer has a
-chat template (and one whose has none): a `prompt` line is raw text, a `messages` line is templated, an OpenAI
-request file is answered in OpenAI's output form and resumes; and the flag combinations refused up front."""
+"""Batch input forms end to end, through run.main in this process (tests/tiny_checkpoint.py, run_main) on tiny
+local checkpoints whose character tokenizer has a chat template (and one whose has none): a `prompt` line is raw
+text, a `messages` line is templated, an OpenAI request file is answered in OpenAI's output form and resumes; and
+the flag combinations refused up front."""
 from __future__ import annotations
 
 import json
@@ -9,7 +10,7 @@ import os
 import pytest
 
 from flexgen_h2o.loader import load_model
-from tests.tiny_checkpoint import char_tokenizer, cli_env, make_checkpoint, run_cli
+from tests.tiny_checkpoint import char_tokenizer, cli_env, environment, make_checkpoint, run_main
 
 TEMPLATE = ("{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}"
             "{% if add_generation_prompt %}[assistant]{% endif %}")
@@ -24,11 +25,11 @@ def models(tmp_path_factory):
     tok.chat_template = TEMPLATE
     tok.save_pretrained(chat)
     plain = make_checkpoint(root / "tinyplain")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("FLEXGEN_H2O_HOME", str(root / "home"))
+    env = cli_env(root / "home")
+    with environment(env):
         templated = load_model(str(chat), progress=False).tokenizer
         load_model(str(plain), progress=False)
-    return chat, plain, templated, cli_env(root / "home")
+    return chat, plain, templated, env
 
 
 def _jsonl(path, rows):
@@ -41,8 +42,8 @@ def _read(path):
 
 
 def _run(ckpt, env, inp, out, *more):
-    proc = run_cli(["--model", str(ckpt), "--input", str(inp), "--output", str(out), "--gen-len", "6",
-                    "--gpu-batch-size", "2", "--no-progress", *more], env)
+    proc = run_main(["--model", str(ckpt), "--input", str(inp), "--output", str(out), "--gen-len", "6",
+                     "--gpu-batch-size", "2", "--no-progress", *more], env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
 
@@ -116,8 +117,8 @@ def test_openai_file_gets_openai_output_and_resumes(models, tmp_path):
     assert again[0]["response"]["body"]["choices"] == recs[0]["response"]["body"]["choices"]   # greedy: same text
     # a changed request line is not resumed over (the run's own settings as before: only the line differs)
     rows[2]["body"]["max_tokens"] = 2
-    proc = run_cli(["--model", str(chat), "--input", str(_jsonl(inp, rows)), "--output", str(out), "--gen-len", "6"],
-                   env)
+    proc = run_main(["--model", str(chat), "--input", str(_jsonl(inp, rows)), "--output", str(out), "--gen-len", "6"],
+                    env)
     assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
         f"error: --output {out}: id \"c2\" (line 3) was generated for a different request line; use another "
         "--output or pass --overwrite"]
@@ -161,8 +162,8 @@ def test_refusals_one_line_exit_2_nothing_written(models, tmp_path):
     chat, plain, _, env = models
     for args, message in _refusals(tmp_path, chat, plain):
         before = sorted(os.listdir(tmp_path))
-        proc = run_cli(args + ["--metrics-json", str(tmp_path / "m.json"), "--log-file", str(tmp_path / "l.log")],
-                       env)
+        proc = run_main(args + ["--metrics-json", str(tmp_path / "m.json"), "--log-file", str(tmp_path / "l.log")],
+                        env)
         assert proc.returncode == 2, (args, proc.stderr[-2000:])
         assert proc.stderr.strip().splitlines() == [message], (args, proc.stderr)
         assert proc.stdout == ""

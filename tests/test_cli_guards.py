@@ -1,6 +1,7 @@
-"""Batch jobs you can trust, through the real CLI in subprocesses: one run per --output at a time (a killed
-run never blocks its rerun), and a bad checkpoint config.json is one `error:` line and exit 2 for both
-`python -m flexgen_h2o.run` and `python -m flexgen_h2o.convert`. All cheap: every run stops before weights load."""
+"""Batch jobs you can trust, through the CLI's main in this process (tests/tiny_checkpoint.py, run_main) while
+another process holds the lock: one run per --output at a time (a killed run never blocks its rerun), and a bad
+checkpoint config.json is one `error:` line and exit 2 for both `python -m flexgen_h2o.run` and
+`python -m flexgen_h2o.convert`. All cheap: every run stops before weights load."""
 from __future__ import annotations
 
 import json
@@ -10,9 +11,10 @@ import sys
 
 import pytest
 
-from flexgen_h2o.models import resolve_model
-from flexgen_h2o.models.config import CheckpointConfigError, from_hf_config
-from tests.tiny_checkpoint import REPO, cli_env, run_cli
+from flexgen_h2o import convert
+from flexgen_h2o.models import from_hf_config, resolve_model
+from flexgen_h2o.models.config import CheckpointConfigError
+from tests.tiny_checkpoint import REPO, cli_env, make_checkpoint, run_main
 
 HOLDER = """
 import sys, time
@@ -46,7 +48,7 @@ def test_second_run_on_the_same_output_is_refused(tmp_path):
     args = ["--model", "no-such-model", "--input", str(inp), "--output", str(out), "--no-progress"]
     holder = _hold(out, env)
     try:
-        proc = run_cli(args, env)
+        proc = run_main(args, env)
         assert proc.returncode == 2, proc.stderr
         assert proc.stderr.splitlines() == [f"error: --output {out} is in use by another run (pid {holder.pid} holds "
                                             f"{lock}); wait for it to finish or pick another --output"]
@@ -57,7 +59,7 @@ def test_second_run_on_the_same_output_is_refused(tmp_path):
         holder.wait(timeout=30)
     # the holder is gone (SIGKILL, its lock file left behind): the same command gets past the lock, to the model
     assert lock.exists()
-    proc = run_cli(args, env)
+    proc = run_main(args, env)
     assert proc.returncode == 2
     assert proc.stderr.splitlines()[0].startswith("error: unknown model 'no-such-model'")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl"]                 # lock file removed too
@@ -73,7 +75,7 @@ def test_rerun_after_a_sigkilled_holder_resumes_and_removes_the_lock(tmp_path):
     holder.send_signal(signal.SIGKILL)
     holder.wait(timeout=30)
     assert holder.returncode == -signal.SIGKILL and lock.read_text() == f"{holder.pid}\n"
-    proc = run_cli(["--model", "no-such-model", "--input", str(inp), "--output", str(out)], env)
+    proc = run_main(["--model", "no-such-model", "--input", str(inp), "--output", str(out)], env)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == f"resuming {out}: 1 of 1 ids already done\nnothing to do: all 1 ids of {inp} are in {out}\n"
     assert [json.loads(x) for x in out.read_text().splitlines()] == [done]
@@ -115,10 +117,9 @@ def test_bad_config_json_is_one_error_line(tmp_path, command, case):
     cfg.write_text(text)
     env = cli_env(tmp_path / "home")
     if command == "run":
-        proc = run_cli(["--model", str(ckpt), "--prompt", "hi"], env)
+        proc = run_main(["--model", str(ckpt), "--prompt", "hi"], env)
     else:
-        proc = subprocess.run([sys.executable, "-m", "flexgen_h2o.convert", str(ckpt), "--out", str(tmp_path / "out"),
-                               "--quiet"], env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
+        proc = run_main([str(ckpt), "--out", str(tmp_path / "out"), "--quiet"], env, main=convert.main)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert proc.stderr.splitlines() == [expected]
     assert proc.stdout == ""
@@ -159,18 +160,15 @@ def test_the_good_config_reads_and_each_field_check(tmp_path):
 def test_run_removes_folders_of_killed_runs_before_its_disk_preflight(tmp_path):
     """The preflight measures the offload root's free space: folders of killed runs are removed first, or their
     bytes could make it refuse the run that would remove them."""
-    from tests.tiny_checkpoint import make_checkpoint
     ckpt = make_checkpoint(tmp_path / "tiny")
     off = tmp_path / "off"
     stale = off / "flexgen_h2o-123-0123abcd"          # a lock file nobody holds: its run was killed
     stale.mkdir(parents=True)
     (stale / ".lock").write_text("123\n")
     (stale / "000001-kv.npy").write_bytes(b"0" * 1000)
-    env = dict(cli_env(tmp_path / "home"), PYTHONUNBUFFERED="1")      # one stream, in the order printed
-    proc = subprocess.run([sys.executable, "-m", "flexgen_h2o.run", "--model", str(ckpt), "--prompt", "hello",
-                           "--gen-len", "3", "--percent", "100", "0", "0", "0", "100", "0", "--offload-dir", str(off),
-                           "--no-progress"], env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          text=True, timeout=300)
+    proc = run_main(["--model", str(ckpt), "--prompt", "hello", "--gen-len", "3", "--percent", "100", "0", "0", "0",
+                     "100", "0", "--offload-dir", str(off), "--no-progress"], cli_env(tmp_path / "home"),
+                    merged=True)                                    # one stream, in the order printed
     assert proc.returncode == 0, proc.stdout[-3000:]
     lines = proc.stdout.splitlines()
     swept = f"offload dir: removed 1 folder(s) left by dead runs (1004 B) under {off}"

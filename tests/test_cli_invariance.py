@@ -11,22 +11,16 @@ import signal
 
 import pytest
 
-from tests.test_cli import tiny  # noqa: F401  (the converted tiny checkpoint and its CLI environment)
-from tests.tiny_checkpoint import kill_once_written, run_cli
-
-ROWS = [{"prompt": "Item %d: " % i + "abcdefghij" * (1 + (i * 7) % 6) + "?", "id": f"q{i}"} for i in range(12)]
-
-
-def tokens_by_id(path) -> dict:
-    return {r["id"]: r["token_ids"] for r in map(json.loads, path.read_text().splitlines())}
+from tests.tiny_checkpoint import ROWS, kill_once_written, run_main, tokens_by_id
 
 
 def killed_then_resumed(args: list[str], out, env, log) -> None:
-    """Start the job, SIGKILL it once a block is on disk, then rerun the same command to finish it."""
+    """Start the job in a subprocess, SIGKILL it once a block is on disk, then rerun the same command (in this
+    process) to finish it."""
     assert kill_once_written(args, out, env, log, lines=3) == -signal.SIGKILL, log.read_text()[-2000:]
     done = out.read_text().count("\n")
     assert 3 <= done < len(ROWS), done                                      # killed mid-way
-    rerun = run_cli(args, env)
+    rerun = run_main(args, env)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     assert f"resuming {out}: {done} of {len(ROWS)} ids already done" in rerun.stdout
 
@@ -53,13 +47,13 @@ def test_alone_batched_and_resumed_give_the_same_tokens(tiny, tmp_path, case):
     common = ["--model", str(ckpt), "--input", str(inp), "--gen-len", "40", "--no-progress",
               "--offload-dir", str(tmp_path / "offload"), *flags]
     alone, batched, resumed = (tmp_path / f"{name}.jsonl" for name in ("alone", "batched", "resumed"))
-    proc = run_cli(common + ["--output", str(alone), "--gpu-batch-size", "1"], env)
+    proc = run_main(common + ["--output", str(alone), "--gpu-batch-size", "1"], env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     # the budgets really differ per prompt (the startup line gives their range)
     assert "slots/seq" in proc.stdout and "each prompt's own length" in proc.stdout, proc.stdout
     assert "batch invariance: bit for bit" in proc.stdout, proc.stdout          # what the startup line promises
-    proc = run_cli(common + ["--output", str(batched), "--gpu-batch-size", "4", "--num-gpu-batches", "2",
-                             *batched_flags], env)
+    proc = run_main(common + ["--output", str(batched), "--gpu-batch-size", "4", "--num-gpu-batches", "2",
+                              *batched_flags], env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     # refilled: rows that finished took the next prompts in join passes (a batched job refills by default)
     killed_then_resumed([*common, "--output", str(resumed), "--gpu-batch-size", "3", *resumed_flags], resumed, env,

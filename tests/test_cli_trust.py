@@ -16,7 +16,6 @@ from flexgen_h2o.kv import EvictionConfig
 from flexgen_h2o.models import PRESETS
 from flexgen_h2o.planner.preflight import Machine, checks
 from flexgen_h2o.planner.memory import estimate
-from tests.test_cli import tiny  # noqa: F401  (the converted tiny Llama checkpoint and its CLI environment)
 
 GIB = 1 << 30
 

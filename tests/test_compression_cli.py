@@ -10,15 +10,15 @@ from flexgen_h2o.config import OffloadPolicy
 from flexgen_h2o.kv import EvictionConfig
 from flexgen_h2o.models import PRESETS
 from flexgen_h2o.planner import Machine, PreflightError, checks, estimate, preflight
-from tests.tiny_checkpoint import cli_env, run_cli
+from tests.tiny_checkpoint import cli_env, run_main
 
 GIB = 1 << 30
 
 
 def test_the_startup_lines_show_the_formats_and_their_bytes(tmp_path):
-    proc = run_cli(["--model", "opt-125m", "--dummy-weights", "--compress-cache", "--compress-weight",
-                    "--prompt-len", "16", "--gen-len", "2", "--gpu-batch-size", "2", "--no-progress"],
-                   cli_env(tmp_path / "home"))
+    proc = run_main(["--model", "opt-125m", "--dummy-weights", "--compress-cache", "--compress-weight",
+                     "--prompt-len", "16", "--gen-len", "2", "--gpu-batch-size", "2", "--no-progress"],
+                    cli_env(tmp_path / "home"))
     assert proc.returncode == 0, proc.stderr
     plan = next(line for line in proc.stdout.splitlines() if line.startswith("plan:"))
     # 12 heads of 64: K and V 36 bytes each (32 of int4 values, an fp16 minimum and step), score and position 8
@@ -30,7 +30,7 @@ def test_the_startup_lines_show_the_formats_and_their_bytes(tmp_path):
                                                ("--weight-bits", "16", "--weight-bits: invalid choice: 16"),
                                                ("--group-size", "0", "--group-size: must be >= 1, got 0")])
 def test_bad_compression_values_are_one_error_line(tmp_path, flag, value, says):
-    proc = run_cli(["--model", "opt-125m", "--dummy-weights", "--compress-cache", flag, value], cli_env(tmp_path))
+    proc = run_main(["--model", "opt-125m", "--dummy-weights", "--compress-cache", flag, value], cli_env(tmp_path))
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and says in lines[0]

@@ -1,9 +1,9 @@
 """Scale-out under torchrun with gloo on this machine: data-parallel batch jobs and the layer pipeline.
 
 Every job here is the real entry point (`python -m torch.distributed.run ... -m flexgen_h2o.run`) in local
-processes; the reference is the same command in one process. Tokens must be equal outright: a data-parallel
-rank's blocks hold other prompts than one process's (batch invariance), and a pipeline computes the same layers
-in the same order, only in other processes.
+processes; the reference is the same command run by run.main in this process (tests/tiny_checkpoint.py,
+run_main). Tokens must be equal outright: a data-parallel rank's blocks hold other prompts than one process's
+(batch invariance), and a pipeline computes the same layers in the same order, only in other processes.
 """
 from __future__ import annotations
 
@@ -23,10 +23,7 @@ from flexgen_h2o.distributed.shard import shard_by_tokens
 from flexgen_h2o.frontends.scale_out import join
 from flexgen_h2o.models import build_layers, resolve_model, schedule_groups
 from tests.helpers import tiny_hf
-from tests.test_cli import tiny  # noqa: F401  (the converted tiny Llama checkpoint and its CLI environment)
-from tests.tiny_checkpoint import REPO, char_tokenizer, run_cli
-
-ROWS = [{"prompt": "Item %d: " % i + "abcdefghij" * (1 + (i * 7) % 6) + "?", "id": f"q{i}"} for i in range(12)]
+from tests.tiny_checkpoint import REPO, ROWS, char_tokenizer, run_main
 
 # rank 1 SIGKILLs itself right after its first block is on disk (fsync'd in its part file)
 _KILL_RANK_1 = """
@@ -80,8 +77,8 @@ def one_process(tiny, tiny_opt, job, tmp_path_factory):
     def get(model: str, kv: tuple[str, ...]) -> list:
         if (model, kv) not in done:
             out = tmp_path_factory.mktemp("one") / "one.jsonl"
-            proc = run_cli(["--model", str(ckpt if model == "llama" else tiny_opt), "--input", str(job), "--output",
-                            str(out), "--gen-len", "40", "--no-progress", *kv], env)
+            proc = run_main(["--model", str(ckpt if model == "llama" else tiny_opt), "--input", str(job), "--output",
+                             str(out), "--gen-len", "40", "--no-progress", *kv], env)
             assert proc.returncode == 0, proc.stderr[-3000:]
             done[model, kv] = results(out)
             assert [i for i, _ in done[model, kv]] == [r["id"] for r in ROWS]
@@ -147,7 +144,7 @@ def test_a_job_whose_shape_does_not_fit_the_world_is_refused_before_joining(tmp_
 
 def test_pipeline_flags_without_torchrun_are_one_error_line(tiny, tmp_path):
     ckpt, env = tiny
-    proc = run_cli(["--model", str(ckpt), "--prompt", "hi", "--pipeline-stages", "2"], env)
+    proc = run_main(["--model", str(ckpt), "--prompt", "hi", "--pipeline-stages", "2"], env)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1
     assert proc.stderr.startswith("error: --pipeline-stages, --stage-percent and --stage-order split the model")
 

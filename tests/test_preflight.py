@@ -10,7 +10,7 @@ from flexgen_h2o.kv import EvictionConfig
 from flexgen_h2o.models import PRESETS, from_hf_config
 from flexgen_h2o.planner import Machine, PreflightError, checks, estimate, preflight
 from tests.helpers import greedy, make_engine, random_prompts, tiny_hf
-from tests.tiny_checkpoint import cli_env, run_cli
+from tests.tiny_checkpoint import cli_env, run_main
 
 GIB = 1 << 30
 
@@ -106,9 +106,9 @@ def test_disk_refusal_names_the_offload_dir(tmp_path):
 
 def test_cli_refuses_a_run_that_cannot_fit(tmp_path):
     env = cli_env(tmp_path / "home")
-    proc = run_cli(["--model", "opt-175b", "--dummy-weights", "--percent", "0", "100", "100", "0", "100", "0",
-                    "--gpu-batch-size", "64", "--num-gpu-batches", "64", "--prompt-len", "1024", "--gen-len", "8",
-                    "--metrics-json", str(tmp_path / "m.json")], env)
+    proc = run_main(["--model", "opt-175b", "--dummy-weights", "--percent", "0", "100", "100", "0", "100", "0",
+                     "--gpu-batch-size", "64", "--num-gpu-batches", "64", "--prompt-len", "1024", "--gen-len", "8",
+                     "--metrics-json", str(tmp_path / "m.json")], env)
     assert proc.returncode == 2, proc.stderr
     err = proc.stderr
     assert err.startswith("preflight: opt-175b does not fit this machine (RAM)")

@@ -1,22 +1,31 @@
-"""A tiny local HF checkpoint (random Llama, GQA) with a character-level tokenizer, for CLI and API tests.
+"""A tiny local HF checkpoint (random Llama, GQA) with a character-level tokenizer, for CLI and API tests, and the
+ways to run the CLI on it: in this process (run_main: flag checks, error lines, whole jobs) or in a subprocess
+(run_cli, kill_once_written, kill_at_line: where the process boundary is the point, a SIGKILL and its resume).
 
 The CLI takes a local folder as --model and converts it into a store under $FLEXGEN_H2O_HOME, tokenizer
-included, so subprocess tests run the real entry point offline in a few seconds. Every printable ASCII
-character is one token, which makes prompt lengths exact and easy to choose.
+included, so the tests run the real entry point offline. Every printable ASCII character is one token, which makes
+prompt lengths exact and easy to choose. tests/conftest.py's `tiny` fixture converts it once per session.
 """
 from __future__ import annotations
 
+import contextlib
+import io
+import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable, Iterator, NamedTuple
 
 from tests.helpers import VOCAB, tiny_hf
 
 REPO = Path(__file__).resolve().parents[1]
 SPECIALS = ("<pad>", "<s>", "</s>", "<unk>")
+# a batch job of twelve prompts from 19 to 69 characters (tokens), for the invariance, refill and scale-out tests
+ROWS = [{"prompt": "Item %d: " % i + "abcdefghij" * (1 + (i * 7) % 6) + "?", "id": f"q{i}"} for i in range(12)]
 
 
 def char_tokenizer():
@@ -53,8 +62,53 @@ def cli_env(home: Path) -> dict[str, str]:
 
 def run_cli(args: list[str], env: dict[str, str], cwd: Path | None = None, timeout: float = 300,
             **kw) -> subprocess.CompletedProcess:
+    """`python -m flexgen_h2o.run args` in a subprocess (the entry point itself, torchrun's ranks, kills)."""
     return subprocess.run([sys.executable, "-m", "flexgen_h2o.run", *args], env=env, cwd=cwd or REPO,
                           capture_output=True, text=True, timeout=timeout, **kw)
+
+
+class Ran(NamedTuple):
+    """What run_main saw: run_cli's CompletedProcess fields that the tests read."""
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+@contextlib.contextmanager
+def environment(env: dict[str, str]) -> Iterator[None]:
+    """os.environ is `env` inside (what a subprocess given env= would see), as it was before afterwards."""
+    saved = dict(os.environ)
+    os.environ.clear()
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def run_main(args: list[str], env: dict[str, str], cwd: Path | None = None,
+             main: Callable[[list[str]], int] | None = None, merged: bool = False) -> Ran:
+    """run_cli in this process: `main(args)` (default flexgen_h2o.run.main) under `env` and in `cwd` (default the
+    repository, as run_cli), its stdout and stderr captured and its exit status returned as a subprocess's would
+    be (argparse's refusals exit from the parser). merged: stderr into stdout, one stream in the order printed.
+    The environment and the working folder are restored after."""
+    if main is None:
+        from flexgen_h2o.run import main
+    out = io.StringIO()
+    err = out if merged else io.StringIO()
+    here = os.getcwd()
+    with environment(env), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        os.chdir(cwd or REPO)
+        try:
+            code = main(args)
+        except SystemExit as e:                  # as the interpreter ends: an int is the status, text goes to stderr
+            if isinstance(e.code, str):
+                print(e.code, file=sys.stderr)
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        finally:
+            os.chdir(here)
+    return Ran(code, out.getvalue(), "" if merged else err.getvalue())
 
 
 def kill_once_written(args: list[str], out: Path, env: dict[str, str], log: Path, lines: int) -> int:
@@ -100,3 +154,16 @@ def kill_at_line(args: list[str], env: dict[str, str], log: Path, lines: int, be
     with open(log, "w") as f:
         return subprocess.run([sys.executable, "-c", _KILL_AT_LINE, str(lines), "before" if before else "after",
                                *args], env=env, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, timeout=300).returncode
+
+
+def tokens_by_id(path: Path) -> dict:
+    """A batch job's output file: id -> generated token ids."""
+    return {r["id"]: r["token_ids"] for r in map(json.loads, path.read_text().splitlines())}
+
+
+def own_home(env: dict[str, str], root: Path) -> dict[str, str]:
+    """`env` with its own $FLEXGEN_H2O_HOME under `root`, a copy of env's (the converted stores): for a test that
+    writes into the home, such as the cost model's cached rates, which every later run there would then use."""
+    home = root / "own-home"
+    shutil.copytree(env["FLEXGEN_H2O_HOME"], home, symlinks=True)
+    return dict(env, FLEXGEN_H2O_HOME=str(home))
