@@ -107,8 +107,13 @@ class OffloadPolicy:
                               f"({self.num_gpu_batches}) must be >= 1")
         if self.prefill_batch_size is not None and self.prefill_batch_size < 1:
             raise ConfigError(f"--prefill-batch-size must be >= 1, got {self.prefill_batch_size}")
-        if self.kv_dtype not in ("float16", "float32"):
-            raise ConfigError(f"kv_dtype {self.kv_dtype!r} must be float16 or float32")
+        if self.kv_dtype not in ("float16", "float32", "fp16", "fp32"):    # the others need torch: ask the registry
+            try:                       # a plain storage format of flexgen_h2o.formats, by name or dtype name
+                plain = not self.kv_format.quantized
+            except ValueError as e:
+                raise ConfigError(f"kv_dtype: {e}") from None
+            if not plain:
+                raise ConfigError(f"kv_dtype {self.kv_dtype!r} names a quantized format: give kv_bits instead")
         for flag, bits in (("--kv-bits", self.kv_bits), ("--weight-bits", self.weight_bits)):
             if bits is not None and bits not in (4, 8):
                 raise ConfigError(f"{flag} must be 4 or 8, got {bits}")
@@ -138,7 +143,7 @@ class OffloadPolicy:
         rolling. A split cache's parts are joined into one copy; rolling re-rotates every key anyway; a disk-homed
         cache's copy is the read that the KV lane's worker thread overlaps with compute."""
         parts = split_by_fraction(batch, self.tier_fractions("cache"))
-        narrow = self.kv_bits is not None or self.kv_dtype != "float32"
+        narrow = self.kv_format.quantized or self.kv_format.itemsize < 4
         return (attention_device_type == "cpu" and narrow and not rolling and len(parts) == 1
                 and parts[0][2] != "disk")
 
