@@ -21,8 +21,8 @@ TEST_DEVICE = os.environ.get("FLEXGEN_H2O_TEST_DEVICE", "cpu")
 # "the same run" between placements. On the CPU, bit for bit: the reference has the same block and batch shapes,
 # so every op sees the same rows in the same order wherever weights, KV and activations live (fp16 weights upcast
 # exactly, fp32 KV is copied as it is). On a GPU, cpu_cache_compute runs decode attention on the host against a
-# reference that ran it on the device: two fp32 kernels (1.4e-6 measured on an H200, 2026-11-26; a CUDA bound,
-# not a CPU one: this ISA-independent suite runs it only with FLEXGEN_H2O_TEST_DEVICE=cuda)
+# reference that ran it on the device: two fp32 kernels, within a CUDA bound, not a CPU one (this ISA-independent
+# suite runs it only with FLEXGEN_H2O_TEST_DEVICE=cuda)
 SAME_RUN_TOL = 0.0 if TEST_DEVICE == "cpu" else 1e-5
 
 
@@ -72,12 +72,26 @@ def make_engine(model, *, offload: OffloadPolicy | None = None, eviction: Evicti
     engine = Engine(cfg, read, offload=offload, eviction=eviction, offload_dir=offload_dir, device=device,
                     compute_dtype=compute_dtype)
     if record:
-        engine.step_logits = {}
+        record_step_logits(engine)
+    return engine
 
-        def keep(token, seq_ids, logits):
-            for row, s in enumerate(seq_ids):
-                engine.step_logits.setdefault(s, []).append(logits[row].to("cpu", torch.float32, copy=True))
-        engine.on_step_logits = keep
+
+def loaded_engine(loaded, eviction: EvictionConfig | None = None) -> Engine:
+    """An engine over a converted store (loader.load_model's result), fp32 KV in GPU batches of 4, recording its
+    step logits as make_engine's does."""
+    engine = Engine(loaded.config, loaded.read, offload=OffloadPolicy(kv_dtype="float32", gpu_batch_size=4),
+                    eviction=eviction)
+    return record_step_logits(engine)
+
+
+def record_step_logits(engine: Engine) -> Engine:
+    """engine.step_logits: sequence id -> its logits per step (fp32, on the CPU), filled as the engine runs."""
+    engine.step_logits = {}
+
+    def keep(token, seq_ids, logits):
+        for row, s in enumerate(seq_ids):
+            engine.step_logits.setdefault(s, []).append(logits[row].to("cpu", torch.float32, copy=True))
+    engine.on_step_logits = keep
     return engine
 
 

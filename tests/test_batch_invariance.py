@@ -18,7 +18,7 @@ import torch
 from flexgen_h2o.config import OffloadPolicy
 from flexgen_h2o.kv import EvictionConfig
 from tests.helpers import engine_kept, greedy, make_engine, random_prompts, tiny_hf
-from tests.test_h2o_engine import PLACEMENTS
+from tests.reference.compare import PLACEMENTS
 
 LENS = [5, 31, 12, 24, 9, 18]            # ratio 0.2 gives 1 + 1 slots to the 5-token prompt, 6 + 6 to the 31
 N_NEW = 24

@@ -1,5 +1,6 @@
-"""The CLI and the API on real SmolLM2-135M-Instruct weights (slow): benchmark mode, and batch mode, where a
-`messages` line gives the same tokens as `LLM.chat` and a `prompt` line, raw text, those of `LLM.generate`."""
+"""The CLI (run.main in this process, tests/tiny_checkpoint.py's run_main) and the API on real SmolLM2-135M-Instruct
+weights (slow): benchmark mode, and batch mode, where a `messages` line gives the same tokens as `LLM.chat` and a
+`prompt` line, raw text, those of `LLM.generate`."""
 from __future__ import annotations
 
 import json
@@ -9,7 +10,7 @@ import pytest
 
 from flexgen_h2o import LLM, EvictionConfig, OffloadPolicy
 from flexgen_h2o.weights import store_root
-from tests.tiny_checkpoint import cli_env, run_cli
+from tests.tiny_checkpoint import cli_env, run_main
 
 pytestmark = pytest.mark.slow
 QUESTIONS = ["What is the capital of France?", "Name a primary colour.", "Say hello in Spanish."]
@@ -17,9 +18,8 @@ QUESTIONS = ["What is the capital of France?", "Name a primary colour.", "Say he
 
 def test_benchmark_on_real_weights(tmp_path):
     mj, log = tmp_path / "m.json", tmp_path / "log"
-    proc = run_cli(["--model", "smollm2-135m", "--prompt-len", "64", "--gen-len", "8", "--hh-ratio", "0.2",
-                    "--gpu-batch-size", "2", "--metrics-json", str(mj), "--log-file", str(log)], cli_env(store_root()),
-                   timeout=600)
+    proc = run_main(["--model", "smollm2-135m", "--prompt-len", "64", "--gen-len", "8", "--hh-ratio", "0.2",
+                     "--gpu-batch-size", "2", "--metrics-json", str(mj), "--log-file", str(log)], cli_env(store_root()))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "prompts: 2 x 64 tokens of Lee news corpus, tokenized" in proc.stdout
     assert "sample continuation of prompt 0: '" in proc.stdout
@@ -38,8 +38,8 @@ def test_batch_messages_match_chat_and_prompts_match_generate(tmp_path):
     rows = [{"messages": [{"role": "user", "content": q}], "id": f"q{i}"} for i, q in enumerate(QUESTIONS)]
     rows += [{"prompt": q, "id": f"raw{i}"} for i, q in enumerate(QUESTIONS)]
     inp.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    proc = run_cli(["--model", "smollm2-135m", "--input", str(inp), "--output", str(out), "--gen-len", "12",
-                    "--hh-ratio", "0.3", "--gpu-batch-size", "2", "--no-progress"], cli_env(store_root()), timeout=600)
+    proc = run_main(["--model", "smollm2-135m", "--input", str(inp), "--output", str(out), "--gen-len", "12",
+                     "--hh-ratio", "0.3", "--gpu-batch-size", "2", "--no-progress"], cli_env(store_root()))
     assert proc.returncode == 0, proc.stderr[-3000:]
     recs = [json.loads(x) for x in out.read_text().splitlines()]
     assert [r["id"] for r in recs] == ["q0", "q1", "q2", "raw0", "raw1", "raw2"]

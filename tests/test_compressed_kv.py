@@ -13,15 +13,14 @@ from flexgen_h2o.models.layer import KVSpec
 from flexgen_h2o.quant import GroupQuant
 from tests.helpers import greedy, make_engine, max_logit_diff, random_prompts, tiny_hf
 from tests.reference.fake_quant import fake_quant
-from tests.reference.h2o_masked import RULE_FOR_POLICY, reference_generate
 from tests.quant_inputs import EngineQuantInputs, first_flipped_step, reference_inputs
-from tests.test_h2o_engine import LENGTHS, N_NEW, PLACEMENTS, all_caches, left_padded
+from tests.reference.compare import LENGTHS, N_NEW, PLACEMENTS, SEED, all_caches, left_padded
+from tests.reference.compare import quantized_reference as reference
 from tests.tolerances import gamma, greedy_agreement, logit_bound
 
 H2O = EvictionConfig(policy="h2o", hh_size=4, recent_size=3, sink_size=1)
 FULL = EvictionConfig(policy="full")
 ROLLING = EvictionConfig(policy="h2o", hh_size=4, recent_size=3, position_rolling=True)
-SEED = 1
 
 
 def compressed_run(kind: str, ev: EvictionConfig, bits: int, prompts=None, **offload):
@@ -31,14 +30,6 @@ def compressed_run(kind: str, ev: EvictionConfig, bits: int, prompts=None, **off
     policy = OffloadPolicy(**{"kv_bits": bits, "gpu_batch_size": len(prompts), **offload})
     engine = make_engine(model, eviction=ev, offload=policy, offload_dir=offload_dir)
     return model, prompts, engine, engine.generate(prompts, greedy(N_NEW))
-
-
-def reference(model, prompts, ev: EvictionConfig, kv_bits, near_ties: list | None = None, quant_log=None):
-    ids, mask = left_padded(model, prompts)
-    budgets = [ev.resolve(len(p), N_NEW) for p in prompts]
-    return reference_generate(model, ids, mask, budgets, rule=RULE_FOR_POLICY[ev.policy], max_new_tokens=N_NEW,
-                              rolling=ev.position_rolling, kv_bits=kv_bits, near_ties=near_ties,
-                              quant_log=quant_log)
 
 
 @pytest.mark.parametrize("kind, ev, bits", [

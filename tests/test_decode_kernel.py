@@ -9,50 +9,24 @@ import torch
 from flexgen_h2o.config import OffloadPolicy
 from flexgen_h2o.kv import EvictionConfig
 from flexgen_h2o.models import ops
-from tests.tolerances import assert_within, decode_attention_bounds, gamma, greedy_agreement, logit_bound
 from tests.helpers import (count_in_place_attention, engine_kept, greedy, make_engine, max_logit_diff,
                            random_prompts, tiny_hf)
-
-
-def _step(b, h, g, s, d, capacity, free=0.3, seed=0, q_scale=1.0):
-    """One decode step's inputs as the engine hands them over: fp16 windows that are the first s of `capacity`
-    slots (so not contiguous), a valid mask with the new token's slot set, its unrounded fp32 row."""
-    gen = torch.Generator().manual_seed(seed)
-    k = torch.randn(b, g, capacity, d, generator=gen).half()
-    v = torch.randn(b, g, capacity, d, generator=gen).half()
-    q = torch.randn(b, h, 1, d, generator=gen) * q_scale
-    slot = torch.randint(0, s, (b, g), generator=gen)
-    valid = torch.rand(b, g, s, generator=gen) > free
-    valid.scatter_(2, slot.unsqueeze(-1), True)
-    k_new, v_new = torch.randn(b, g, 1, d, generator=gen), torch.randn(b, g, 1, d, generator=gen)
-    return q, k[:, :, :s], v[:, :, :s], valid, slot, k_new, v_new
-
-
+from tests.kernel_inputs import DECODE_SHAPES, decode_step
+from tests.tolerances import assert_within, decode_attention_bounds, gamma, greedy_agreement, logit_bound
 
 
 def _within_bounds(got, want, args, scale, reduce="sum"):
-    """The torch path's softmax and products round differently per CPU (2.4e-6 from float64 on an Intel Xeon,
-    8e-7 for the kernel): output and key mass within tolerances.decode_attention_bounds, derived from the
-    logits' dot-product bound carried through softmax and the value sums."""
+    """The torch path's softmax and products round differently per CPU: output and key mass within
+    tolerances.decode_attention_bounds, derived from the logits' dot-product bound carried through softmax and the
+    value sums."""
     out_bound, mass_bound = decode_attention_bounds(*args, scale, reduce)
     assert_within(got[0], want[0], out_bound, "output")
     assert_within(got[1], want[1], mass_bound, "key mass")
 
-SHAPES = [
-    (3, 9, 3, 409, 64, 410),     # SmolLM2's GQA at 20 % of 2k: 102 blocks of 4 keys and a tail of 1
-    (2, 4, 4, 17, 64, 20),       # MHA (OPT), one head per group: two blocks of 8 keys and a tail of 1
-    (2, 8, 2, 13, 80, 13),       # 4 heads per group (three at once, then one), 80 dims: 4 + 4 + 2 vectors
-    (2, 12, 2, 37, 32, 40),      # 6 heads per group: two passes of three; 37 keys, blocks of 4 and a tail of 1
-    (2, 4, 2, 30, 64, 30),       # 2 heads per group
-    (1, 6, 3, 7, 12, 9),         # 12 dims, not a multiple of 8: the plain C++ loops; fewer keys than a block
-    (4, 2, 1, 1, 64, 1),         # a window of one slot: the new token alone
-]
-
-
-@pytest.mark.parametrize("b, h, g, s, d, capacity", SHAPES)
+@pytest.mark.parametrize("b, h, g, s, d, capacity", DECODE_SHAPES)
 @pytest.mark.parametrize("score_reduce", ["sum", "mean"])
 def test_kernel_gives_the_torch_paths_output_and_key_mass(kernel, b, h, g, s, d, capacity, score_reduce):
-    args = _step(b, h, g, s, d, capacity)
+    args = decode_step(b, h, g, s, d, capacity)
     q, k, v, valid, slot, k_new, v_new = args
     before = k.clone(), v.clone()
     ref_out, ref_mass = ops.narrow_decode_attention(*args, 0.3, want_scores=True, score_reduce=score_reduce)
@@ -72,7 +46,7 @@ def test_kernel_gives_the_torch_paths_output_and_key_mass(kernel, b, h, g, s, d,
 def test_peaked_attention_and_a_new_token_that_differs_from_its_fp16_row(kernel):
     """Logits tens apart (a softmax that a careless exp would overflow or flush) and the new token's key used
     unrounded, as the torch path does: both show in the output."""
-    args = _step(2, 9, 3, 50, 64, 64, q_scale=12.0)
+    args = decode_step(2, 9, 3, 50, 64, 64, q_scale=12.0)
     ref = ops.narrow_decode_attention(*args, 0.125, want_scores=True)
     got = kernel.narrow_decode_attention(*args, 0.125, want_scores=True)
     _within_bounds(got, ref, args, 0.125)
@@ -84,7 +58,7 @@ def test_peaked_attention_and_a_new_token_that_differs_from_its_fp16_row(kernel)
 def test_freed_slots_are_never_read(kernel):
     """A freed slot still holds an evicted token's row; whatever it holds (here inf and NaN) must not reach the
     output or the mass, as if the slot held zeros."""
-    q, k, v, valid, slot, k_new, v_new = _step(3, 6, 2, 40, 64, 40, free=0.4)
+    q, k, v, valid, slot, k_new, v_new = decode_step(3, 6, 2, 40, 64, 40, free=0.4)
     clean = kernel.narrow_decode_attention(q, k, v, valid, slot, k_new, v_new, 0.3, want_scores=True)
     dirty_k, dirty_v = k.clone(), v.clone()
     dirty_k[~valid] = float("nan")
@@ -98,7 +72,7 @@ def test_a_column_reads_only_up_to_its_own_extent(kernel):
     past its last valid one: its output and mass are bitwise what the window cut at its extent gives, whatever the
     slots past it hold, and the mass there is exactly 0. (The window's width used to change the key blocks and
     softmax tails a column's sums fell in.)"""
-    q, k, v, valid, slot, k_new, v_new = _step(3, 9, 3, 29, 64, 29, seed=3)
+    q, k, v, valid, slot, k_new, v_new = decode_step(3, 9, 3, 29, 64, 29, seed=3)
     wide = 29 + 38
     k_wide = torch.cat([k, torch.full((3, 3, 38, 64), float("nan")).half()], 2)
     v_wide = torch.cat([v, torch.full((3, 3, 38, 64), float("inf")).half()], 2)
@@ -111,7 +85,7 @@ def test_a_column_reads_only_up_to_its_own_extent(kernel):
 
 def test_kernel_is_the_same_on_one_thread_and_two(kernel):
     """Each (sequence, KV head) column is computed whole by one thread, so the split changes nothing."""
-    args = _step(5, 9, 3, 100, 64, 128)
+    args = decode_step(5, 9, 3, 100, 64, 128)
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -124,7 +98,7 @@ def test_kernel_is_the_same_on_one_thread_and_two(kernel):
 
 
 def test_bad_inputs_are_refused_by_name(kernel):
-    q, k, v, valid, slot, k_new, v_new = _step(2, 4, 2, 10, 16, 10)
+    q, k, v, valid, slot, k_new, v_new = decode_step(2, 4, 2, 10, 16, 10)
     with pytest.raises(RuntimeError, match="v must be a 4-d float32"):
         kernel.ext.decode_attention(q, k.float(), v, valid, slot, k_new, v_new, 0.3, True, False)
     with pytest.raises(RuntimeError, match="write slot"):
@@ -132,12 +106,12 @@ def test_bad_inputs_are_refused_by_name(kernel):
 
 
 def test_only_an_fp32_query_goes_to_the_kernel(kernel, monkeypatch):
-    """What the compiled path takes (the windows _step makes, as the engine hands them over, and fp32 copies of
+    """What the compiled path takes (the windows decode_step makes, as the engine hands them over, and fp32 copies of
     them) and what it leaves to the torch ops (an fp16 query)."""
     calls = []
     real = kernel.ext.decode_attention
     monkeypatch.setattr(kernel.ext, "decode_attention", lambda *a: calls.append(1) or real(*a))
-    q, k, v, valid, slot, k_new, v_new = _step(2, 4, 2, 10, 16, 12)
+    q, k, v, valid, slot, k_new, v_new = decode_step(2, 4, 2, 10, 16, 12)
     kernel.narrow_decode_attention(q.half(), k, v, valid, slot, k_new, v_new, 0.3, want_scores=True)
     assert not calls
     kernel.narrow_decode_attention(q, k, v, valid, slot, k_new, v_new, 0.3, want_scores=True)
@@ -150,7 +124,7 @@ def test_an_fp32_window_attends_as_the_fp16_window(kernel):
     use (rolled keys, fp32 KV) gives the fp16 window's result, to the rounding of the multiply-adds the compiler
     may fuse in one instantiation and not the other (the derived bound, as against the torch ops)."""
     for r in (1, 2, 3, 4):
-        q, k, v, valid, slot, k_new, v_new = _step(3, 2 * r, 2, 21, 16, 24)
+        q, k, v, valid, slot, k_new, v_new = decode_step(3, 2 * r, 2, 21, 16, 24)
         half = kernel.ext.decode_attention(q, k, v, valid, slot, k_new, v_new, 0.3, True, False)
         full = kernel.ext.decode_attention(q, k.float(), v.float(), valid, slot, k_new, v_new, 0.3, True, False)
         _within_bounds(full, half, (q, k, v, valid, slot, k_new, v_new), 0.3)

@@ -19,7 +19,7 @@ from flexgen_h2o.kv import EvictionConfig
 from tests.helpers import (assert_scores_close, engine_kept, engine_scores, greedy, make_engine,
                            random_prompts, tiny_hf)
 from tests.reference.h2o_masked import RULE_FOR_POLICY, reference_generate
-from tests.test_h2o_engine import PLACEMENTS, assert_same_as_reference, left_padded, score_bound
+from tests.reference.compare import PLACEMENTS, assert_same_as_reference, left_padded, score_bound
 
 N_NEW = 48
 SHORT, MEDIUM = [5, 9, 7], [12, 20, 16]

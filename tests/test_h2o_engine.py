@@ -8,42 +8,14 @@ import torch
 
 from flexgen_h2o.config import OffloadPolicy
 from flexgen_h2o.kv import EvictionConfig, get_policy
-from tests.helpers import (assert_agree, assert_scores_close, engine_kept, engine_scores, greedy, make_engine,
-                           max_logit_diff, random_prompts, tiny_hf)
-from tests.reference.h2o_masked import RULE_FOR_POLICY, reference_generate
-from tests.tolerances import eviction_tie_step, greedy_agreement, logit_bound, score_rel_bound
+from tests.helpers import (assert_agree, assert_scores_close, engine_kept, engine_scores, max_logit_diff,
+                           random_prompts, tiny_hf)
+from tests.reference.compare import (LENGTHS, N_NEW, PLACEMENTS, all_caches, assert_same_as_reference,
+                                     run_engine, run_reference, score_bound)
 
 KINDS = ["opt", "llama-mha", "llama-gqa"]
-LENGTHS = [20, 13, 24]
-N_NEW = 16
 H2O = EvictionConfig(policy="h2o", hh_size=4, recent_size=3)
 H2O_SINK = EvictionConfig(policy="h2o", hh_size=4, recent_size=3, sink_size=1)
-
-
-def left_padded(model, prompts):
-    pad = model.config.pad_token_id
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
-    mask = torch.zeros(len(prompts), width, dtype=torch.long)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = torch.tensor(p)
-        mask[i, width - len(p):] = 1
-    return ids, mask
-
-
-def run_reference(model, prompts, ev: EvictionConfig, n_new: int = N_NEW, trace=None, scores=None, eviction=None):
-    ids, mask = left_padded(model, prompts)
-    # each sequence's own budget (h2o-port: the block's, from the padded length), as the engine resolves them
-    budgets = [ev.resolve(ids.shape[1] if ev.per_block else len(p), n_new) for p in prompts]
-    return reference_generate(model, ids, mask, budgets, rule=RULE_FOR_POLICY[ev.policy], max_new_tokens=n_new,
-                              score_reduce=ev.score_reduce, trace=trace, rolling=ev.position_rolling,
-                              scores=scores, eviction=eviction)
-
-
-def run_engine(model, prompts, ev, n_new: int = N_NEW, **kw):
-    engine = make_engine(model, eviction=ev, **kw)
-    out = engine.generate(prompts, greedy(n_new))
-    return engine, out
 
 
 def check_against_reference(kind: str, ev: EvictionConfig, inspect=None, **engine_kw) -> list:
@@ -69,37 +41,6 @@ def check_against_reference(kind: str, ev: EvictionConfig, inspect=None, **engin
     finally:
         engine.close()
     return trace
-
-
-def score_bound(model, ref_tokens, evd: dict) -> float:
-    """tolerances.score_rel_bound for a reference run: keys up to the padded prompt plus the run, terms (queries
-    x the group's heads) as many."""
-    cfg = model.config
-    n_keys = evd["width"] + ref_tokens.shape[1]                 # every key a run may hold
-    r = cfg.num_attention_heads // getattr(cfg, "num_key_value_heads", cfg.num_attention_heads)
-    return score_rel_bound(model, evd["attn_mag"], n_keys, n_keys * r)
-
-
-def assert_same_as_reference(model, engine, out, ref_tokens, ref_logits, evd: dict | None = None) -> list[int]:
-    """The engine against the masked reference: two fp32 orders (compiled kernels and MKL/oneDNN against HF's
-    eager attention), so per sequence tokens equal but at a near tie (greedy_agreement), logits within
-    tolerances.logit_bound up to there, and, given the reference's eviction record evd, only up to its first
-    eviction at a near tie (tolerances.eviction_tie_step). Returns the sequences compared over the whole run."""
-    n_new = ref_tokens.shape[1]
-    ties = [n_new] * ref_tokens.shape[0]
-    if evd:
-        ties = eviction_tie_step(evd["gaps"], score_bound(model, ref_tokens, evd), n_new, "reference")
-    whole = []
-    for i in range(ref_tokens.shape[0]):
-        assert len(engine.step_logits[i]) == len(ref_logits)
-        want = [l[i] for l in ref_logits]
-        bound = logit_bound(model, torch.stack(want))
-        n = greedy_agreement(out.token_ids[i][:ties[i]], ref_tokens[i, :ties[i]].tolist(), want, bound,
-                             f"sequence {i}")
-        assert max_logit_diff(engine.step_logits[i][:n], want[:n]) <= bound, f"sequence {i}"
-        if n == n_new:
-            whole.append(i)
-    return whole
 
 
 # --- 1. h2o exact vs the reference, eviction in prefill and decode ---
@@ -217,10 +158,6 @@ def test_each_sequence_alone_equals_batched(kind):
 
 # --- 6. the memory is really fixed ---
 
-def all_caches(engine):
-    return [c for caches in engine.last_caches for split in caches.values() for c in split.caches]
-
-
 def test_cache_size_fixed_over_a_long_run():
     model = tiny_hf("llama-gqa")                     # OPT's 256 learned positions cannot hold 24 + 256
     prompts = random_prompts([24, 13])
@@ -256,8 +193,6 @@ def test_decode_bytes_read_per_step(policy):
 
 # --- 7. placements, schedule and position rolling ---
 
-PLACEMENTS = {"host": dict(cache_gpu_pct=0, cache_cpu_pct=100), "disk": dict(cache_gpu_pct=0, cache_cpu_pct=0),
-              "mixed": dict(cache_gpu_pct=34, cache_cpu_pct=33)}
 MANY = [20, 13, 24, 9, 17, 22]
 
 

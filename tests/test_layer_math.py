@@ -8,35 +8,8 @@ import torch.nn.functional as F
 
 from flexgen_h2o.kernels import Kernels, dispatch, resolve
 from flexgen_h2o.models import ops
-from tests.tolerances import EPS32, assert_within, gamma
-
-
-def _torch_rms_norm(x, w, eps):
-    xf = x.float()
-    return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps))
-
-
-def _rms_norm_bound(want: torch.Tensor, m: int) -> torch.Tensor:
-    """Kernel against torch: per path the sum of m squares (positive terms: gamma(m) of the sum itself), / m and
-    + eps (2 roundings) give the mean square to gamma(m + 2), its inverse square root halves that and adds
-    one ulp (2 EPS32), x * r * w two more roundings: gamma(m + 2) / 2 + 4 EPS32 relative; two paths twice that,
-    plus 2 EPS32 for second-order terms."""
-    return (gamma(m + 2) + 10 * EPS32) * want.double().abs()
-
-
-def _silu_mul_bound(gate: torch.Tensor, up: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
-    """Kernel against torch: per path e^-|g| to 1 ulp (2 EPS32; sigmoid's relative error is at most e's), then
-    1 + e, the division, g * s and * u (4 roundings): 6 EPS32 relative; two paths 12, 16 with second-order room.
-    Below g = -87 e^g is subnormal (the AVX2 kernel gives 0 by design, the scalar one and torch's may flush or
-    not): there the value's own size, |g e^g u| (exact, in double), either way."""
-    g = gate.double()
-    tiny = torch.where(g < -87, 2 * (g * g.exp() * up.double()).abs() + want.double().abs(), 0)
-    return 16 * EPS32 * want.double().abs() + tiny
-
-
-def _torch_rope(x, cos, sin):
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+from tests.kernel_inputs import rms_norm_bound, silu_mul_bound, torch_rms_norm, torch_rope
+from tests.tolerances import assert_within
 
 
 @pytest.mark.parametrize("rows, m", [(120, 576), (1, 64), (7, 13), (3, 1000)])
@@ -47,8 +20,8 @@ def test_rms_norm_matches_the_torch_ops(kernel, rows, m, wdtype):
     w = (torch.randn(m, generator=gen) * 0.5).to(wdtype)
     got = kernel.rms_norm(x, w, 1e-5)
     assert got.shape == x.shape and got.dtype == torch.float32
-    want = _torch_rms_norm(x, w, 1e-5)
-    assert_within(got, want, _rms_norm_bound(want, m), "rms_norm")
+    want = torch_rms_norm(x, w, 1e-5)
+    assert_within(got, want, rms_norm_bound(want, m), "rms_norm")
 
 
 def test_silu_mul_matches_the_torch_ops_over_the_whole_range(kernel):
@@ -59,7 +32,7 @@ def test_silu_mul_matches_the_torch_ops_over_the_whole_range(kernel):
     up = torch.randn(120, 1, 1536, generator=gen)
     want = F.silu(gate) * up
     got = kernel.ext.silu_mul_(gate.clone(), up.contiguous())
-    assert_within(got, want, _silu_mul_bound(gate, up, want), "silu_mul")
+    assert_within(got, want, silu_mul_bound(gate, up, want), "silu_mul")
 
 
 @pytest.mark.parametrize("b, h, d", [(120, 9, 64), (2, 3, 8), (5, 1, 10)])
@@ -71,7 +44,7 @@ def test_rope_matches_the_torch_ops_on_a_head_view(kernel, b, h, d):
     cos, sin = angles.cos(), angles.sin()
     got = kernel.ext.rope_rows(x, cos, sin)
     assert got.shape == (b, h, 1, d) and got.is_contiguous()
-    assert torch.equal(got, _torch_rope(x, cos, sin))        # products rounded, then added: the same bits
+    assert torch.equal(got, torch_rope(x, cos, sin))        # products rounded, then added: the same bits
 
 
 @pytest.mark.parametrize("b, h, t, d", [(2, 9, 2048, 64), (3, 3, 5, 8), (1, 2, 7, 10), (2, 1, 3, 2)])
@@ -83,7 +56,7 @@ def test_rope_of_a_prompt_matches_the_torch_ops_bit_for_bit_on_any_thread_count(
     x = torch.randn(b, t, h * d, generator=gen).view(b, t, h, d).transpose(1, 2)
     angles = torch.rand(b, 1, t, d, generator=gen) * 1000
     cos, sin = angles.cos(), angles.sin()
-    want = _torch_rope(x, cos, sin)
+    want = torch_rope(x, cos, sin)
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
@@ -105,7 +78,7 @@ def test_rope_sends_prompts_and_decode_tokens_to_any_build_without_asking_it(ker
     only_rope = SimpleNamespace(rope_rows=lambda x, c, s: calls.append(x.shape[2]) or kernel.ext.rope_rows(x, c, s))
     kernels = Kernels(only_rope)
     x, cos = torch.randn(2, 3, 4, 8), torch.randn(2, 1, 4, 8)
-    assert torch.equal(kernels.apply_rope(x, cos, cos), _torch_rope(x, cos, cos)) and calls == [4]
+    assert torch.equal(kernels.apply_rope(x, cos, cos), torch_rope(x, cos, cos)) and calls == [4]
     kernels.apply_rope(x[:, :, :1], cos[:, :, :1], cos[:, :, :1])
     assert calls == [4, 1]
 
@@ -125,9 +98,9 @@ def test_a_prompt_sized_tensor_split_across_threads_gives_the_same_values(kernel
     finally:
         torch.set_num_threads(before)
     assert torch.equal(two[0], one[0]) and torch.equal(two[1], one[1])
-    want = _torch_rms_norm(x, w, 1e-5), F.silu(gate) * up
-    assert_within(two[0], want[0], _rms_norm_bound(want[0], 576), "rms_norm")
-    assert_within(two[1], want[1], _silu_mul_bound(gate, up, want[1]), "silu_mul")
+    want = torch_rms_norm(x, w, 1e-5), F.silu(gate) * up
+    assert_within(two[0], want[0], rms_norm_bound(want[0], 576), "rms_norm")
+    assert_within(two[1], want[1], silu_mul_bound(gate, up, want[1]), "silu_mul")
 
 
 def test_kernels_send_fp32_cpu_math_to_the_kernel(kernel, monkeypatch):

@@ -16,7 +16,7 @@ CHECK = """
 import json, torch
 from flexgen_h2o.kernels import Kernels, build
 from flexgen_h2o.models import ops
-from tests.test_decode_kernel import SHAPES, _step
+from tests.kernel_inputs import DECODE_SHAPES, decode_step
 from tests.tolerances import EPS32, attention_bounds, decode_attention_bounds, linear_bound
 ext = build.load()
 assert build.isa_flags() == [] and ext is not None, build.unavailable_reason()
@@ -29,8 +29,8 @@ def ratio(name, got, want, bound):
     r = torch.where(diff > 0, diff / torch.as_tensor(bound, dtype=torch.float64).clamp(min=1e-300), 0.0)
     worst[name] = max(worst.get(name, 0.0), float(r.max()) if r.numel() else 0.0)
 
-for shape in SHAPES:
-    args = _step(*shape)
+for shape in DECODE_SHAPES:
+    args = decode_step(*shape)
     got = kernels.narrow_decode_attention(*args, 0.3, want_scores=True)
     ref = ops.narrow_decode_attention(*args, 0.3, want_scores=True)
     for a, b, bound in zip(got, ref, decode_attention_bounds(*args, 0.3)):
@@ -48,33 +48,33 @@ out_bound, mass_bound = attention_bounds(q, k, v, ops.causal_pad_mask(valid), 0.
 ratio("scored_prompt_attention", out, ref_out, out_bound)
 ratio("scored_prompt_attention", mass, ref_mass, mass_bound)
 from flexgen_h2o.kv import Budget
-from tests.kv.test_compiled_commit import _cache, _column_state, _step
-pos, scores = _column_state(seed=5)
+from tests.kernel_inputs import column_state, commit_cache, commit_step
+pos, scores = column_state(seed=5)
 for policy in ("h2o", "h2o-avg", "h2o-port"):
-    compiled, plain = (_cache(policy, Budget(1, 5, 4, policy=policy), pos, scores, torch.float16, kernels)
+    compiled, plain = (commit_cache(policy, Budget(1, 5, 4, policy=policy), pos, scores, torch.float16, kernels)
                       for _ in "ab")
     plain._compiled_commit = lambda: False
     for step in range(4):
-        _step(compiled, step, True)
-        _step(plain, step, True)
+        commit_step(compiled, step, True)
+        commit_step(plain, step, True)
     same = all(torch.equal(getattr(compiled, t), getattr(plain, t)) for t in ("k", "v", "pos", "score"))
     worst["commit_step"] = max(worst.get("commit_step", 0.0), 0.0 if same else 1.0)
-from tests.test_layer_math import _rms_norm_bound, _silu_mul_bound, _torch_rms_norm, _torch_rope
+from tests.kernel_inputs import rms_norm_bound, silu_mul_bound, torch_rms_norm, torch_rope
 import torch.nn.functional as F
 x, w, g, u = torch.randn(7, 1, 13), torch.randn(13).half(), torch.randn(5, 1, 30) * 4, torch.randn(5, 1, 30)
 xr, angles = torch.randn(3, 1, 2 * 10).view(3, 1, 2, 10).transpose(1, 2), torch.rand(3, 1, 1, 10) * 50
 xp, ap = torch.randn(2, 4, 3 * 10).view(2, 4, 3, 10).transpose(1, 2), torch.rand(2, 1, 4, 10) * 50   # a prompt
-want = _torch_rms_norm(x, w, 1e-5)
-ratio("layer_math", kernels.rms_norm(x, w, 1e-5), want, _rms_norm_bound(want, 13))
+want = torch_rms_norm(x, w, 1e-5)
+ratio("layer_math", kernels.rms_norm(x, w, 1e-5), want, rms_norm_bound(want, 13))
 want = F.silu(g) * u
-ratio("layer_math", ext.silu_mul_(g.clone(), u), want, _silu_mul_bound(g, u, want))
+ratio("layer_math", ext.silu_mul_(g.clone(), u), want, silu_mul_bound(g, u, want))
 for xx, aa in ((xr, angles), (xp, ap)):
     # x cos + rotate(x) sin: two products and a sum, rounded 2 or 3 times (a compiler may fuse one product into
     # an FMA where the ISA has it): 2 EPS32 of each term per path, twice for the two paths
     half = xx.shape[-1] // 2
     turned = torch.cat((xx[..., half:], xx[..., :half]), dim=-1)            # rotate_half, its sign aside
     bound = 4 * EPS32 * (xx.abs() * aa.cos().abs() + turned.abs() * aa.sin().abs()).double()
-    ratio("layer_math", ext.rope_rows(xx, aa.cos(), aa.sin()), _torch_rope(xx, aa.cos(), aa.sin()), bound)
+    ratio("layer_math", ext.rope_rows(xx, aa.cos(), aa.sin()), torch_rope(xx, aa.cos(), aa.sin()), bound)
 print(json.dumps(worst))
 """
 

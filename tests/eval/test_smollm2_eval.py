@@ -1,47 +1,30 @@
-"""The harness on the real SmolLM2 weights and real text (slow: a few seconds per grid point on 2 CPU cores)."""
+"""The harness on the real SmolLM2 weights and real text (slow: real weights, a grid point a run)."""
 from __future__ import annotations
 
 import math
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from flexgen_h2o.eval import data
 from flexgen_h2o.eval.grid import GridPoint, parse_budget
 from flexgen_h2o.eval.perplexity import perplexity, summarize_scores
 from flexgen_h2o.eval.runner import Runner
-from flexgen_h2o.loader import load_model
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def smol():
-    loaded = load_model("smollm2-135m", progress=False)
-    items = data.perplexity_items(loaded.tokenizer, "wiki", 2, 96, 24)
-    return loaded, items
-
-
-def hf_model(loaded):
-    cfg = loaded.config
-    hf = LlamaForCausalLM(LlamaConfig(
-        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, num_hidden_layers=cfg.n_layers,
-        intermediate_size=cfg.ffn_size, num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads,
-        max_position_embeddings=cfg.max_seq_len, rms_norm_eps=cfg.norm_eps, tie_word_embeddings=True,
-        rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta}))
-    state = {name: torch.from_numpy(loaded.read(name.removeprefix("model.") if name != "lm_head.weight"
-                                                else "embed_tokens.weight").copy()).float()
-             for name in hf.state_dict()}
-    hf.load_state_dict(state)
-    return hf.eval()
+def smol(smollm2):
+    """tests/conftest.py's SmolLM2 (its store and transformers model) and two Wikipedia items of 96 + 24 tokens."""
+    loaded, model, _ = smollm2
+    return loaded, model, data.perplexity_items(loaded.tokenizer, "wiki", 2, 96, 24)
 
 
 def test_full_cache_perplexity_equals_transformers_on_wikipedia(smol):
-    loaded, items = smol
+    loaded, model, items = smol
     with Runner(loaded, batch_size=2, kv_dtype="float32", progress=False) as runner:
         scored, _ = runner.score(GridPoint("full"), [p for p, _ in items], [c for _, c in items])
-    model = hf_model(loaded)
     ref = []
     for p, c in items:
         with torch.no_grad():
@@ -54,7 +37,7 @@ def test_full_cache_perplexity_equals_transformers_on_wikipedia(smol):
 
 
 def test_full_budget_equals_full_and_small_budget_evicts(smol):
-    loaded, items = smol
+    loaded, _, items = smol
     prompts, conts = [p for p, _ in items], [c for _, c in items]
     with Runner(loaded, batch_size=2, progress=False) as runner:            # fp16 KV, as a real run
         full, _ = runner.score(GridPoint("full"), prompts, conts)

@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM, DynamicCache
 from flexgen_h2o.hf import ATTN_NAME, H2OCache, enable_h2o
 from flexgen_h2o.kv import EvictionConfig
 from tests.helpers import random_prompts, tiny_hf
-from tests.test_h2o_engine import left_padded
+from tests.reference.compare import left_padded
 
 LENGTHS = [20, 13, 24]
 

@@ -1,8 +1,7 @@
 """H2OCache inside transformers' own `generate`, on tiny random Llama (MHA, GQA) and OPT models, against the
 engine's real eviction (tests/helpers.make_engine) and the slow masked reference (tests/reference/h2o_masked):
 same greedy tokens (but at a near tie), logits within tolerances.logit_bound (three fp32 orders), the same kept
-positions; a budget that covers the run is
-DynamicCache; the cache's bytes never move over 256 decode steps."""
+positions; a budget that covers the run is DynamicCache; the cache's bytes never move over 256 decode steps."""
 from __future__ import annotations
 
 import pytest
@@ -14,8 +13,9 @@ from flexgen_h2o.kv import EvictionConfig
 from tests.helpers import engine_kept, max_logit_diff, random_prompts, tiny_hf
 from tests.reference.fake_quant import fake_quant
 from tests.quant_inputs import EngineQuantInputs, first_flipped_step, reference_inputs
+from tests.reference.compare import (SEED, left_padded, quantized_reference, run_engine, run_reference,
+                                     same_run)
 from tests.tolerances import EPS32, assert_within, attention_bounds, gamma, greedy_agreement, logit_bound
-from tests.test_h2o_engine import left_padded, run_engine, run_reference
 
 LENGTHS = [20, 13, 24]           # every prompt is longer than the budgets below: eviction starts in prefill
 N_NEW = 16
@@ -31,21 +31,6 @@ def hf_generate(model, prompts, cache, n_new: int = N_NEW, **kw):
                              min_new_tokens=n_new, do_sample=False, output_logits=True, return_dict_in_generate=True,
                              pad_token_id=model.config.pad_token_id, eos_token_id=None, **kw)
     return out.sequences[:, ids.shape[1]:], [l.float() for l in out.logits]
-
-
-def same_run(model, tokens, want_tokens, logits, want_logits) -> list[int]:
-    """Two fp32 orders of one greedy run (tokens (b, n) or lists, logits per step (b, V) or per sequence lists):
-    per sequence, tokens equal but at a near tie of want's logits and logits within tolerances.logit_bound up to
-    there; returns per sequence the steps compared (all of them unless a near tie split the runs)."""
-    steps = []
-    for i in range(len(want_tokens)):
-        got = [l[i] for l in logits] if isinstance(logits[0], torch.Tensor) and logits[0].dim() == 2 else logits[i]
-        want = [l[i] for l in want_logits] if want_logits[0].dim() == 2 else want_logits[i]
-        bound = logit_bound(model, torch.stack(want))
-        n = greedy_agreement(list(map(int, tokens[i])), list(map(int, want_tokens[i])), want, bound, f"sequence {i}")
-        assert max_logit_diff(got[:n], want[:n]) <= bound, f"sequence {i}"
-        steps.append(n)
-    return steps
 
 
 def h2o_model(kind: str):
@@ -344,7 +329,6 @@ def first_flips(quant_log: dict, rows: list, mask: torch.Tensor, bits: int) -> t
 @pytest.mark.parametrize("kind, bits", [("llama-gqa", 4), ("opt", 8)])
 def test_compressed_cache_matches_the_engine_and_the_reference(kind, bits, monkeypatch):
     from flexgen_h2o.config import OffloadPolicy
-    from tests.test_compressed_kv import SEED, reference
     model = h2o_model(kind)
     prompts = random_prompts(LENGTHS, seed=SEED)
     cache = H2OCache(H2O_SINK, kv_bits=bits)
@@ -361,7 +345,7 @@ def test_compressed_cache_matches_the_engine_and_the_reference(kind, bits, monke
     tokens, logits = hf_generate(model, prompts, cache)
     monkeypatch.setattr(H2OLayer, "update", update)
     quant_log: dict = {}
-    ref_tokens, ref_logits = reference(model, prompts, H2O_SINK, (bits, 64), quant_log=quant_log)
+    ref_tokens, ref_logits = quantized_reference(model, prompts, H2O_SINK, (bits, 64), quant_log=quant_log)
     first, delta = first_flips(quant_log, rows, left_padded(model, prompts)[1], bits)
     # the inputs differ by fp32 rounding only (a few dozen ulps of |K| / scale <= 1, |V| <= 3: a fan-in of 64
     # rounding in two orders, 2 gamma(64) <= 8e-6 relative), not by a wrong scale or row

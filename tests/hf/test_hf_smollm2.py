@@ -11,14 +11,22 @@ from transformers import DynamicCache
 from flexgen_h2o.config import GenerationConfig
 from flexgen_h2o.hf import H2OCache, enable_h2o
 from flexgen_h2o.kv import EvictionConfig
-from tests.helpers import engine_kept
-from tests.hf.test_hf_h2o import same_run
+from tests.helpers import engine_kept, loaded_engine
+from tests.reference.compare import assert_same_as_reference, left_padded, same_run
 from tests.reference.h2o_masked import reference_generate
-from tests.test_h2o_engine import assert_same_as_reference
-from tests.test_smollm2 import _engine, _padded, smol  # noqa: F401  (smol is the shared module fixture)
 
 pytestmark = pytest.mark.slow
 N_NEW = 24
+
+
+@pytest.fixture
+def smol(smollm2):
+    """tests/conftest.py's SmolLM2, its transformers model switched to the flexgen_h2o attention for the test."""
+    loaded, model, prompts = smollm2
+    before = model.config._attn_implementation
+    enable_h2o(model)
+    yield smollm2
+    model.set_attn_implementation(before)
 
 
 def hf_generate(model, ids, mask, cache, n_new=N_NEW):
@@ -29,15 +37,14 @@ def hf_generate(model, ids, mask, cache, n_new=N_NEW):
     return out.sequences[:, ids.shape[1]:], [l.float() for l in out.logits]
 
 
-def test_smollm2_h2o_cache_matches_engine_and_reference(smol):  # noqa: F811
+def test_smollm2_h2o_cache_matches_engine_and_reference(smol):
     loaded, model, prompts = smol
-    enable_h2o(model)
-    ids, mask = _padded(prompts, 2)
+    ids, mask = left_padded(model, prompts)
     assert int(mask.sum(1).min()) < ids.shape[1]                       # the batch really is padded
     ev = EvictionConfig(policy="h2o", hh_size=12, recent_size=8, sink_size=2)
     cache = H2OCache(ev)
     tokens, logits = hf_generate(model, ids, mask, cache)
-    engine = _engine(loaded, ev)
+    engine = loaded_engine(loaded, ev)
     out = engine.generate(prompts, GenerationConfig(max_new_tokens=N_NEW, stop_at_eos=False))
     evd: dict = {}
     ref_tokens, ref_logits = reference_generate(model, ids, mask, budget=(2, 12, 8), rule="exact",
@@ -57,10 +64,9 @@ def test_smollm2_h2o_cache_matches_engine_and_reference(smol):  # noqa: F811
     assert len(cache.layers) == 30
 
 
-def test_smollm2_covering_budget_equals_dynamic_cache(smol):  # noqa: F811
+def test_smollm2_covering_budget_equals_dynamic_cache(smol):
     _, model, prompts = smol
-    enable_h2o(model)
-    ids, mask = _padded(prompts, 2)
+    ids, mask = left_padded(model, prompts)
     want_tokens, want_logits = hf_generate(model, ids, mask, DynamicCache())
     tokens, logits = hf_generate(model, ids, mask, H2OCache(kv_budget=ids.shape[1] + N_NEW))
     # padded: the slots pack the pads out, another fp32 order than sdpa's (as test_hf_h2o's covering case)
