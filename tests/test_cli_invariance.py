@@ -25,7 +25,7 @@ def killed_then_resumed(args: list[str], out, env, log) -> None:
     assert f"resuming {out}: {done} of {len(ROWS)} ids already done" in rerun.stdout
 
 
-# the h2o-avg variant's invariance is tests/test_batch_invariance.py's (engine level): one CLI run of 23 s less.
+# the h2o-avg variant's invariance is tests/test_batch_invariance.py's (engine level), not a CLI run more here.
 # name -> (flags of every run, flags of the batched run, flags of the resumed run): int4 KV and weights with the KV
 # on disk in one run and split over RAM and disk in the other (fp32 rounding of K and V once turned into whole
 # int4 steps there, issue 50)

@@ -122,7 +122,7 @@ def test_cli_refuses_a_run_that_cannot_fit(tmp_path):
 def test_engine_and_planner_charge_the_capped_score_blocks(tmp_path, monkeypatch):
     """An H2O prompt pass on a CPU materialises logits in blocks capped at ops.SCORE_BLOCK_BYTES; the engine's
     workspace reservation and the planner's estimate both follow the cap, not a query_chunk-sized block (which
-    over-charged a disk512+512 run ~0.5 GiB and shrank its batch from 34 to 20)."""
+    over-charges a long prompt's run and shrinks the batch the planner picks)."""
     from flexgen_h2o.models import ops
     model = tiny_hf("llama")
     cfg = from_hf_config(model.config.to_dict())

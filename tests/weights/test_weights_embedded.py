@@ -13,7 +13,7 @@ from flexgen_h2o.weights import WeightStoreError, default_store_path, ensure_emb
 @pytest.mark.slow
 def test_ensure_embedded_store():
     """The store every SmolLM2 test reads: on a fresh machine (CI) this converts it, in the default home, once
-    for the whole suite (a second conversion into a temporary home cost `make test` 30-60 s)."""
+    for the whole suite (a second conversion into a temporary home would add a whole conversion to `make test`)."""
     pytest.importorskip("gguf")
     try:
         path = ensure_embedded_store(progress=False)
