@@ -14,7 +14,7 @@ import pytest
 from flexgen_h2o import convert
 from flexgen_h2o.models import from_hf_config, resolve_model
 from flexgen_h2o.models.config import CheckpointConfigError
-from tests.tiny_checkpoint import REPO, cli_env, make_checkpoint, run_main
+from tests.tiny_checkpoint import REPO, cli_env, run_main
 
 HOLDER = """
 import sys, time
@@ -157,17 +157,17 @@ def test_the_good_config_reads_and_each_field_check(tmp_path):
         assert str(e.value).startswith("/x/config.json") and why in str(e.value), (hf, str(e.value))
 
 
-def test_run_removes_folders_of_killed_runs_before_its_disk_preflight(tmp_path):
+def test_run_removes_folders_of_killed_runs_before_its_disk_preflight(tiny, tmp_path):
     """The preflight measures the offload root's free space: folders of killed runs are removed first, or their
     bytes could make it refuse the run that would remove them."""
-    ckpt = make_checkpoint(tmp_path / "tiny")
+    ckpt, env = tiny
     off = tmp_path / "off"
     stale = off / "flexgen_h2o-123-0123abcd"          # a lock file nobody holds: its run was killed
     stale.mkdir(parents=True)
     (stale / ".lock").write_text("123\n")
     (stale / "000001-kv.npy").write_bytes(b"0" * 1000)
     proc = run_main(["--model", str(ckpt), "--prompt", "hello", "--gen-len", "3", "--percent", "100", "0", "0", "0",
-                     "100", "0", "--offload-dir", str(off), "--no-progress"], cli_env(tmp_path / "home"),
+                     "100", "0", "--offload-dir", str(off), "--no-progress"], env,
                     merged=True)                                    # one stream, in the order printed
     assert proc.returncode == 0, proc.stdout[-3000:]
     lines = proc.stdout.splitlines()

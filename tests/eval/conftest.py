@@ -1,4 +1,4 @@
-"""Fixtures of the accuracy harness's tests."""
+"""Fixtures of the accuracy harness's tests, made once per session."""
 from __future__ import annotations
 
 import pytest
@@ -8,7 +8,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from flexgen_h2o.loader import fallback_tokenizer
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def tok():
     """SmolLM2's converted tokenizer (the harness's items are its tokens)."""
     t = fallback_tokenizer()
@@ -17,7 +17,7 @@ def tok():
     return t
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def tiny_folder(tmp_path_factory, tok):
     """A random 2-layer Llama with SmolLM2's vocabulary (so the real tokenizer drives it) and a 512 window."""
     torch.manual_seed(0)

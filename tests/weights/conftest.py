@@ -37,16 +37,16 @@ def hf() -> SimpleNamespace:
     return SimpleNamespace(tiny_llama=tiny_llama, tiny_opt=tiny_opt, cfg_of=cfg_of, specs_of=specs_of)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def llama_folder(tmp_path_factory):
-    """A saved tiny Llama (single model.safetensors) with its model and config."""
+    """A saved tiny Llama (single model.safetensors) with its model and config, once per session (read only)."""
     model = tiny_llama()
     folder = tmp_path_factory.mktemp("hf_llama")
     model.save_pretrained(folder)
     return folder, model, cfg_of(model)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def llama_store(llama_folder, tmp_path_factory):
     from flexgen_h2o.weights import convert_checkpoint
     folder, model, cfg = llama_folder

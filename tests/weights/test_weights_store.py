@@ -15,7 +15,7 @@ Q = "layers.0.self_attn.q_proj.weight"
 
 @pytest.fixture()
 def store(llama_store, tmp_path):
-    """A private copy of the module's converted tiny Llama store, free to damage."""
+    """A private copy of the session's converted tiny Llama store, free to damage."""
     src, cfg = llama_store
     dest = tmp_path / "store"
     shutil.copytree(src, dest)
