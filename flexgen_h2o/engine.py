@@ -51,6 +51,7 @@ class Prefilled:
     rolling: bool                                        # keys were stored before RoPE (position rolling)
     layers: list[dict[int, tuple[Tensor, ...]]]          # per GPU batch: layer -> (k, v, score, pos[, key scale])
     logits: list[Tensor]                                 # per GPU batch: (b, V) logits of step 0
+    score_window: int | None = None                      # the prompt queries that scored (EvictionConfig's)
 
 
 class Engine:
@@ -159,17 +160,20 @@ class Engine:
 
     # --- generation ---
 
-    def prefill(self, prompts: Sequence[Sequence[int]], rolling: bool = False) -> list[Prefilled]:
+    def prefill(self, prompts: Sequence[Sequence[int]], rolling: bool = False,
+                score_window: int | None = None) -> list[Prefilled]:
         """Run the prompts' pass once per block and keep what any eviction rule needs to decode from it
         (generate(prompts, ..., prefilled=...)). The cache keeps every prompt token with its prefill score, so
         the prompt pass is the one an H2O run makes (scored attention: a score-free rule's own run would use
-        the fused kernel, equal to fp32 rounding). rolling: keys stored before RoPE, for rolling rules."""
+        the fused kernel, equal to fp32 rounding). rolling: keys stored before RoPE, for rolling rules;
+        score_window: the scores from the prompts' last queries only, for rules with that score_window."""
         out = []
         block = self.offload.block_size
         for start in range(0, len(prompts), block):
             chunk = [list(p) for p in prompts[start:start + block]]
             longest = max(len(p) for p in chunk)
-            keep_all = EvictionConfig(policy="h2o", hh_size=longest, recent_size=longest, position_rolling=rolling)
+            keep_all = EvictionConfig(policy="h2o", hh_size=longest, recent_size=longest, position_rolling=rolling,
+                                      score_window=score_window)
             job = self.plan(chunk, [1] * len(chunk), keep_all, keep_all=True)
             step0: dict[int, Tensor] = {}
             hook, self.on_step_logits = self.on_step_logits, None       # step 0 is reported by each decode
@@ -182,7 +186,7 @@ class Engine:
             lengths = [torch.tensor([len(p) for p in chunk[lo:lo + gbs]]) for lo in range(0, len(chunk), gbs)]
             layers = [{l: prompt_layout(split.snapshot(), n, longest) for l, split in caches.items()}
                       for caches, n in zip(self.last_caches, lengths)]
-            out.append(Prefilled(chunk, rolling, layers, [step0[k] for k in range(len(layers))]))
+            out.append(Prefilled(chunk, rolling, layers, [step0[k] for k in range(len(layers))], score_window))
             self.release()
         return out
 
@@ -321,6 +325,9 @@ class Engine:
             state = "on" if prefilled.rolling else "off"
             raise ConfigError(f"this prefill stored its keys for position rolling {state}; call "
                               f"Engine.prefill(prompts, rolling={ev.position_rolling}) for this rule")
+        if prefilled is not None and ev.needs_scores and prefilled.score_window != ev.score_window:
+            raise ConfigError(f"this prefill scored its prompts with score_window {prefilled.score_window}; call "
+                              f"Engine.prefill(prompts, score_window={ev.score_window}) for this rule")
         self.last_plan = plan
         self.last_caches = []
         prompt_len = plan.prompt_len

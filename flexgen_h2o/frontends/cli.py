@@ -143,6 +143,9 @@ def build_parser() -> argparse.ArgumentParser:
     kv.add_argument("--full-cache", action="store_true", help="no eviction (the default when no budget is given)")
     kv.add_argument("--position-rolling", action="store_true",
                     help="Llama: rotate kept keys by their rank each step (runs past the context window)")
+    kv.add_argument("--score-window", type=positive, metavar="N",
+                    help="rank prompt tokens by the attention of the prompt's last N tokens only (a question at its "
+                         "end), not of every token; decode steps add theirs as in H2O")
     g = p.add_argument_group("generation")
     g.add_argument("--input", help="batch mode: JSONL, one {\"prompt\" (raw text) or \"messages\" (a chat), \"id\"?, "
                    "\"max_new_tokens\"?} per line, or OpenAI Batch API request lines (docs/cli.md)")
@@ -219,6 +222,9 @@ def check_flags(a: argparse.Namespace) -> None:
     if a.policy != "h2o" and not budget:
         raise ValueError(f"--policy {a.policy} needs a KV budget (--hh-ratio, --hh-size, --kv-budget, ...); "
                          "without one the cache is full and nothing is evicted")
+    if a.score_window is not None and (a.full_cache or not budget):
+        raise ValueError("--score-window ranks the prompt tokens an eviction keeps: it needs a KV budget "
+                         "(--hh-ratio, --hh-size, --kv-budget, ...) and no --full-cache")
 
 
 def run_sampling(a: argparse.Namespace) -> dict:
@@ -239,7 +245,8 @@ def eviction_from_args(a: argparse.Namespace) -> Any:
     if not given:
         return EvictionConfig(policy="full", position_rolling=a.position_rolling)
     policy = cli_variants(a.policy).get(a.h2o_variant, a.policy)
-    return EvictionConfig(policy=policy, position_rolling=a.position_rolling, seed=a.seed, **sizes)
+    return EvictionConfig(policy=policy, position_rolling=a.position_rolling, seed=a.seed,
+                          score_window=a.score_window, **sizes)
 
 
 def log_file_name(a: argparse.Namespace, offload: OffloadPolicy, prompt_len: int, gen_len: int) -> str:

@@ -31,17 +31,22 @@ from flexgen_h2o.models.ops import TORCH, TorchKernels, grouped_attention
 
 
 def prompt_attention(q: Tensor, k: Tensor, v: Tensor, valid: Tensor, scale: float, *, want_scores: bool = False,
-                     score_reduce: str = "sum", chunk: int = 256, kernels: TorchKernels = TORCH
-                     ) -> tuple[Tensor, Tensor | None]:
+                     score_reduce: str = "sum", chunk: int = 256, kernels: TorchKernels = TORCH,
+                     score_window: int | None = None) -> tuple[Tensor, Tensor | None]:
     """A prompt attending to itself (causal, pads hidden) through kernels.prompt_attention, the engine's entry point.
 
     q (b, h, t, d); k, v (b, g, t, d); valid (b, t) bool, False for padding. Returns out (b, h, t, d) and, if
-    want_scores, the fp32 mass per key (b, g, t) summed over the valid queries (mean: over a KV head's query
-    heads). chunk: the queries per block of the torch path (memory ~ b * h * chunk * t, never t * t)."""
+    want_scores, the fp32 mass per key (b, g, t) summed over the valid queries, or the last score_window ones
+    (mean: over a KV head's query heads). chunk: the queries per block of the torch path (memory ~ b * h * chunk
+    * t, never t * t)."""
+    # a window is the last rows of the padded batch (ops.score_start): the last real tokens only with left padding
+    if score_window is not None and not bool((valid[:, 1:] >= valid[:, :-1]).all()):
+        raise ValueError("score_window scores keys by a prompt's last tokens: pad prompts on the left "
+                         "(tokenizer.padding_side = 'left')")
     pad_counts = StepContext.leading_pads(valid) if valid.device.type == "cpu" else None
     ctx = StepContext(positions=torch.where(valid, valid.long().cumsum(-1) - 1, -1), token_valid=valid,
                       compute_dtype=q.dtype, want_scores=want_scores, score_reduce=score_reduce, query_chunk=chunk,
-                      unpadded=bool(valid.all()), pad_counts=pad_counts)
+                      unpadded=bool(valid.all()), pad_counts=pad_counts, score_window=score_window)
     return kernels.prompt_attention(q, k, v, ctx, scale)
 
 
@@ -120,7 +125,8 @@ def h2o_attention(module: torch.nn.Module, query: Tensor, key: Tensor, value: Te
     if layer.store is None:                     # the prompt: its slots are made when attention has scored it
         valid = torch.ones(b, t, dtype=torch.bool, device=query.device) if pad is None else pad[:, -t:]
         out, mass = prompt_attention(query, key, value, valid, scale, want_scores=layer.needs_scores,
-                                     score_reduce=reduce, chunk=owner.query_chunk, kernels=owner.kernels)
+                                     score_reduce=reduce, chunk=owner.query_chunk, kernels=owner.kernels,
+                                     score_window=owner.eviction.score_window)
         layer.commit_prefill(mass, valid)
     else:
         # one new token over the slot window (kept tokens + itself, which update() wrote into its free slot)

@@ -10,7 +10,8 @@ kernels' tests compare against (tests/test_fused_attention.py, tests/test_decode
 Attention has one entry point per phase, TorchKernels.prompt_attention and .decode_attention (models/ops.py),
 which models/transformer.py's AttentionLayer calls; hf/attention.py calls prompt_attention, and for a decode step
 over H2OCache's window window_attention, the method decode_attention ends in for a staged window. Each phase's
-scores (each key's attention mass, which H2O ranks by) are computed in one place per device:
+scores (each key's attention mass, which H2O ranks by; at the prompt, from every real query or from the last
+StepContext.score_window, ops.score_start) are computed in one place per device:
 
   phase                                  CPU fp32, build loaded            CUDA, or a CPU without the build
   prompt, scored                         csrc/scored_attention.cpp         ops.grouped_attention
@@ -21,7 +22,7 @@ scores (each key's attention mass, which H2O ranks by) are computed in one place
 (*) with batch invariance; FLEXGEN_H2O_BATCH_INVARIANT=0 sends it to ops.grouped_attention (A/B runs).
 ops.narrow_decode_attention is ops.grouped_attention over upcast blocks of sequences, so the torch path computes
 scores in one function. With batch invariance (below) a CPU prompt attends sequence by sequence on its own tokens
-(ops.per_sequence_attention) through whichever prompt path its rule needs.
+(models/per_sequence.py) through whichever prompt path its rule needs.
 
 - Prompt attention (csrc/scored_attention.cpp): H2O's prompt pass, the output and every key's attention mass in
   one pass whose blocks of logits stay in the core's caches, where ops.grouped_attention's larger blocks are
@@ -109,7 +110,7 @@ class Kernels(ops.TorchKernels):
         self.gemm = gemm
         # Batch invariance (docs/cli.md, "What is guaranteed"): every fp32 linear layer on a CPU goes to the
         # compiled kernels, whose sums run in one order for a row whatever rows come with it (gemm_tile.h), and a
-        # prompt attends sequence by sequence on its own tokens (ops.per_sequence_attention); the BLAS and oneDNN
+        # prompt attends sequence by sequence on its own tokens (models/per_sequence.py); the BLAS and oneDNN
         # choose their blocking by the GEMM's shape. Needs the compiled linears: torch ops alone cannot promise it.
         self.batch_invariant = batch_invariant and ext is not None and hasattr(ext, "quant_linear")
         self.name = "compiled" if ext is not None else "torch"
@@ -177,12 +178,15 @@ class Kernels(ops.TorchKernels):
     # --- attention ---
 
     def scored_prompt_attention(self, q: Tensor, k: Tensor, v: Tensor, token_valid: Tensor, unpadded: bool,
-                                scale: float, score_reduce: str, query_chunk: int) -> tuple[Tensor, Tensor]:
+                                scale: float, score_reduce: str, query_chunk: int, *,
+                                score_window: int | None = None) -> tuple[Tensor, Tensor]:
         """The same values as the torch ops' scored path, to fp32 rounding (the sums run in another order)."""
         if not self._cpu_fp32(q):
-            return super().scored_prompt_attention(q, k, v, token_valid, unpadded, scale, score_reduce, query_chunk)
+            return super().scored_prompt_attention(q, k, v, token_valid, unpadded, scale, score_reduce, query_chunk,
+                                                   score_window=score_window)
         valid = torch.empty(0, dtype=torch.bool) if unpadded else token_valid
-        out, mass = self.ext.scored_prompt_attention(q, k.contiguous(), v.contiguous(), valid, float(scale), Q_BLOCK)
+        out, mass = self.ext.scored_prompt_attention(q, k.contiguous(), v.contiguous(), valid, float(scale), Q_BLOCK,
+                                                     ops.score_start(q.shape[2], score_window))
         if score_reduce == "mean":
             mass /= q.shape[1] // k.shape[1]
         return out, mass

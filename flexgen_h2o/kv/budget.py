@@ -130,12 +130,18 @@ class EvictionConfig:
     score_reduce: str = "sum"            # pooling of a GQA group's query heads into one KV head's score
     position_rolling: bool = False       # Llama: rotate kept keys by their rank (StreamingLLM style)
     seed: int = 0                        # for the random policy's generator
+    # the prompt pass scores a key by the attention of the last score_window real queries of its sequence only
+    # (the question at a prompt's end; docs/cli.md "KV cache (H2O)"); None: every real query, as H2O does
+    score_window: int | None = None
 
     def __post_init__(self) -> None:
         if self.policy not in policy_names():
             raise ValueError(f"unknown eviction policy {self.policy!r}; choose one of {', '.join(policy_names())}")
         if self.score_reduce not in SCORE_REDUCE:
             raise ValueError(f"score_reduce must be 'sum' or 'mean', got {self.score_reduce!r}")
+        n = self.score_window
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+            raise ValueError(f"score_window counts prompt queries and must be an integer >= 1, got {n!r}")
         for name in ("hh_ratio", "recent_ratio"):
             r = getattr(self, name)
             if r is not None and not 0.0 < r <= 1.0:
@@ -152,8 +158,8 @@ class EvictionConfig:
             if given:
                 raise ValueError(f"kv_budget sets the total; do not combine it with {', '.join(given)}")
         if self.policy == "full":
-            given = [n for n in ("hh_ratio", "recent_ratio", "hh_size", "recent_size", "sink_size", "kv_budget")
-                     if getattr(self, n) is not None]
+            given = [n for n in ("hh_ratio", "recent_ratio", "hh_size", "recent_size", "sink_size", "kv_budget",
+                                 "score_window") if getattr(self, n) is not None]
             if given:
                 raise ValueError(f"policy 'full' keeps every token; drop {', '.join(given)} or pick an evicting "
                                  f"policy ({', '.join(n for n in policy_names() if n != 'full')})")
@@ -163,6 +169,12 @@ class EvictionConfig:
         if self.policy == "local" and self.sink_size:        # (sink is local with sinks)
             raise ValueError("policy 'local' is a plain recent window without sinks; use policy 'sink' for "
                              "sink tokens + window")
+        if self.score_window is not None and (not self.needs_scores or trait(self.policy, "counts_every_query")):
+            takers = [p for p in policy_names() if trait(p, "needs_scores") and not trait(p, "counts_every_query")]
+            why = ("divides each key's mass by every query that saw it" if self.needs_scores
+                   else "does not rank keys by attention")
+            raise ValueError(f"score_window (--score-window) picks the prompt queries whose attention ranks the keys; "
+                             f"policy {self.policy!r} {why} (it applies to {', '.join(takers)})")
 
     def _has_budget(self) -> bool:
         return any(getattr(self, n) is not None
@@ -237,7 +249,8 @@ class EvictionConfig:
 
     def describe_request(self) -> str:
         parts = [f"{n}={getattr(self, n)}" for n in ("hh_ratio", "recent_ratio", "hh_size", "recent_size",
-                                                     "sink_size", "kv_budget") if getattr(self, n) is not None]
+                                                     "sink_size", "kv_budget", "score_window")
+                 if getattr(self, n) is not None]
         return f"policy={self.policy}" + (", " + ", ".join(parts) if parts else "")
 
     def generator(self, device: torch.device | str = "cpu") -> torch.Generator | None:

@@ -22,6 +22,9 @@ class PolicySpec:
     min_heavy: int = 0                     # heavy hitters the rule needs at least
     compiled_rule: int | None = None       # the compiled commit's rule number (kernels/csrc/commit_step.cpp)
     keeps_every_row: bool = False          # keeps every prompt row: an unpadded prompt is written as slices
+    # ranks by mass per query that saw the key, a count taken from positions: every prompt query must have scored
+    # (so no EvictionConfig.score_window)
+    counts_every_query: bool = False
     variant_of: str | None = None          # chosen on the CLI as `--policy <variant_of> --h2o-variant <variant>`
     variant: str | None = None
 
@@ -33,7 +36,7 @@ SPECS: tuple[PolicySpec, ...] = (
     PolicySpec("h2o-port", "h2o:H2OPortPolicy", needs_scores=True, per_block=True, min_heavy=1, compiled_rule=3,
                variant_of="h2o", variant="port"),
     PolicySpec("h2o-avg", "h2o:H2OAveragePolicy", needs_scores=True, compiled_rule=2, variant_of="h2o",
-               variant="avg"),
+               variant="avg", counts_every_query=True),
     PolicySpec("local", "window:WindowPolicy", window_only=True),
     PolicySpec("sink", "window:SinkPolicy", window_only=True, default_sinks=4),      # StreamingLLM's start_size
     PolicySpec("random", "h2o:RandomPolicy"),

@@ -53,6 +53,8 @@ class StepContext:
     want_scores: bool = False    # the eviction policy needs per-key attention mass
     keys_pre_rope: bool = False  # position rolling: store keys before RoPE, rotate by rank at attention time
     score_reduce: str = "sum"    # pooling of grouped query heads into one KV head's score: "sum" or "mean"
+    # a prompt's keys are scored by the last score_window rows' queries only (ops.score_start); None: every real one
+    score_window: int | None = None
     query_chunk: int = 256       # prefill queries per chunk when scores are wanted (never a full s x s matrix)
     unpadded: bool = False       # no pads in any sequence: a prompt's mask is purely causal (decided on the host)
     # a prompt's leading pads per sequence (left padding), counted on the host; None at decode or where some

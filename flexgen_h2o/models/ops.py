@@ -7,7 +7,6 @@ TorchKernels below is the layers' math where no compiled kernel is chosen.
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 import threading
 from typing import TYPE_CHECKING, Callable
@@ -15,6 +14,8 @@ from typing import TYPE_CHECKING, Callable
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from flexgen_h2o.models.per_sequence import per_sequence_attention
 
 if TYPE_CHECKING:
     from flexgen_h2o.models.layer import KVView, StepContext
@@ -113,15 +114,22 @@ def score_block_bytes(batch: int, heads: int, tokens: int, query_chunk: int, dev
     return rows * heads * chunk * tokens * 4
 
 
+def score_start(t: int, score_window: int | None) -> int:
+    """The first of a prompt's t query rows whose attention scores the keys: 0 (every valid query) without a
+    score window, else the last score_window rows, which with left padding are the last real queries."""
+    return 0 if score_window is None else max(0, t - score_window)
+
+
 def grouped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float, *, want_scores: bool = False,
-                      query_valid: Tensor | None = None, score_reduce: str = "sum",
-                      query_chunk: int = 256, causal_only: bool = False) -> tuple[Tensor, Tensor | None]:
+                      query_valid: Tensor | None = None, score_reduce: str = "sum", query_chunk: int = 256,
+                      causal_only: bool = False, score_from: int = 0) -> tuple[Tensor, Tensor | None]:
     """Softmax attention of h query heads over g KV heads without repeating K/V.
 
     q (b, h, t, d); k, v (b, g, s, d); mask (b, 1 or g, t, s) bool, True = may attend; with s == t the keys
     are the queries' own tokens and the mask is causal (a prompt), so keys after a query chunk are skipped.
     Returns out (b, h, t, d) and, if want_scores, the fp32 attention mass each key received (b, g, s), summed
-    over valid queries and pooled over the query heads of its group (sum, or mean over the group).
+    over valid queries from row score_from on (score_start) and pooled over the query heads of its group (sum, or
+    mean over the group).
     causal_only: the caller knows this is a prompt without pads, so `mask` is purely causal (faster paths).
     query_chunk: the most prompt queries per scored block; SCORE_BLOCK_BYTES may make blocks smaller.
     """
@@ -144,7 +152,7 @@ def grouped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: floa
         parts = [grouped_attention(q[lo:lo + rows], k[lo:lo + rows], v[lo:lo + rows], mask[lo:lo + rows], scale,
                                    want_scores=True, score_reduce=score_reduce, query_chunk=query_chunk,
                                    query_valid=None if query_valid is None else query_valid[lo:lo + rows],
-                                   causal_only=causal_only) for lo in range(0, b, rows)]
+                                   causal_only=causal_only, score_from=score_from) for lo in range(0, b, rows)]
         return torch.cat([o for o, _ in parts]), torch.cat([sc for _, sc in parts])   # t > 1 here: scores wanted
     qg = (q * scale).reshape(b, g, r, t, d)
     # k and v arrive as head views of (b, t, heads * d) projections (q * scale above is a new tensor already):
@@ -166,10 +174,11 @@ def grouped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: floa
         # the logits is written and then masked (`bash scripts/gpu_profile.sh DIR`); a CPU's logits are fp32 already
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         outs.append(torch.matmul(probs.to(v.dtype).view(b, g, r * tc, sk), v[:, :, :sk]).view(b, g, r, tc, d))
-        if want_scores:
+        if want_scores and stop > score_from:
             if query_valid is not None and not no_pads:
                 probs.mul_(query_valid[:, None, None, start:stop, None])
-            scores[:, :, :sk] += probs.sum(dim=(2, 3))
+            counted = probs if start >= score_from else probs[:, :, :, score_from - start:]
+            scores[:, :, :sk] += counted.sum(dim=(2, 3))
     out = torch.cat(outs, dim=3) if len(outs) > 1 else outs[0]
     if want_scores and score_reduce == "mean":
         scores /= r
@@ -278,27 +287,6 @@ def linear(x: Tensor, w: Tensor, b: Tensor | None = None, gemm: Gemm = F.linear)
     return out
 
 
-def per_sequence_attention(attend: Callable, q: Tensor, k: Tensor, v: Tensor, ctx: "StepContext",
-                           scale: float) -> tuple[Tensor, Tensor | None]:
-    """`attend` once per sequence of a left-padded prompt batch, on that sequence's own tokens, so that each call
-    has the shapes and data it has when the prompt runs alone: a sequence's output and key mass then do not
-    depend on its batch-mates, its row or the padding (docs/cli.md, "What is guaranteed"). A sequence whose own
-    budget keeps its whole run (ctx.score_rows) is attended as the full cache attends, as it is alone, and gets no
-    mass (it never chooses a victim). Pads get zeros."""
-    out = q.new_zeros(q.shape)
-    scores = q.new_zeros(k.shape[:3], dtype=torch.float32) if ctx.want_scores else None
-    for i, pad in enumerate(ctx.pad_counts):
-        one = ctx.rows(i, i + 1)
-        scored = ctx.want_scores and (ctx.score_rows is None or ctx.score_rows[i])
-        one = dataclasses.replace(one, positions=one.positions[:, pad:], token_valid=one.token_valid[:, pad:],
-                                  unpadded=True, pad_counts=(0,), want_scores=scored, score_rows=None)
-        o, sc = attend(q[i:i + 1, :, pad:], k[i:i + 1, :, pad:], v[i:i + 1, :, pad:], one, scale)
-        out[i, :, pad:] = o[0]
-        if scored:
-            scores[i, :, pad:] = sc[0]
-    return out, scores
-
-
 class TorchKernels:
     """The math a layer calls through its StepContext, as the plain torch functions above: the reference the
     compiled kernels are tested against, and the path on CUDA and wherever no compiled kernel is built.
@@ -338,7 +326,7 @@ class TorchKernels:
                           scale: float) -> tuple[Tensor, Tensor | None]:
         if ctx.want_scores:
             return self.scored_prompt_attention(q, k, v, ctx.token_valid, ctx.unpadded, scale, ctx.score_reduce,
-                                                ctx.query_chunk)
+                                                ctx.query_chunk, score_window=ctx.score_window)
         return grouped_attention(q, k, v, causal_pad_mask(ctx.token_valid), scale, causal_only=ctx.unpadded)
 
     def decode_attention(self, q: Tensor, k_new: Tensor, v_new: Tensor, kv: "KVView", ctx: "StepContext",
@@ -371,12 +359,14 @@ class TorchKernels:
     # --- the device-level attention the entry points call (kernels.Kernels: the compiled ones on a CPU) ---
 
     def scored_prompt_attention(self, q: Tensor, k: Tensor, v: Tensor, token_valid: Tensor, unpadded: bool,
-                                scale: float, score_reduce: str, query_chunk: int) -> tuple[Tensor, Tensor]:
+                                scale: float, score_reduce: str, query_chunk: int, *,
+                                score_window: int | None = None) -> tuple[Tensor, Tensor]:
         """A prompt attending to itself (causal, pads hidden) and each key's mass (b, g, t) from the valid
-        queries: grouped_attention's scored path."""
+        queries, or the last score_window rows' (score_start): grouped_attention's scored path."""
         out, scores = grouped_attention(q, k, v, causal_pad_mask(token_valid), scale, want_scores=True,
                                         query_valid=token_valid, score_reduce=score_reduce,
-                                        query_chunk=query_chunk, causal_only=unpadded)
+                                        query_chunk=query_chunk, causal_only=unpadded,
+                                        score_from=score_start(q.shape[2], score_window))
         return out, scores                                                       # type: ignore[return-value]
 
     def narrow_decode_attention(self, q: Tensor, k: Tensor, v: Tensor, valid: Tensor, slot: Tensor,

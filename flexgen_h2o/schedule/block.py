@@ -155,7 +155,8 @@ class Runtime:
                          rolling=plan.eviction.position_rolling, score_reduce=plan.eviction.score_reduce,
                          prefill_rows=plan.prefill_rows, async_lanes=self.async_lanes(),
                          prefill_by_rows=plan.prefill_by_rows and link is None, kernels=self.kernels,
-                         on_logits=on_logits, link=link, should_stop=should_stop)
+                         on_logits=on_logits, link=link, should_stop=should_stop,
+                         score_window=plan.eviction.score_window)
         batch_major = False
         if link is not None:
             if not link.last:          # the ids arrive from the last stage; then this stage decides as it does

@@ -65,6 +65,7 @@ class RunParts:
     prefill_by_rows: bool = False        # token 0 chunk by chunk through every layer (OffloadPolicy.prefill_by_rows)
     kernels: TorchKernels = TORCH        # the engine's flexgen_h2o.kernels.Kernels, resolved once (default: torch)
     link: Any = None                     # a pipeline stage's StageLink: hidden states in and out, ids back
+    score_window: int | None = None      # the prompt's last queries that score its keys (EvictionConfig.score_window)
 
 
 class BlockExecutor:
@@ -201,7 +202,7 @@ class BlockExecutor:
             positions = (b.token_valid.long().cumsum(1) - 1).masked_fill(~b.token_valid, -1)
             return StepContext(positions.to(p.device), b.token_valid.to(p.device), p.compute_dtype,
                                want_scores=p.needs_scores, keys_pre_rope=p.rolling, score_reduce=p.score_reduce,
-                               unpadded=bool(b.token_valid.all()), kernels=p.kernels,
+                               score_window=p.score_window, unpadded=bool(b.token_valid.all()), kernels=p.kernels,
                                pad_counts=StepContext.leading_pads(b.token_valid.cpu()), score_rows=b.evicts)
         true_pos = b.decode_pos(token)
         pos = self._new_rank(b, token) if p.rolling else true_pos

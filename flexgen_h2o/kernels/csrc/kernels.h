@@ -6,9 +6,11 @@
 
 #include <vector>
 
-// H2O's prompt attention: the output and every key's attention mass in one pass (scored_attention.cpp).
+// H2O's prompt attention: the output and every key's attention mass from the queries at or after score_from,
+// in one pass (scored_attention.cpp).
 std::vector<at::Tensor> scored_prompt_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                                const at::Tensor& token_valid, double scale, int64_t q_block);
+                                                const at::Tensor& token_valid, double scale, int64_t q_block,
+                                                int64_t score_from);
 
 // One decode step's attention over the fp16 cache, read in place, with each key's mass (decode_attention.cpp).
 std::vector<at::Tensor> decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,

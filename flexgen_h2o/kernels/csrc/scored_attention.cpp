@@ -10,7 +10,8 @@
 // torch's softmax over the whole block width and a separate column-sum product read the block twice more.
 //
 // Masking follows models/ops.causal_pad_mask: query i sees key j iff j <= i and key j is valid, and always
-// sees itself. Pad queries add nothing to the column sums.
+// sees itself. Pad queries add nothing to the column sums, nor do the queries before score_from (a score window:
+// only the prompt's last queries rank its keys, docs/cli.md "KV cache (H2O)").
 #include "kernels.h"
 
 #include <ATen/Parallel.h>
@@ -51,8 +52,8 @@ void softmax_row(float* line, int64_t n, int64_t width, float* mass) {
 }
 
 void attend_block(const Shape& s, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out,
-                  const std::vector<std::vector<int64_t>>& pads, const bool* valid, double scale, int64_t bi,
-                  int64_t gi, int64_t block, at::Tensor& qbuf, at::Tensor& logits, float* mass) {
+                  const std::vector<std::vector<int64_t>>& pads, const bool* valid, double scale, int64_t score_from,
+                  int64_t bi, int64_t gi, int64_t block, at::Tensor& qbuf, at::Tensor& logits, float* mass) {
   const int64_t start = block * s.q_block, stop = std::min(s.t, start + s.q_block);
   const int64_t tq = stop - start, rows = s.r * tq;
   for (int64_t j = 0; j < s.r; ++j) {
@@ -71,8 +72,10 @@ void attend_block(const Shape& s, const at::Tensor& q, const at::Tensor& k, cons
       if (p >= i) break;
       line[p] = hidden;
     }
-    // keys [0, i] only; a pad query's row is still computed (its output is unused) but adds no mass
-    softmax_row(line, i + 1, stop, (valid == nullptr || valid[bi * s.t + i]) ? mass : nullptr);
+    // keys [0, i] only; a pad query's row is still computed (its output is unused) but adds no mass, and so
+    // does a query before the score window
+    const bool counts = i >= score_from && (valid == nullptr || valid[bi * s.t + i]);
+    softmax_row(line, i + 1, stop, counts ? mass : nullptr);
   }
   for (int64_t j = 0; j < s.r; ++j) {
     at::Tensor dst = out[bi][gi * s.r + j].narrow(0, start, tq);
@@ -95,9 +98,11 @@ struct OneThreadGemms {
 }  // namespace
 
 // q (b, h, t, d) fp32, any strides; k, v (b, g, t, d) fp32 contiguous; token_valid (b, t) bool, or an empty
-// tensor for a prompt without pads. Returns out (b, h, t, d) and mass (b, g, t) fp32.
+// tensor for a prompt without pads; score_from: the first query row whose probabilities count (0: every valid
+// one). Returns out (b, h, t, d) and mass (b, g, t) fp32.
 std::vector<at::Tensor> scored_prompt_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                                const at::Tensor& token_valid, double scale, int64_t q_block) {
+                                                const at::Tensor& token_valid, double scale, int64_t q_block,
+                                                int64_t score_from) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "q, k, v must be 4-d");
   TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
               "q, k, v must be float32");
@@ -105,6 +110,7 @@ std::vector<at::Tensor> scored_prompt_attention(const at::Tensor& q, const at::T
   TORCH_CHECK(q.size(2) == k.size(2) && k.sizes() == v.sizes(), "a prompt attends to its own keys");
   TORCH_CHECK(q.size(1) % k.size(1) == 0, "query heads must be a multiple of KV heads");
   TORCH_CHECK(q_block >= 1, "q_block must be >= 1");
+  TORCH_CHECK(score_from >= 0, "score_from must be >= 0");
   Shape s;
   s.b = q.size(0); s.h = q.size(1); s.t = q.size(2); s.d = q.size(3); s.g = k.size(1); s.r = s.h / s.g;
   s.q_block = q_block; s.blocks = (s.t + q_block - 1) / q_block; s.pairs = (s.blocks + 1) / 2;
@@ -133,10 +139,10 @@ std::vector<at::Tensor> scored_prompt_attention(const at::Tensor& q, const at::T
     for (int64_t task = begin; task < end; ++task) {
       const int64_t bg = task / s.pairs, pair = task % s.pairs;
       const int64_t bi = bg / s.g, gi = bg % s.g;
-      attend_block(s, q, k, v, out, pads, valid, scale, bi, gi, pair, qbuf, logits, mine + bg * s.t);
+      attend_block(s, q, k, v, out, pads, valid, scale, score_from, bi, gi, pair, qbuf, logits, mine + bg * s.t);
       const int64_t mirror = s.blocks - 1 - pair;
       if (mirror != pair)
-        attend_block(s, q, k, v, out, pads, valid, scale, bi, gi, mirror, qbuf, logits, mine + bg * s.t);
+        attend_block(s, q, k, v, out, pads, valid, scale, score_from, bi, gi, mirror, qbuf, logits, mine + bg * s.t);
     }
   });
   return {out, partial.sum(0)};
