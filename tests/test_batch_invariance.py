@@ -82,7 +82,8 @@ def assert_bitwise(what: str, a, b) -> None:
     """a, b: (tokens, logits, kept) of one prompt in two runs, equal bit for bit."""
     assert a[0] == b[0], f"{what}: tokens differ"
     steps = [t for t, (x, y) in enumerate(zip(a[1], b[1])) if not torch.equal(x, y)]
-    assert not steps, f"{what}: logits differ from step {steps[0]} (max {(a[1][steps[0]] - b[1][steps[0]]).abs().max()})"
+    assert not steps, (f"{what}: logits differ from step {steps[0]} "
+                       f"(max {(a[1][steps[0]] - b[1][steps[0]]).abs().max()})")
     assert a[2] == b[2], f"{what}: kept positions differ"
 
 
@@ -168,7 +169,8 @@ def test_the_near_tie_rule_itself():
 # KV split over compute, host and disk); int4 KV was the case where fp32 rounding of K and V turned into whole
 # quantization steps and other text (issue 50)
 FORMATS = {"kv-int4": dict(kv_bits=4), "kv-int8": dict(kv_bits=8), "kv-fp16": dict(kv_dtype="float16"),
-           "w-int4": dict(weight_bits=4), "w-int8": dict(weight_bits=8), "kv-int4-w-int4": dict(kv_bits=4, weight_bits=4)}
+           "w-int4": dict(weight_bits=4), "w-int8": dict(weight_bits=8),
+           "kv-int4-w-int4": dict(kv_bits=4, weight_bits=4)}
 LONG = [70, 9, 41, 88, 23, 57]          # a block of them has more GEMM rows than the decode kernels' thresholds
 
 

@@ -46,7 +46,8 @@ def test_quantized_formats_store_rows_of_bytes_and_count_them():
     int4, int8 = storage_format("int4-g64"), storage_format("int8-g64")
     assert int4 == quant_format(4) and (int4.bits, int8.bits, int4.dtype) == (4, 8, torch.uint8)
     # a 64-wide head: 32 bytes of nibbles + fp16 minimum and step; 8-bit: 64 + 4
-    assert (int4.row_width(64), int8.row_width(64), int4.nbytes(3 * 64, 64), int8.nbytes(128, 128)) == (36, 68, 108, 136)
+    assert (int4.row_width(64), int8.row_width(64), int4.nbytes(3 * 64, 64), int8.nbytes(128, 128)) == \
+        (36, 68, 108, 136)
     assert int4.row_width(32) == 20                                     # a row shorter than a group: one group
     x = torch.randn(2, 3, 5, 64, generator=torch.Generator().manual_seed(0))
     stored = int4.pack(x)

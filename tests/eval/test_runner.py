@@ -150,7 +150,8 @@ def test_grid_shares_one_prefill_per_block_and_resumes(llama, items, monkeypatch
     with runner_for(llama, batch_size=3) as runner:
         calls = []
         real = runner.engine.prefill
-        monkeypatch.setattr(runner.engine, "prefill", lambda p, rolling=False: calls.append(rolling) or real(p, rolling))
+        monkeypatch.setattr(runner.engine, "prefill",
+                            lambda p, rolling=False: calls.append(rolling) or real(p, rolling))
         ckpt = DictCheckpoint()
         grid = runner.score_grid(points, prompts, conts, ckpt)
         assert calls == [False, True, False, True]          # 2 blocks x (plain, rolling), not 2 x 4 points
