@@ -8,8 +8,10 @@ import json
 import os
 import re
 import signal
+import sys
 
 import pytest
+import torch
 
 from flexgen_h2o.config import OffloadPolicy
 from flexgen_h2o.planner.job import padding_tokens, plan_blocks
@@ -273,3 +275,14 @@ def test_warmup_adds_one_real_length_prefill_chunk_on_a_gpu_only():
     assert gpu[1:] == cpu and gpu[0] == prompts[:8]           # 16384 prompt tokens of one GPU batch: 8 sequences
     short = [p[:16] for p in prompts]                         # already shorter than the warm-up length
     assert warmup_blocks(short, llm, "cuda") == [short]
+
+
+def test_an_in_process_run_leaves_this_process_as_it_found_it(tiny, tmp_path):
+    """run_main (the in-process CLI runs above) puts back the environment, the working folder, the torch threads
+    and sys.stdout/stderr, so no test sees another's settings."""
+    ckpt, env = tiny
+    before = (dict(os.environ), os.getcwd(), torch.get_num_threads(), sys.stdout, sys.stderr)
+    proc = run_main(["--model", str(ckpt), "--prompt", "hi", "--gen-len", "2", "--no-progress"],
+                    dict(env, FLEXGEN_H2O_CALIBRATE_SMOKE="1"), cwd=tmp_path)
+    assert proc.returncode == 0 and proc.stdout, proc.stderr
+    assert (dict(os.environ), os.getcwd(), torch.get_num_threads(), sys.stdout, sys.stderr) == before

@@ -93,12 +93,12 @@ def run_main(args: list[str], env: dict[str, str], cwd: Path | None = None,
     repository, as run_cli), its stdout and stderr captured and its exit status returned as a subprocess's would
     be (argparse's refusals exit from the parser). merged: stderr into stdout, one stream in the order printed.
     The environment and the working folder are restored after."""
-    if main is None:
-        from flexgen_h2o.run import main
     out = io.StringIO()
     err = out if merged else io.StringIO()
     here = os.getcwd()
     with environment(env), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        if main is None:          # imported here: run.py sets environment defaults when first imported
+            from flexgen_h2o.run import main
         os.chdir(cwd or REPO)
         try:
             code = main(args)
