@@ -270,3 +270,16 @@ def test_cli_refuses_a_bad_window(flags, message, capsys, tmp_path, monkeypatch)
     assert status == 2
     assert err.startswith("error: ") and err.count("\n") == 1, err
     assert message in err, err
+
+
+def test_a_batch_job_records_its_window():
+    """The window changes the answers: a resume with another --score-window is refused by the settings record
+    (docs/cli.md, "What is guaranteed"); a full cache scores nothing, so its record has no window."""
+    from flexgen_h2o.frontends.cli import build_parser
+    from flexgen_h2o.frontends.settings import answer_settings
+
+    def record(*flags: str) -> dict:
+        return answer_settings(build_parser().parse_args(["--model", "opt-125m", *flags]), 8)
+    assert record("--hh-ratio", "0.2", "--score-window", "8")["score_window"] == 8
+    assert record("--hh-ratio", "0.2")["score_window"] is None
+    assert record("--hh-ratio", "0.2", "--score-window", "8") != record("--hh-ratio", "0.2", "--score-window", "4")
