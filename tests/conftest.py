@@ -1,8 +1,12 @@
 """Shared fixtures: the compiled kernels (`kernel`), the converted tiny checkpoint (`tiny`), the SmolLM2 load
-(`smollm2`), and the `slow` and `gpu` markers."""
+(`smollm2`), and the `slow` and `gpu` markers; the portable kernel build started early (pytest_collection_finish)."""
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -26,6 +30,36 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+PORTABLE_TEST = ("test_portable_kernels.py", "test_the_portable_build_gives_the_same_values")
+_background: list[subprocess.Popen] = []
+
+
+def pytest_collection_finish(session):
+    """Where tests/test_portable_kernels.py's build will run, compile it now in a background process on one core:
+    a fresh machine (CI) or an edited csrc/ compiles all the kernels once more without the AVX2 flags, and the tests
+    before it leave the second core mostly idle. The test's own build then finds it in torch's cache, or waits for
+    it under kernels/build.py's build lock."""
+    from flexgen_h2o.kernels import build
+    if session.config.option.collectonly or os.environ.get(build.OFF_SWITCH, "1") == "0":
+        return
+    at = [i for i, item in enumerate(session.items)
+          if (item.path.name, getattr(item, "originalname", item.name)) == PORTABLE_TEST]
+    if not at or at[0] < 200:                  # run alone or early, it builds faster on both cores itself
+        return
+    env = {**os.environ, build.ISA_SWITCH: "portable", "MAX_JOBS": "1"}     # MAX_JOBS: ninja's -j (torch)
+    _background.append(subprocess.Popen(
+        [sys.executable, "-c", "from flexgen_h2o.kernels import build; build.jit_build()"], env=env,
+        cwd=Path(__file__).resolve().parent.parent, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        start_new_session=True))
+
+
+def pytest_sessionfinish(session):
+    for proc in _background:                  # a run that ended first (-x, Ctrl-C) stops the build and its compilers
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(60)
 
 
 @pytest.fixture

@@ -1,5 +1,6 @@
 """The compiled kernels built without the AVX2 flags (what a CPU without them compiles, an ARM host say): their
-plain C++ loops give the torch paths' values too. One subprocess, since a process loads the extension once."""
+plain C++ loops give the torch paths' values too. One subprocess, since a process loads the extension once; in a
+whole-suite run tests/conftest.py has started its build in the background (pytest_collection_finish)."""
 from __future__ import annotations
 
 import json
