@@ -265,32 +265,32 @@ class Engine:
         stops = StopTracker(plan.n_seqs, gen, self.model.eos_id, self.decode, per_seq_max)
         seq_index = list(job.blocks[k])
 
-        def took(token: int, batch: int) -> None:     # batch's next ids are chosen: ends, and stops after the last
-            b = batches[batch]
-            if forced is not None:
-                for s in b.seq_index:
-                    if token < len(forced[s]) and forced[s][token] == END:
-                        stops.end(s)
+        def entries(token: int, batch: int) -> list[int]:      # each row's forced entry, read once per step
+            return [forced[s][token] if token < len(forced[s]) else SAMPLE for s in batches[batch].seq_index]
+
+        def took(batch: int, row_entries: list[int] | None) -> None:    # the batch's next ids are chosen
+            for s, entry in zip(batches[batch].seq_index, row_entries or ()):
+                if entry == END:
+                    stops.end(s)
             if batch == len(batches) - 1:
                 stops.update(torch.cat([x.next_ids for x in batches]).tolist())
 
         def on_logits(token: int, batch: int, logits: Tensor) -> None:
             b = batches[batch]
             b.next_ids = sampler(logits, rows=range(b.seq_index[0], b.seq_index[-1] + 1))
-            if forced is not None:
-                for row, s in enumerate(b.seq_index):
-                    entry = forced[s][token] if token < len(forced[s]) else SAMPLE
-                    if entry >= 0:
-                        b.next_ids[row] = int(entry)
+            row_entries = entries(token, batch) if forced is not None else None
+            for row, entry in enumerate(row_entries or ()):
+                if entry >= 0:
+                    b.next_ids[row] = int(entry)
             if capture is not None and token == 0:
                 capture[batch] = logits.detach().clone()
             if self.on_step_logits is not None:
                 self.on_step_logits(token, [seq_index[i] for i in b.seq_index], logits)
-            took(token, batch)
+            took(batch, row_entries)
 
         def on_ids(token: int, batch: int, ids: Tensor) -> None:      # a pipeline stage without the head
             batches[batch].next_ids = ids
-            took(token, batch)
+            took(batch, entries(token, batch) if forced is not None else None)
 
         def should_stop(token: int) -> bool:
             return stops.all_done or token + 1 >= n_new

@@ -17,7 +17,7 @@ from flexgen_h2o.engine import Engine
 from flexgen_h2o.kv import EvictionConfig
 from tests.helpers import greedy, make_engine, random_prompts, tiny_hf, weight_reader
 from tests.helpers import assert_agree
-from tests.test_h2o_engine import PLACEMENTS
+from tests.reference.compare import PLACEMENTS
 
 LENS = [5, 31, 12, 24, 9, 18, 7, 27, 14, 20]
 MAX_NEW = [3, 22, 11, 1, 16, 9, 24, 5, 13, 2]         # per prompt: rows free at different steps, one at its join
