@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalLM
@@ -188,3 +189,16 @@ def assert_agree(model, tokens, logits, want_tokens, want_logits, bitwise: bool)
         bound = max(logit_bound(model, torch.stack(want)), SAME_RUN_TOL)
         n = greedy_agreement(tokens[i], want_tokens[i], want, bound, f"sequence {i}")
         assert max_logit_diff(got[:n], want[:n]) <= bound, f"sequence {i}"
+
+
+def assert_matches_transformers(model, lengths=(9, 14), n_new: int = 65) -> Any:
+    """The engine's greedy run of random prompts against transformers' own model: the compiled kernels against
+    its MKL/oneDNN GEMMs and eager attention are two fp32 orders, so tokens equal but at a near tie and logits
+    within tolerances.logit_bound up to there (assert_agree). Returns the engine, for more checks."""
+    prompts = random_prompts(list(lengths))
+    engine = make_engine(model)
+    out = engine.generate(prompts, greedy(n_new))
+    refs = hf_greedy(model, prompts, n_new, pad_id=model.config.pad_token_id)
+    assert all(len(engine.step_logits[i]) == n_new for i in range(len(prompts)))
+    assert_agree(model, out.token_ids, engine.step_logits, [t for t, _ in refs], [l for _, l in refs], False)
+    return engine

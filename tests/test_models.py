@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.helpers import greedy, hf_greedy, make_engine, random_prompts, tiny_hf
-from tests.helpers import assert_agree
+from tests.helpers import greedy, make_engine, random_prompts, tiny_hf
+from tests.helpers import assert_agree, assert_matches_transformers
 from tests.tolerances import assert_within, linear_bound
 
 KINDS = ["opt", "opt-post", "llama-mha", "llama-gqa", "llama3"]
@@ -14,15 +14,7 @@ N_NEW = 65          # the prefill step's logits + 64 decode steps
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_logits_and_tokens_match_transformers(kind):
-    model = tiny_hf(kind)
-    prompts = random_prompts([9, 14])
-    engine = make_engine(model)
-    out = engine.generate(prompts, greedy(N_NEW))
-    refs = hf_greedy(model, prompts, N_NEW, pad_id=model.config.pad_token_id)
-    assert all(len(engine.step_logits[i]) == N_NEW for i in range(len(prompts)))
-    # the compiled kernels against transformers' MKL/oneDNN GEMMs and eager attention: two fp32 orders, so
-    # tokens equal but at a near tie, logits within tolerances.logit_bound up to there
-    assert_agree(model, out.token_ids, engine.step_logits, [t for t, _ in refs], [l for _, l in refs], False)
+    assert_matches_transformers(tiny_hf(kind), n_new=N_NEW)
 
 
 @pytest.mark.parametrize("kind", ["opt", "llama-gqa"])

@@ -88,7 +88,9 @@ class RowBudgets:
 
     @property
     def capacity(self) -> int:
-        return max(r.capacity for r in self.rows)
+        if "max_capacity" not in self._cols:    # asked per row and per plan: the rows never change
+            self._cols["max_capacity"] = max(r.capacity for r in self.rows)
+        return self._cols["max_capacity"]
 
     @property
     def evicts(self) -> bool:

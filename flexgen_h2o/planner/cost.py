@@ -60,6 +60,7 @@ PROBE_WINDOW = PROBE_PROMPT + 4          # is inside its block times: the cost m
 PROBE_MAX_ELEMENTS = 16 << 20            # a probed matrix keeps at most this many elements (rows cut, not inputs)
 
 
+@functools.lru_cache(maxsize=64)      # the search predicts thousands of plans of one model
 def probe_shapes(cfg: ModelConfig) -> tuple[tuple[int, int], ...]:
     """The (out, in) shapes of one transformer block's matrices as the linear probe times them: the model's own
     input widths (what a memory-bound kernel's speed depends on), outputs cut to PROBE_MAX_ELEMENTS."""
