@@ -8,39 +8,13 @@ import torch
 
 from flexgen_h2o.config import OffloadPolicy
 from flexgen_h2o.kv import EvictionConfig, get_policy
-from tests.helpers import (assert_agree, assert_scores_close, engine_kept, engine_scores, max_logit_diff,
-                           random_prompts, tiny_hf)
+from tests.helpers import assert_agree, max_logit_diff, random_prompts, tiny_hf
 from tests.reference.compare import (LENGTHS, N_NEW, PLACEMENTS, all_caches, assert_same_as_reference,
-                                     run_engine, run_reference, score_bound)
+                                     check_against_reference, run_engine, run_reference)
 
 KINDS = ["opt", "llama-mha", "llama-gqa"]
 H2O = EvictionConfig(policy="h2o", hh_size=4, recent_size=3)
 H2O_SINK = EvictionConfig(policy="h2o", hh_size=4, recent_size=3, sink_size=1)
-
-
-def check_against_reference(kind: str, ev: EvictionConfig, inspect=None, **engine_kw) -> list:
-    """Engine and reference on the same padded prompts: tokens, logits and kept positions agree.
-    Returns the reference's trace of kept positions (prefill first, then after each step). inspect(engine), if
-    given, runs on the engine after its run, before it closes."""
-    model = tiny_hf(kind)
-    prompts = random_prompts(LENGTHS)
-    engine, out = run_engine(model, prompts, ev, **engine_kw)
-    try:
-        if inspect is not None:
-            inspect(engine)
-        trace: list = []
-        scores: list = []
-        evd: dict = {}
-        ref_tokens, ref_logits = run_reference(model, prompts, ev, trace=trace, scores=scores, eviction=evd)
-        whole = assert_same_as_reference(model, engine, out, ref_tokens, ref_logits, evd)
-        # kept positions and scores of the runs no near tie split (one that was keeps, rightly, other tokens)
-        kept, want = engine_kept(engine), trace[-1]
-        assert [[x[i] for i in whole] for x in kept] == [[x[i] for i in whole] for x in want]
-        if ev.needs_scores:                   # the caches' own score and position tensors, not only tokens
-            assert_scores_close(engine_scores(engine), scores, score_bound(model, ref_tokens, evd), whole)
-    finally:
-        engine.close()
-    return trace
 
 
 # --- 1. h2o exact vs the reference, eviction in prefill and decode ---

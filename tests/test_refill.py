@@ -29,6 +29,8 @@ POLICIES = {
     "port-ratio": EvictionConfig(policy="h2o-port", hh_ratio=0.2),
     "random-ratio": EvictionConfig(policy="random", hh_ratio=0.2, seed=3),
     "rolling-ratio": EvictionConfig(policy="h2o", hh_ratio=0.2, position_rolling=True),
+    "snapkv-ratio": EvictionConfig(policy="snapkv", hh_ratio=0.2, score_window=4, pool_kernel=3),
+    "tova-ratio": EvictionConfig(policy="tova", hh_ratio=0.2),
 }
 # name -> (GPU batch size, GPU batches, placement, refill share)
 CUTS = {

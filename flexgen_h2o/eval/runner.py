@@ -102,25 +102,27 @@ class Runner:
     def _grid(self, points: Sequence[GridPoint], prompts: Sequence[Sequence[int]], n_new: Callable[[range], int],
               run_block: Callable, checkpoint: Checkpoint | None, desc: str) -> dict[str, tuple[list, RunInfo]]:
         """Blocks outer, points inner: each block's prompts are prefilled once (Engine.prefill, once more for
-        rolling points) and every point decodes from that. Returns key -> (per-block results, RunInfo)."""
+        rolling points and for each score window) and every point decodes from that. Returns key -> (per-block results, RunInfo)."""
         blocks = self._blocks(len(prompts))
         out = {p.key: ([None] * len(blocks), RunInfo()) for p in points}
         bar = self._bar(len(points) * sum(n_new(blk) for blk in blocks), desc)
         for bi, blk in enumerate(blocks):
             block_prompts = [list(prompts[i]) for i in blk]
             prompt_len, steps = max(map(len, block_prompts)), n_new(blk)
-            shared: dict[bool, list] = {}
+            shared: dict[tuple[bool, int | None], list] = {}
             for point in points:
                 saved = checkpoint.get(point.key, bi) if checkpoint is not None else None
                 if saved is None:
                     ev = point.eviction(prompt_len + steps, self.seed)
                     prefill_s = 0.0
-                    if point.rolling not in shared:
+                    # one prompt pass per (rolling, score window): a window's rules rank keys by its queries only
+                    kept = (point.rolling, ev.score_window if ev.needs_scores else None)
+                    if kept not in shared:
                         t0 = time.perf_counter()
-                        shared[point.rolling] = self.engine.prefill(block_prompts, rolling=point.rolling)
+                        shared[kept] = self.engine.prefill(block_prompts, rolling=kept[0], score_window=kept[1])
                         prefill_s = time.perf_counter() - t0
                     t0 = time.perf_counter()
-                    result = run_block(blk, block_prompts, ev, shared[point.rolling], bar)
+                    result = run_block(blk, block_prompts, ev, shared[kept], bar)
                     saved = {"result": result, "slots": point.slots(prompt_len + steps),
                              "evicted": ev.resolve(prompt_len, steps).evicts, "prefill_seconds": prefill_s,
                              "seconds": time.perf_counter() - t0}

@@ -12,7 +12,7 @@ import sys
 from typing import Any, NoReturn
 
 from flexgen_h2o.config import OffloadPolicy
-from flexgen_h2o.kv.registry import cli_policies, cli_variants
+from flexgen_h2o.kv.registry import cli_policies, cli_variants, policy_help
 
 
 class Parser(argparse.ArgumentParser):
@@ -139,13 +139,16 @@ def build_parser() -> argparse.ArgumentParser:
                     help="exact H2O; the FlexGen port's victim rule; or exact H2O ranking by each key's attention "
                          "averaged over the queries that saw it, not summed (less bias to old tokens)")
     kv.add_argument("--policy", choices=cli_policies(), default="h2o",
-                    help="eviction rule when a budget is given (baselines at equal budget)")
+                    help="eviction rule when a budget is given: " + policy_help() + " (docs/cli.md \"Which policy\")")
     kv.add_argument("--full-cache", action="store_true", help="no eviction (the default when no budget is given)")
     kv.add_argument("--position-rolling", action="store_true",
                     help="Llama: rotate kept keys by their rank each step (runs past the context window)")
     kv.add_argument("--score-window", type=positive, metavar="N",
                     help="rank prompt tokens by the attention of the prompt's last N tokens only (a question at its "
-                         "end), not of every token; decode steps add theirs as in H2O")
+                         "end), not of every token; decode steps add theirs as in H2O (snapkv's observation "
+                         "window, default 64)")
+    kv.add_argument("--pool-kernel", type=positive, metavar="K",
+                    help="snapkv: average each prompt token's score over K neighbouring tokens (odd; default 5)")
     g = p.add_argument_group("generation")
     g.add_argument("--input", help="batch mode: JSONL, one {\"prompt\" (raw text) or \"messages\" (a chat), \"id\"?, "
                    "\"max_new_tokens\"?} per line, or OpenAI Batch API request lines (docs/cli.md)")
@@ -222,9 +225,10 @@ def check_flags(a: argparse.Namespace) -> None:
     if a.policy != "h2o" and not budget:
         raise ValueError(f"--policy {a.policy} needs a KV budget (--hh-ratio, --hh-size, --kv-budget, ...); "
                          "without one the cache is full and nothing is evicted")
-    if a.score_window is not None and (a.full_cache or not budget):
-        raise ValueError("--score-window ranks the prompt tokens an eviction keeps: it needs a KV budget "
-                         "(--hh-ratio, --hh-size, --kv-budget, ...) and no --full-cache")
+    for flag, value in (("--score-window", a.score_window), ("--pool-kernel", a.pool_kernel)):
+        if value is not None and (a.full_cache or not budget):
+            raise ValueError(f"{flag} ranks the prompt tokens an eviction keeps: it needs a KV budget "
+                             "(--hh-ratio, --hh-size, --kv-budget, ...) and no --full-cache")
 
 
 def run_sampling(a: argparse.Namespace) -> dict:
@@ -246,7 +250,7 @@ def eviction_from_args(a: argparse.Namespace) -> Any:
         return EvictionConfig(policy="full", position_rolling=a.position_rolling)
     policy = cli_variants(a.policy).get(a.h2o_variant, a.policy)
     return EvictionConfig(policy=policy, position_rolling=a.position_rolling, seed=a.seed,
-                          score_window=a.score_window, **sizes)
+                          score_window=a.score_window, pool_kernel=a.pool_kernel, **sizes)
 
 
 def log_file_name(a: argparse.Namespace, offload: OffloadPolicy, prompt_len: int, gen_len: int) -> str:

@@ -68,6 +68,7 @@ def answer_settings(args: argparse.Namespace, gen_len: int) -> dict[str, Any]:
         "group_size": args.group_size if kv_bits or weight_bits else None,
         "policy": policy, **{k: budget.get(k) for k in BUDGET}, "position_rolling": bool(args.position_rolling),
         "score_window": args.score_window if policy != "full" else None,
+        "pool_kernel": args.pool_kernel if policy != "full" else None,
         "temperature": float(args.temperature),
         "top_p": float(args.top_p) if sampling else None, "top_k": args.top_k if sampling else None,
         "seed": args.seed if sampling or policy == "random" else None,

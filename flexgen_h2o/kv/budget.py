@@ -38,6 +38,10 @@ class Budget:
     recent: int
     policy: str = "h2o"
     max_tokens: int | None = None
+    # how a policy that ranks prompt keys reads their scores (EvictionConfig's): the last score_window queries
+    # scored them, and a score is averaged over pool_kernel neighbouring keys (1: none)
+    score_window: int | None = None
+    pool_kernel: int = 1
 
     @property
     def budget(self) -> int:
@@ -71,8 +75,8 @@ class RowBudgets:
     def __post_init__(self) -> None:
         if not self.rows:
             raise ValueError("RowBudgets needs at least one row")
-        if len({(r.sink, r.policy) for r in self.rows}) != 1:
-            raise ValueError("the rows of a block share the sink count and the policy")
+        if len({(r.sink, r.policy, r.score_window, r.pool_kernel) for r in self.rows}) != 1:
+            raise ValueError("the rows of a block share the sink count, the policy and its scoring")
 
     @classmethod
     def uniform(cls, budget: Budget, n: int) -> "RowBudgets":
@@ -85,6 +89,14 @@ class RowBudgets:
     @property
     def sink(self) -> int:
         return self.rows[0].sink
+
+    @property
+    def score_window(self) -> int | None:
+        return self.rows[0].score_window
+
+    @property
+    def pool_kernel(self) -> int:
+        return self.rows[0].pool_kernel
 
     @property
     def capacity(self) -> int:
@@ -135,10 +147,25 @@ class EvictionConfig:
     # the prompt pass scores a key by the attention of the last score_window real queries of its sequence only
     # (the question at a prompt's end; docs/cli.md "KV cache (H2O)"); None: every real query, as H2O does
     score_window: int | None = None
+    # SnapKV: a prompt key's score is the mean over this many neighbouring keys (odd; 1 = none). None: the policy's
+    pool_kernel: int | None = None
 
     def __post_init__(self) -> None:
         if self.policy not in policy_names():
             raise ValueError(f"unknown eviction policy {self.policy!r}; choose one of {', '.join(policy_names())}")
+        # a policy's own defaults are filled in here, so everything downstream reads one value
+        if self.score_window is None and trait(self.policy, "default_score_window") is not None:
+            object.__setattr__(self, "score_window", trait(self.policy, "default_score_window"))
+        if self.pool_kernel is None and trait(self.policy, "default_pool_kernel") is not None:
+            object.__setattr__(self, "pool_kernel", trait(self.policy, "default_pool_kernel"))
+        k = self.pool_kernel
+        if k is not None:
+            poolers = [p for p in policy_names() if trait(p, "default_pool_kernel") is not None]
+            if self.policy not in poolers:
+                raise ValueError(f"pool_kernel (--pool-kernel) averages prompt scores over neighbouring keys; policy "
+                                 f"{self.policy!r} does not pool (it applies to {', '.join(poolers)})")
+            if isinstance(k, bool) or not isinstance(k, int) or k < 1 or k % 2 == 0:
+                raise ValueError(f"pool_kernel counts keys around each key and must be an odd integer >= 1, got {k!r}")
         if self.score_reduce not in SCORE_REDUCE:
             raise ValueError(f"score_reduce must be 'sum' or 'mean', got {self.score_reduce!r}")
         n = self.score_window
@@ -208,13 +235,19 @@ class EvictionConfig:
             heavy, recent = self._heavy_recent(prompt_len)
         if trait(self.policy, "window_only"):
             heavy, recent = 0, heavy + recent        # no heavy hitters: the whole share is the window
+        elif trait(self.policy, "recent_is_score_window") and self.recent_size is None and self.recent_ratio is None:
+            # SnapKV keeps its observation window and fills the rest by score; TOVA keeps only the newest token
+            total = heavy + recent
+            recent = min(self.score_window, total)
+            heavy = total - recent
         if heavy < trait(self.policy, "min_heavy"):
             raise ValueError(f"{self.policy} needs at least one heavy hitter (the port asserts "
                              f"int(prompt_len * hh_ratio) > 0); got {heavy} for prompt_len {prompt_len}")
         if sink + heavy + recent < 1:
             raise ValueError(f"the eviction budget is 0 slots for prompt_len {prompt_len} ({self.describe_request()}); "
                              f"raise the ratio or give sizes in slots")
-        return Budget(sink, heavy, recent, policy=self.policy, max_tokens=max_tokens)
+        return Budget(sink, heavy, recent, policy=self.policy, max_tokens=max_tokens, score_window=self.score_window,
+                      pool_kernel=self.pool_kernel or 1)
 
     def resolve_rows(self, prompt_lens: Sequence[int], gen_lens: Sequence[int]) -> RowBudgets:
         """Each sequence's budget from its own real prompt length and new tokens. h2o-port: the port's per-block
@@ -251,7 +284,7 @@ class EvictionConfig:
 
     def describe_request(self) -> str:
         parts = [f"{n}={getattr(self, n)}" for n in ("hh_ratio", "recent_ratio", "hh_size", "recent_size",
-                                                     "sink_size", "kv_budget", "score_window")
+                                                     "sink_size", "kv_budget", "score_window", "pool_kernel")
                  if getattr(self, n) is not None]
         return f"policy={self.policy}" + (", " + ", ".join(parts) if parts else "")
 
@@ -288,7 +321,21 @@ def describe(budget: Budget, prompt_len: int, gen_len: int, kv_bytes_per_token: 
             f"{_fmt_bytes(budget.capacity * kv_bytes_per_token)} instead of {full_bytes}")
     if not budget.evicts:
         line += " (budget covers the whole run: nothing is evicted)"
-    return line
+    return line + scoring_note(budget)
+
+
+def scoring_note(budget: Budget) -> str:
+    """How a scoring policy ranks keys, when it is not H2O's every-query sum: '' for the others."""
+    if budget.policy == "full" or budget.score_window is None:
+        return ""
+    w = budget.score_window
+    queries = "the last prompt query" if w == 1 else f"the last {w} prompt queries"
+    pooled = f", averaged over {budget.pool_kernel} neighbouring keys" if budget.pool_kernel > 1 else ""
+    if trait(budget.policy, "step_scores"):
+        then = "each step then evicts the key the newest query attends to least (the layer's heads averaged)"
+    else:
+        then = "decode then evicts as exact H2O on the summed attention"
+    return f"; prompt keys ranked by {queries}{pooled}; {then}"
 
 
 def _span(values: Sequence[float], fmt: str = "{:g}") -> str:
@@ -317,4 +364,4 @@ def describe_rows(budgets: Sequence[Budget], prompt_lens: Sequence[int], gen_len
             f"up to {_fmt_bytes(cap * kv_bytes_per_token)} instead of {full_bytes}")
     if not any(b.evicts for b in budgets):
         line += " (the budgets cover the whole run: nothing is evicted)"
-    return line
+    return line + scoring_note(budgets[0])

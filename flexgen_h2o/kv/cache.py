@@ -101,6 +101,7 @@ class KVCache:
         self.spec, self.batch, self.capacity = spec, batch, capacity
         self.staging, self.read_in_place, self.copy_stored = staging, read_in_place, copy_stored
         self.policy, self.budget, self.rolling, self.generator = policy, budget, rolling, generator
+        self._step_scores = trait(policy.name, "step_scores")
         self.tier_kind, self.kernels = tier_kind, kernels
         g, d = spec.n_kv_heads, spec.head_dim
         self.fmt = format_of(dtype) if fmt is None else fmt
@@ -336,7 +337,9 @@ class KVCache:
         write_slot(self.pos, slot, new_pos.to(self.pos.device).view(-1, 1, 1).expand(*slot.shape, 1))
         pos = self.pos[:, :, :s]
         score = self.score[:, :, :s]
-        if out.scores is not None:
+        if out.scores is not None and self._step_scores:
+            score.copy_(out.scores)                         # TOVA: the last step's attention only
+        elif out.scores is not None:
             score += out.scores.to(self.score.device)       # free slots got 0 mass, the new slot starts at 0
         victim = self.policy.choose_victim(score, pos.long(), self.budget, generator=self.generator)
         # columns without a victim (-1) rewrite slot 0 with its own values: no host sync to find out

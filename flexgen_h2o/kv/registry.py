@@ -27,19 +27,38 @@ class PolicySpec:
     counts_every_query: bool = False
     variant_of: str | None = None          # chosen on the CLI as `--policy <variant_of> --h2o-variant <variant>`
     variant: str | None = None
+    # the prompt queries that rank the keys when the user gives no --score-window (SnapKV's observation window,
+    # TOVA's last query); None: every real query
+    default_score_window: int | None = None
+    default_pool_kernel: int | None = None  # prompt scores averaged over this many neighbouring keys (SnapKV)
+    recent_is_score_window: bool = False    # the recent share is the score window, the rest heavy (unless given)
+    step_scores: bool = False               # a slot's score is the last step's attention, not the sum (TOVA)
+    shared_heads: bool = False              # one decision per layer from the KV heads' summed scores (TOVA)
+    summary: str = ""                       # what it keeps: the startup line and `--policy` help
 
 
 SPECS: tuple[PolicySpec, ...] = (
-    PolicySpec("full", "window:FullPolicy", compiled_rule=0, keeps_every_row=True),
-    PolicySpec("h2o", "h2o:H2OPolicy", needs_scores=True, compiled_rule=1),
+    PolicySpec("full", "window:FullPolicy", compiled_rule=0, keeps_every_row=True, summary="every token"),
+    PolicySpec("h2o", "h2o:H2OPolicy", needs_scores=True, compiled_rule=1,
+               summary="heavy hitters by attention summed over every query, plus the recent window"),
     # the port asserts int(prompt_len * hh_ratio) > 0
     PolicySpec("h2o-port", "h2o:H2OPortPolicy", needs_scores=True, per_block=True, min_heavy=1, compiled_rule=3,
-               variant_of="h2o", variant="port"),
+               variant_of="h2o", variant="port", summary="the FlexGen port's H2O: the leaving token always enters"),
     PolicySpec("h2o-avg", "h2o:H2OAveragePolicy", needs_scores=True, compiled_rule=2, variant_of="h2o",
-               variant="avg", counts_every_query=True),
-    PolicySpec("local", "window:WindowPolicy", window_only=True),
-    PolicySpec("sink", "window:SinkPolicy", window_only=True, default_sinks=4),      # StreamingLLM's start_size
-    PolicySpec("random", "h2o:RandomPolicy"),
+               variant="avg", counts_every_query=True,
+               summary="H2O ranking by attention per query that saw the key (no bias to old keys)"),
+    PolicySpec("local", "window:WindowPolicy", window_only=True, summary="the newest tokens only"),
+    PolicySpec("sink", "window:SinkPolicy", window_only=True, default_sinks=4,      # StreamingLLM's start_size
+               summary="4 first tokens plus the newest"),
+    PolicySpec("random", "h2o:RandomPolicy", summary="random heavy hitters plus the recent window (a floor)"),
+    # kvpress's SnapKVPress defaults: a 64-query window, pooling over 5 keys (docs/cli.md "Which policy")
+    PolicySpec("snapkv", "snapkv:SnapKVPolicy", needs_scores=True, compiled_rule=1, default_score_window=64,
+               default_pool_kernel=5, recent_is_score_window=True,
+               summary="prompt keys the question (the last queries) attends to, pooled over neighbours, plus the "
+                       "question; then H2O on the summed attention"),
+    PolicySpec("tova", "tova:TOVAPolicy", needs_scores=True, compiled_rule=4, default_score_window=1,
+               recent_is_score_window=True, step_scores=True, shared_heads=True,
+               summary="the keys the newest query attends to most, averaged over the layer's heads; no history"),
 )
 _BY_NAME = {s.name: s for s in SPECS}
 _INSTANCES: dict[str, Any] = {}
@@ -75,6 +94,11 @@ def get_policy(name: str) -> Any:
 def cli_policies() -> tuple[str, ...]:
     """`--policy` choices: every evicting policy that is not a variant of another."""
     return tuple(s.name for s in SPECS if s.name != "full" and s.variant_of is None)
+
+
+def policy_help() -> str:
+    """What each `--policy` choice keeps, one clause each (its spec's summary)."""
+    return "; ".join(f"{s.name}: {s.summary}" for s in SPECS if s.name in cli_policies())
 
 
 def cli_variants(base: str) -> dict[str, str]:

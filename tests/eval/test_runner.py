@@ -146,15 +146,18 @@ class DictCheckpoint:
 def test_grid_shares_one_prefill_per_block_and_resumes(llama, items, monkeypatch):
     prompts, conts = items
     points = [GridPoint("full"), GridPoint("h2o", parse_budget("30%")), GridPoint("sink", parse_budget("12")),
-              GridPoint("h2o", parse_budget("30%"), rolling=True)]
+              GridPoint("h2o", parse_budget("30%"), rolling=True), GridPoint("snapkv", parse_budget("30%")),
+              GridPoint("tova", parse_budget("30%"))]
     with runner_for(llama, batch_size=3) as runner:
         calls = []
         real = runner.engine.prefill
-        monkeypatch.setattr(runner.engine, "prefill",
-                            lambda p, rolling=False: calls.append(rolling) or real(p, rolling))
+        monkeypatch.setattr(runner.engine, "prefill", lambda p, rolling=False, score_window=None:
+                            calls.append((rolling, score_window)) or real(p, rolling, score_window))
         ckpt = DictCheckpoint()
         grid = runner.score_grid(points, prompts, conts, ckpt)
-        assert calls == [False, True, False, True]          # 2 blocks x (plain, rolling), not 2 x 4 points
+        # 2 blocks x (plain, rolling, snapkv's window of 64, tova's last query), not 2 x 6 points
+        per_block = [(False, None), (True, None), (False, 64), (False, 1)]
+        assert calls == per_block * 2
         alone = {p.key: runner.score(p, prompts, conts)[0] for p in points}
         for p in points:
             assert [s.nll for s in grid[p.key][0]] == [s.nll for s in alone[p.key]], p.key
@@ -164,6 +167,6 @@ def test_grid_shares_one_prefill_per_block_and_resumes(llama, items, monkeypatch
         partial = DictCheckpoint()
         partial.saved = {k: v for k, v in ckpt.saved.items() if k[1] == 0}
         resumed = runner.score_grid(points, prompts, conts, partial)
-        assert calls == [False, True]
+        assert calls == per_block
         assert {k: [s.nll for s in v[0]] for k, v in resumed.items()} == \
             {k: [s.nll for s in v[0]] for k, v in grid.items()}

@@ -21,6 +21,9 @@ def test_compiled_commit_leaves_the_cache_the_torch_ops_leave(kernel, monkeypatc
                                                                kv_dtype):
     budget = Budget(sink, heavy, recent, policy=policy)
     pos, scores = column_state(seed=heavy * 100 + recent + sink)
+    if trait(policy, "shared_heads"):         # every KV head of a sequence holds the same tokens slot by slot
+        pos = pos[:, :1].expand_as(pos).clone()
+        scores = scores.masked_fill(pos < 0, 0.0)
     compiled = commit_cache(policy, budget, pos, scores, kv_dtype, kernel)
     plain = commit_cache(policy, budget, pos, scores, kv_dtype, kernel)
     assert compiled._compiled_commit()
@@ -57,3 +60,12 @@ def test_bad_windows_are_refused_by_name(kernel):
     with pytest.raises(RuntimeError, match="write slot"):
         kernel.ext.commit_step(cache.k, cache.v, cache.score, cache.pos, slot + 5, row, row, torch.arange(B),
                                torch.empty(0), 5, 1, 0, torch.full((B,), 4), torch.full((B,), 8))
+
+
+def test_the_layer_rule_refuses_heads_that_hold_other_tokens(kernel):
+    """tova's compiled commit sums a slot's mass over the KV heads, which is only the same token's if every
+    head holds the same tokens slot by slot (kv/tova.py): columns that differ are refused, not mis-summed."""
+    pos, scores = column_state(seed=4)
+    cache = commit_cache("tova", Budget(0, 4, 1, policy="tova"), pos, scores, torch.float16, kernel)
+    with pytest.raises(RuntimeError, match="same tokens slot by slot"):
+        commit_step(cache, seed=0, with_mass=True)

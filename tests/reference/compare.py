@@ -7,7 +7,8 @@ from __future__ import annotations
 import torch
 
 from flexgen_h2o.kv import EvictionConfig
-from tests.helpers import greedy, make_engine, max_logit_diff
+from tests.helpers import (assert_scores_close, engine_kept, engine_scores, greedy, make_engine, max_logit_diff,
+                           random_prompts, tiny_hf)
 from tests.reference.h2o_masked import RULE_FOR_POLICY, reference_generate
 from tests.tolerances import eviction_tie_step, greedy_agreement, logit_bound, score_rel_bound
 
@@ -37,7 +38,8 @@ def run_reference(model, prompts, ev: EvictionConfig, n_new: int = N_NEW, trace=
     budgets = [ev.resolve(ids.shape[1] if ev.per_block else len(p), n_new) for p in prompts]
     return reference_generate(model, ids, mask, budgets, rule=RULE_FOR_POLICY[ev.policy], max_new_tokens=n_new,
                               score_reduce=ev.score_reduce, trace=trace, rolling=ev.position_rolling,
-                              scores=scores, eviction=eviction)
+                              scores=scores, eviction=eviction, score_window=ev.score_window,
+                              pool_kernel=ev.pool_kernel or 1)
 
 
 def quantized_reference(model, prompts, ev: EvictionConfig, kv_bits, near_ties: list | None = None,
@@ -47,7 +49,7 @@ def quantized_reference(model, prompts, ev: EvictionConfig, kv_bits, near_ties: 
     budgets = [ev.resolve(len(p), N_NEW) for p in prompts]
     return reference_generate(model, ids, mask, budgets, rule=RULE_FOR_POLICY[ev.policy], max_new_tokens=N_NEW,
                               rolling=ev.position_rolling, kv_bits=kv_bits, near_ties=near_ties,
-                              quant_log=quant_log)
+                              quant_log=quant_log, score_window=ev.score_window, pool_kernel=ev.pool_kernel or 1)
 
 
 def run_engine(model, prompts, ev, n_new: int = N_NEW, **kw):
@@ -105,3 +107,28 @@ def same_run(model, tokens, want_tokens, logits, want_logits) -> list[int]:
         assert max_logit_diff(got[:n], want[:n]) <= bound, f"sequence {i}"
         steps.append(n)
     return steps
+
+
+def check_against_reference(kind: str, ev: EvictionConfig, inspect=None, **engine_kw) -> list:
+    """Engine and reference on the same padded prompts: tokens, logits and kept positions agree.
+    Returns the reference's trace of kept positions (prefill first, then after each step). inspect(engine), if
+    given, runs on the engine after its run, before it closes."""
+    model = tiny_hf(kind)
+    prompts = random_prompts(LENGTHS)
+    engine, out = run_engine(model, prompts, ev, **engine_kw)
+    try:
+        if inspect is not None:
+            inspect(engine)
+        trace: list = []
+        scores: list = []
+        evd: dict = {}
+        ref_tokens, ref_logits = run_reference(model, prompts, ev, trace=trace, scores=scores, eviction=evd)
+        whole = assert_same_as_reference(model, engine, out, ref_tokens, ref_logits, evd)
+        # kept positions and scores of the runs no near tie split (one that was keeps, rightly, other tokens)
+        kept, want = engine_kept(engine), trace[-1]
+        assert [[x[i] for i in whole] for x in kept] == [[x[i] for i in whole] for x in want]
+        if ev.needs_scores:                   # the caches' own score and position tensors, not only tokens
+            assert_scores_close(engine_scores(engine), scores, score_bound(model, ref_tokens, evd), whole)
+    finally:
+        engine.close()
+    return trace

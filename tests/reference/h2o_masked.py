@@ -17,6 +17,11 @@ that KV head's group. Scores follow the engine's contract (flexgen_h2o/kv/h2o.py
   after always admitting the newest of those (the token leaving the window); window = the oldest non-sink;
   avg = exact, ranking by score / the number of queries that attended to the key. That count is kept here as
   its own tally of the mask (every query row that was allowed to see the key), not derived from positions.
+- a score window (score_window n): the prompt's scores come from its last n real queries only.
+- snapkv: the prompt is ranked by h2o_rule.ref_window_pooled (the window's mass averaged over pool_kernel
+  neighbouring keys, the window's own keys first); decode steps are the exact rule.
+- tova: a key's score is the last forward's mass only (replaced, not added), and every choice ranks by the
+  sum over the sequence's KV heads, so all heads of a layer keep the same tokens.
 - position rolling (RoPE models): at a decode step every kept key is re-rotated to its rank among the kept
   tokens of its (sequence, KV head), and the query to the new token's rank (the number of tokens kept before
   it). HF has already rotated both at their true positions; RoPE is a rotation, so turning a vector by
@@ -36,14 +41,15 @@ import torch
 from transformers import AttentionInterface
 
 from tests.reference.fake_quant import fake_quant
-from tests.reference.h2o_rule import prefill_candidates, ref_keep_prefill, ref_victim, victim_candidates
+from tests.reference.h2o_rule import (prefill_candidates, ref_keep_prefill, ref_victim, ref_window_pooled,
+                                      victim_candidates)
 
 ATTN_NAME = "h2o_reference_masked"
 NEAR_TIE = 3e-7         # a compressed cache's rounding this close to a boundary may go either way (fake_quant)
-RULES = ("exact", "port", "window", "avg", "full")
+RULES = ("exact", "port", "window", "avg", "full", "snapkv", "tova")
 # which reference rule checks which flexgen_h2o eviction policy (random has no deterministic reference)
 RULE_FOR_POLICY = {"h2o": "exact", "h2o-port": "port", "h2o-avg": "avg", "local": "window", "sink": "window",
-                   "full": "full"}
+                   "full": "full", "snapkv": "snapkv", "tova": "tova"}
 
 STATE_ATTR = "_h2o_reference_state"   # set on every attention module for the duration of a run
 
@@ -93,6 +99,8 @@ class _RefState:
         self.inv_freq = inv_freq                  # set: position rolling
         self.score_reduce = score_reduce
         self.max_len = max_len
+        self.score_window: int | None = None     # the prompt's last real queries that score its keys
+        self.pool_kernel = 1
         self.phase = "prefill"
         self.decode_mass = True          # False: decode steps add nothing (what a broken cache would do)
         self.flip_ties = False           # True: equal scores resolved the wrong way round
@@ -141,9 +149,13 @@ class _RefState:
 
     def ranking(self, layer: int, b: int, g: int, length: int) -> list[float]:
         """The scores the rule ranks by: the sums, or for "avg" the sums over the queries that saw each key."""
+        if self.rule == "tova":                  # one ranking for the layer: the KV heads' summed mass
+            return self.score[layer][b, :, :length].sum(dim=0).tolist()
         score = self.score[layer][b, g, :length]
         if self.rule == "avg":
             score = score / self.seen[layer][b, g, :length].clamp(min=1)
+        if self.rule == "snapkv" and self.phase == "prefill":
+            return ref_window_pooled(score.tolist(), self.pos[b][:length], self.score_window, self.pool_kernel)
         return score.tolist()
 
     def record_gap(self, b: int, ranking: list[float], chosen: set[int], others: list[int]) -> None:
@@ -219,10 +231,11 @@ def masked_h2o_attention(module: torch.nn.Module, query: torch.Tensor, key: torc
         for bi in range(b):
             sink, heavy, recent = st.budget_args(bi)
             real_rows = [j for j in range(q) if st.pos[bi][j] >= 0]
-            for gi in range(g):
-                col = st.pool(probs, bi, gi, r, real_rows)
-                st.score[layer][bi, gi, :L] = col
+            score_rows = real_rows[-st.score_window:] if st.score_window else real_rows
+            for gi in range(g):         # every head's scores first: tova ranks by their sum
+                st.score[layer][bi, gi, :L] = st.pool(probs, bi, gi, r, score_rows)
                 st.seen[layer][bi, gi, :L] = allowed[bi, gi, real_rows].sum(dim=0).float()
+            for gi in range(g):
                 if st.rule == "full":            # no budget at all: every real prompt token stays
                     st.keep[layer][bi][gi] = {i for i in range(L) if st.pos[bi][i] >= 0}
                 else:
@@ -236,13 +249,16 @@ def masked_h2o_attention(module: torch.nn.Module, query: torch.Tensor, key: torc
     else:
         for bi in range(b):
             sink, heavy, recent = st.budget_args(bi)
-            for gi in range(g):
+            for gi in range(g):         # every head's scores first: tova ranks by their sum
                 col = st.pool(probs, bi, gi, r, [0])
-                kept = st.keep[layer][bi][gi]
-                idx = torch.tensor(sorted(kept))
-                if st.decode_mass:
+                idx = torch.tensor(sorted(st.keep[layer][bi][gi]))
+                if st.rule == "tova":
+                    st.score[layer][bi, gi, idx] = col[idx]      # the last step's mass only
+                elif st.decode_mass:
                     st.score[layer][bi, gi, idx] += col[idx]     # every kept key, the new one included
                 st.seen[layer][bi, gi, idx] += 1
+            for gi in range(g):
+                kept = st.keep[layer][bi][gi]
                 positions = [st.pos[bi][i] if i in kept else -1 for i in range(L)]
                 ranking = st.ranking(layer, bi, gi, L)
                 victim = ref_victim(ranking, positions, sink, heavy, recent, st.rule, st.flip_ties)
@@ -293,12 +309,13 @@ def reference_generate(model: torch.nn.Module, input_ids: torch.Tensor, attentio
                        kv_bits: tuple[int, int] | None = None,
                        near_ties: list | None = None,
                        quant_log: dict | None = None,
-                       eviction: dict | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+                       eviction: dict | None = None, score_window: int | None = None,
+                       pool_kernel: int = 1) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """Greedy generation with simulated eviction.
 
     input_ids (b, p), left-padded; attention_mask (b, p) 1 = real (None = all real); budget: (sink, heavy,
     recent) or any object with those attributes (ignored for rule "full"), or a list of them, one per sequence;
-    rule: exact | port | window | avg | full.
+    rule: exact | port | window | avg | full | snapkv | tova; score_window, pool_kernel: EvictionConfig's.
     Returns tokens (b, max_new_tokens) and the logits (b, V) fp32 that chose each of them. If `trace` is a
     list, it receives after the prefill and after every decode step the kept positions [layer][b][g].
     rolling: position rolling (RoPE models only). forced (b, max_new_tokens): feed these tokens instead of the
@@ -338,6 +355,7 @@ def reference_generate(model: torch.nn.Module, input_ids: torch.Tensor, attentio
         inv_freq = rope.inv_freq.float()
     state = _RefState(mask, budgets, rule, score_reduce, max_len=p + max_new_tokens, inv_freq=inv_freq)
     state.decode_mass, state.flip_ties, state.kv_bits = decode_mass, flip_ties, kv_bits
+    state.score_window, state.pool_kernel = score_window, pool_kernel
     state.quant_log = quant_log
     old_impl, was_training = model.config._attn_implementation, model.training
     model.config._attn_implementation = ATTN_NAME

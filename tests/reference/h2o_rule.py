@@ -53,3 +53,15 @@ def ref_victim(scores: Sequence[float], positions: Sequence[int], sink: int, hea
         return min((i for i in valid if positions[i] >= sink), key=lambda i: positions[i])
     candidates = victim_candidates(positions, sink, recent, rule)
     return min(candidates, key=lambda i: (scores[i], -positions[i] if flip_ties else positions[i]))
+
+
+def ref_window_pooled(scores: Sequence[float], positions: Sequence[int], window: int, kernel: int) -> list[float]:
+    """SnapKV's prompt ranking: each real key's score (its mass from the last `window` queries) averaged over the
+    `kernel` indices around it, where pads, indices past either end and the window's own keys count as 0 and
+    the divisor is always `kernel`; the window's keys rank above everything (inf)."""
+    newest = max(p for p in positions if p >= 0)
+    in_window = [p >= 0 and p > newest - window for p in positions]
+    mass = [s if p >= 0 and not w else 0.0 for s, p, w in zip(scores, positions, in_window)]
+    half, n = kernel // 2, len(mass)
+    pooled = [sum(mass[j] for j in range(i - half, i + half + 1) if 0 <= j < n) / kernel for i in range(n)]
+    return [float("inf") if w else v for v, w in zip(pooled, in_window)]

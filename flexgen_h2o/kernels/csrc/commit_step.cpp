@@ -20,7 +20,10 @@
 
 namespace {
 
-enum Rule : int64_t { kKeepAll = 0, kExact = 1, kAverage = 2, kPort = 3 };
+// kLayerStep: TOVA (kv/tova.py): a slot's score is this step's mass only, and one victim per sequence leaves every
+// KV head, chosen by the exact rule on the mass summed over the KV heads (whose columns hold the same tokens slot
+// by slot)
+enum Rule : int64_t { kKeepAll = 0, kExact = 1, kAverage = 2, kPort = 3, kLayerStep = 4 };
 
 void store_row(at::Half* dst, const float* src, int64_t d) {
   int64_t i = 0;
@@ -95,6 +98,49 @@ int64_t choose_victim(const int32_t* pos, const float* score, int64_t s, Rule ru
   return victim < 0 ? leaving : victim;
 }
 
+// kLayerStep, one sequence at a time: its G columns written, their scores replaced by this step's mass, one
+// victim chosen on the summed mass and freed in every column
+template <typename T, typename S>
+void commit_sequences(T* k_data, T* v_data, float* score, int32_t* pos, const int64_t* slot, const S* k_new,
+                      const S* v_new, const int64_t* new_pos, const float* mass, int64_t b, int64_t g, int64_t cap,
+                      int64_t d, int64_t s, int64_t sink, const int64_t* recent, const int64_t* budget,
+                      int64_t* victims) {
+  TORCH_CHECK(mass != nullptr, "the layer-step rule ranks by this step's attention: pass its mass");
+  at::parallel_for(0, b, 4, [&](int64_t begin, int64_t end) {
+    std::vector<int32_t> scratch;
+    std::vector<float> summed(s);
+    for (int64_t seq = begin; seq < end; ++seq) {
+      for (int64_t h = 0; h < g; ++h) {
+        const int64_t col = seq * g + h;
+        const int64_t row = col * cap + slot[col];
+        store_row(k_data + row * d, k_new + col * d, d);
+        store_row(v_data + row * d, v_new + col * d, d);
+        pos[col * cap + slot[col]] = static_cast<int32_t>(new_pos[seq]);
+        std::copy(mass + col * s, mass + (col + 1) * s, score + col * cap);
+      }
+      const int32_t* first = pos + seq * g * cap;
+      for (int64_t h = 1; h < g; ++h)
+        TORCH_CHECK(std::equal(first, first + s, pos + (seq * g + h) * cap),
+                    "the layer-step rule needs every KV head of a sequence to hold the same tokens slot by slot");
+      for (int64_t i = 0; i < s; ++i) {      // summed over the KV heads in order, as torch's sum over dim 1
+        float total = score[seq * g * cap + i];
+        for (int64_t h = 1; h < g; ++h) total += score[(seq * g + h) * cap + i];
+        summed[i] = total;
+      }
+      const Budget limits{sink, recent[seq], budget[seq]};
+      const int64_t victim = choose_victim(first, summed.data(), s, kExact, limits, scratch);
+      for (int64_t h = 0; h < g; ++h) {
+        const int64_t col = seq * g + h;
+        victims[col] = victim;
+        if (victim >= 0) {
+          pos[col * cap + victim] = -1;
+          score[col * cap + victim] = 0.0f;
+        }
+      }
+    }
+  });
+}
+
 template <typename T, typename S>
 void commit_columns(const at::Tensor& k, const at::Tensor& v, float* score, int32_t* pos, const int64_t* slot,
                     const S* k_new, const S* v_new, const int64_t* new_pos, const float* mass, int64_t b,
@@ -102,6 +148,11 @@ void commit_columns(const at::Tensor& k, const at::Tensor& v, float* score, int3
                     const int64_t* budget, int64_t* victims) {
   T* k_data = k.data_ptr<T>();
   T* v_data = v.data_ptr<T>();
+  if (rule == kLayerStep) {
+    commit_sequences(k_data, v_data, score, pos, slot, k_new, v_new, new_pos, mass, b, g, cap, d, s, sink, recent,
+                     budget, victims);
+    return;
+  }
   at::parallel_for(0, b * g, 16, [&](int64_t begin, int64_t end) {
     std::vector<int32_t> scratch;
     for (int64_t col = begin; col < end; ++col) {
@@ -145,7 +196,7 @@ at::Tensor commit_step(const at::Tensor& k, const at::Tensor& v, const at::Tenso
               pos.is_contiguous() && score.sizes() == at::IntArrayRef({b, g, cap}) && pos.sizes() == score.sizes(),
               "score (float32) and pos (int32) must be contiguous (b, g, cap)");
   TORCH_CHECK(0 < s && s <= cap, "the window must lie inside the cache");
-  TORCH_CHECK(rule >= kKeepAll && rule <= kPort, "unknown rule ", rule);
+  TORCH_CHECK(rule >= kKeepAll && rule <= kLayerStep, "unknown rule ", rule);
   const at::Tensor slot_c = slot.to(at::kLong).contiguous(), new_pos_c = new_pos.to(at::kLong).contiguous();
   TORCH_CHECK(slot_c.sizes() == at::IntArrayRef({b, g}) && new_pos_c.sizes() == at::IntArrayRef({b}),
               "slot must be (b, g) and new_pos (b,)");

@@ -1,0 +1,196 @@
+"""The question-aware rules (kv/snapkv.py, kv/tova.py) in the engine, against the masked reference extended with
+each rule (tests/reference/h2o_masked.py): SnapKV ranks a prompt's keys by its last queries' attention pooled over
+neighbouring keys and then evicts as H2O; TOVA keeps the keys the newest query attends to most, one choice for all
+heads of a layer. OPT, Llama MHA and GQA, the compiled kernels and the torch ops, every KV tier, a prompt pass a
+sequence at a time, batch invariance, the HF cache, and the flags. kvpress's own keep-sets are the outside check
+(tests/benchmarks/test_kvpress_keep.py)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flexgen_h2o.config import OffloadPolicy
+from flexgen_h2o.hf import H2OCache, enable_h2o
+from flexgen_h2o.kernels import build
+from flexgen_h2o.kv import EvictionConfig
+from flexgen_h2o.kv.budget import describe
+from tests.helpers import engine_kept, greedy, make_engine, random_prompts, tiny_hf
+from tests.reference.compare import (LENGTHS, N_NEW, PLACEMENTS, all_caches, check_against_reference, left_padded,
+                                     run_engine, run_reference, same_run)
+
+KINDS = ["opt", "llama-mha", "llama-gqa"]
+# budgets of 8 slots: every prompt of LENGTHS (13-24 tokens) is cut in the prompt pass
+SNAPKV = EvictionConfig(policy="snapkv", hh_size=4, score_window=4, pool_kernel=3)        # 4 heavy + 4 window
+SNAPKV_SINK = EvictionConfig(policy="snapkv", hh_size=3, recent_size=3, sink_size=1, score_window=6)   # kernel 5
+TOVA = EvictionConfig(policy="tova", hh_size=4)                                          # 7 heavy + the newest
+CASES = {"snapkv": SNAPKV, "snapkv-sink1": SNAPKV_SINK, "tova": TOVA}
+
+
+def same_in_every_head(kept) -> bool:
+    return all(all(col == seq[0] for col in seq) for layer in kept for seq in layer)
+
+
+# --- against the reference ---
+
+@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("kind", KINDS)
+def test_matches_the_reference(kind, name):
+    """Tokens, logits, kept slots and their scores, after a prompt pass that cut every prompt and decode steps
+    that evicted; TOVA's heads keep the same tokens."""
+    ev = CASES[name]
+    trace = check_against_reference(kind, ev)
+    budget = ev.resolve(max(LENGTHS), N_NEW).budget
+    assert all(len(col) == budget for layer in trace[0] for seq in layer for col in seq)
+    assert trace[0] != trace[-1]
+    if ev.policy == "tova":
+        assert all(same_in_every_head(t) for t in trace)
+
+
+@pytest.mark.parametrize("name", ["snapkv", "tova"])
+def test_torch_ops_match_the_reference(name, monkeypatch):
+    """Without the compiled build (a GPU's path): the torch attention, commit and policies."""
+    monkeypatch.setenv(build.OFF_SWITCH, "0")
+    check_against_reference("llama-gqa", CASES[name])
+
+
+@pytest.mark.parametrize("offload,tiers", [
+    (dict(prefill_batch_size=1), {"compute"}),
+    (dict(num_gpu_batches=1, **PLACEMENTS["mixed"]), {"compute", "host", "disk"}),
+    (dict(**PLACEMENTS["disk"]), {"disk"}),
+], ids=["chunked", "three-tiers", "disk"])
+@pytest.mark.parametrize("name", ["snapkv", "tova"])
+def test_every_tier_matches_the_reference(name, offload, tiers, tmp_path):
+    policy = OffloadPolicy(kv_dtype="float32", gpu_batch_size=len(LENGTHS), **offload)
+
+    def on_its_tiers(engine):
+        assert {c.tier_kind for c in all_caches(engine)} == tiers
+
+    check_against_reference("llama-gqa", CASES[name], inspect=on_its_tiers, offload=policy, offload_dir=tmp_path)
+
+
+def test_the_rules_keep_what_they_say():
+    """On one run of the reference: SnapKV's pooling changes what the prompt pass keeps beside its window alone,
+    the window changes it beside H2O's every-query sum, and TOVA keeps other tokens than H2O."""
+    model = tiny_hf("llama-gqa")
+    prompts = random_prompts(LENGTHS)
+
+    def prompt_kept(ev):
+        trace: list = []
+        run_reference(model, prompts, ev, n_new=2, trace=trace)
+        return trace[0]
+    pooled = prompt_kept(SNAPKV)
+    unpooled = prompt_kept(EvictionConfig(policy="snapkv", hh_size=4, score_window=4, pool_kernel=1))
+    h2o_window = prompt_kept(EvictionConfig(policy="h2o", hh_size=4, recent_size=4, score_window=4))
+    h2o = prompt_kept(EvictionConfig(policy="h2o", hh_size=4, recent_size=4))
+    assert pooled != unpooled and unpooled == h2o_window and h2o_window != h2o
+    assert prompt_kept(TOVA) != prompt_kept(EvictionConfig(policy="h2o", hh_size=7, recent_size=1))
+
+
+# --- batch invariance, refill's rows, the HF cache ---
+
+@pytest.mark.parametrize("name", ["snapkv", "tova"])
+def test_a_prompt_alone_and_in_a_padded_batch_bit_for_bit(kernel, name):
+    """With the compiled kernels, each prompt's tokens, logits and kept slots equal its alone run's bit for bit,
+    in a padded batch and in a prompt pass of two sequences at a time (pads beside a prompt never enter its
+    pooling: they count as the zeros past its start)."""
+    model = tiny_hf("llama-gqa")
+    prompts = random_prompts([5, 31, 12, 24])
+    ev = EvictionConfig(policy=name, hh_ratio=0.2, **({"score_window": 6} if name == "snapkv" else {}))
+    alone = []
+    for cut in ({}, {"prefill_batch_size": 2}):
+        engine = make_engine(model, eviction=ev, offload=OffloadPolicy(kv_dtype="float32", gpu_batch_size=4, **cut))
+        try:
+            assert engine.kernels.batch_invariant
+            while len(alone) < len(prompts):
+                engine.step_logits = {}
+                out = engine.generate([prompts[len(alone)]], greedy(N_NEW))
+                alone.append((out.token_ids[0], engine.step_logits[0], [x[0] for x in engine_kept(engine)]))
+            engine.step_logits = {}
+            batch = engine.generate(prompts, greedy(N_NEW))
+            kept = engine_kept(engine)
+            for i, (tokens, logits, slots) in enumerate(alone):
+                assert batch.token_ids[i] == tokens, (cut, i)
+                assert all(torch.equal(a, b) for a, b in zip(engine.step_logits[i], logits)), (cut, i)
+                assert [x[i] for x in kept] == slots, (cut, i)
+        finally:
+            engine.close()
+
+
+@pytest.mark.parametrize("name", ["snapkv", "tova"])
+def test_hf_cache_keeps_what_the_engine_keeps(name):
+    """H2OCache with the rule's fields in transformers' generate, left-padded: the engine's tokens and slots."""
+    model = enable_h2o(tiny_hf("llama-gqa"))
+    prompts = random_prompts(LENGTHS)
+    ev = CASES[name]
+    cache = H2OCache(ev)
+    ids, mask = left_padded(model, prompts)
+    with torch.no_grad():
+        res = model.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=N_NEW, min_new_tokens=N_NEW,
+                             do_sample=False, output_logits=True, return_dict_in_generate=True,
+                             pad_token_id=model.config.pad_token_id, eos_token_id=None)
+    tokens, logits = res.sequences[:, ids.shape[1]:], [l.float() for l in res.logits]
+    engine, out = run_engine(model, prompts, ev)
+    try:
+        steps = same_run(model, out.token_ids, tokens, engine.step_logits, logits)
+        whole = [i for i, n in enumerate(steps) if n == N_NEW]
+        assert whole, "every sequence split at a near tie: no kept slots left to compare"
+        kept, want = cache.kept_positions(), engine_kept(engine)
+        assert [[x[i] for i in whole] for x in kept] == [[x[i] for i in whole] for x in want]
+    finally:
+        engine.close()
+
+
+# --- budgets, the startup line and the flags ---
+
+def test_the_budget_is_the_window_plus_the_best_scores():
+    b = EvictionConfig(policy="snapkv", hh_ratio=0.1).resolve(2048, 512)
+    assert (b.sink, b.heavy, b.recent, b.score_window, b.pool_kernel) == (0, 344, 64, 64, 5)
+    b = EvictionConfig(policy="snapkv", kv_budget=204, score_window=32).resolve(2048, 16)
+    assert (b.heavy, b.recent) == (172, 32)
+    b = EvictionConfig(policy="snapkv", hh_size=10, recent_size=20).resolve(100, 8)     # a given window stays
+    assert (b.heavy, b.recent) == (10, 20)
+    b = EvictionConfig(policy="tova", hh_ratio=0.1).resolve(2048, 512)
+    assert (b.heavy, b.recent, b.score_window) == (407, 1, 1)
+    assert EvictionConfig(policy="snapkv", kv_budget=40).resolve(100, 8).budget == 40
+    line = describe(EvictionConfig(policy="snapkv", hh_ratio=0.1).resolve(2048, 512), 2048, 512, 100.0)
+    assert "last 64 prompt queries, averaged over 5 neighbouring keys" in line and "exact H2O" in line
+    line = describe(EvictionConfig(policy="tova", hh_ratio=0.1).resolve(2048, 512), 2048, 512, 100.0)
+    assert "the last prompt query" in line and "attends to least" in line
+
+
+@pytest.mark.parametrize("fields,message", [
+    (dict(policy="h2o", hh_size=4, pool_kernel=3), "policy 'h2o' does not pool"),
+    (dict(policy="snapkv", hh_size=4, pool_kernel=4), "must be an odd integer"),
+    (dict(policy="snapkv", hh_size=4, pool_kernel=0), "must be an odd integer"),
+    (dict(policy="full", pool_kernel=3), "does not pool"),
+])
+def test_refused_requests(fields, message):
+    with pytest.raises(ValueError, match=message):
+        EvictionConfig(**fields)
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--pool-kernel", "5"], "--pool-kernel ranks the prompt tokens an eviction keeps: it needs a KV budget"),
+    (["--pool-kernel", "4", "--policy", "snapkv", "--hh-ratio", "0.2"], "must be an odd integer"),
+    (["--pool-kernel", "3", "--hh-ratio", "0.2"], "policy 'h2o' does not pool"),
+])
+def test_cli_refuses_bad_flags(flags, message, capsys, tmp_path, monkeypatch):
+    """In this process: one `error:` line and exit status 2, before any model is loaded."""
+    from flexgen_h2o import run
+    monkeypatch.setenv("FLEXGEN_H2O_HOME", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    try:
+        status = run.main(["--model", "opt-125m", "--dummy-weights", *flags])
+    except SystemExit as stop:
+        status = stop.code
+    err = capsys.readouterr().err
+    assert status == 2 and err.startswith("error: ") and err.count("\n") == 1, err
+    assert message in err, err
+
+
+def test_the_policy_help_says_what_each_keeps():
+    from flexgen_h2o.frontends.cli import build_parser
+    text = " ".join(build_parser().format_help().split())
+    for what in ("snapkv: prompt keys the question", "tova: the keys the newest query attends to most",
+                 "h2o: heavy hitters by attention summed over every query"):
+        assert what in text, what
