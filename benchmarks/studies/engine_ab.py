@@ -11,6 +11,13 @@ prefill per side, its first two steps left out), each as new / base.
 
     python -m benchmarks.studies.engine_ab --base 98bf248 --batch 16 --prompt-len 2048 --hh-size 102 \
         --recent-size 102 --steps 24 --repeats 8 --out benchmarks/results/engine_ab
+
+With --policies A,B,... the sides are eviction policies of the working tree instead, each at `--hh-ratio`'s budget
+(policies that split it otherwise, such as snapkv's window, keep the same total), each from its own prefill
+(its score window's), and the figures are each policy over the first:
+
+    python -m benchmarks.studies.engine_ab --policies h2o,snapkv,tova --hh-ratio 0.1 --batch 16 \
+        --prompt-len 2048 --steps 24 --repeats 8 --out benchmarks/results/policy_ab
 """
 from __future__ import annotations
 
@@ -50,8 +57,14 @@ def base_package(rev: str, folder: Path) -> str:
     return BASE_NAME
 
 
-def side(package: str, a, prompts):
-    """(engine, h2o rule, prefilled state) of one tree."""
+def describe_machine() -> str:
+    """The CPU and the ISA the kernels were built for: every benchmark names both."""
+    from flexgen_h2o.calibrate import cpu_model
+    return f"{cpu_model()}; kernels built with {' '.join(build.isa_flags()) or 'no ISA flags'}"
+
+
+def side(package: str, a, prompts, policy: str = "h2o"):
+    """(engine, eviction rule, prefilled state) of one tree and policy."""
     engine_mod = importlib.import_module(f"{package}.engine")
     kv = importlib.import_module(f"{package}.kv")
     config = importlib.import_module(f"{package}.config")
@@ -59,6 +72,9 @@ def side(package: str, a, prompts):
     model = loader.load_model(a.model, progress=False)
     offload = config.OffloadPolicy(gpu_batch_size=a.batch, num_gpu_batches=1)
     engine = engine_mod.Engine(model.config, model.read, offload=offload, locate=model.locate)
+    if a.policies:
+        rule = kv.EvictionConfig(policy=policy, hh_ratio=a.hh_ratio)
+        return engine, rule, config.GenerationConfig, engine.prefill(prompts, score_window=rule.score_window)
     rule = kv.EvictionConfig(policy="h2o", hh_size=a.hh_size, recent_size=a.recent_size)
     return engine, rule, config.GenerationConfig, engine.prefill(prompts)
 
@@ -71,10 +87,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hh-size", type=int, default=102)
     p.add_argument("--recent-size", type=int, default=102)
     p.add_argument("--steps", type=int, default=24, help="decode steps per timed call")
+    p.add_argument("--policies", help="comma-separated eviction policies of this tree to compare, instead of --base "
+                                      "(the first is the baseline)")
+    p.add_argument("--hh-ratio", type=float, default=0.1, help="with --policies: the budget, as --hh-ratio")
     ab.add_common(p, "benchmarks/results/engine_ab", repeats=8, base="the revision whose engine is the baseline")
     a = p.parse_args(argv)
-    if not a.base:
-        p.error("--base REV is required")
+    if bool(a.base) == bool(a.policies):
+        p.error("give --base REV or --policies A,B (one of them)")
     if not ab.kernels_ready(a.threads):
         return 2
     from benchmarks.studies.step_scaling import prompts_for
@@ -87,8 +106,12 @@ def main(argv: list[str] | None = None) -> int:
     sides: dict[str, tuple] = {}
     current: dict[str, tuple] = {}
     try:
-        sides["base"] = side(base_package(a.base, scratch), a, prompts)
-        sides["new"] = side("flexgen_h2o", a, prompts)
+        if a.policies:
+            for policy in a.policies.split(","):
+                sides[policy] = side("flexgen_h2o", a, prompts, policy)
+        else:
+            sides["base"] = side(base_package(a.base, scratch), a, prompts)
+            sides["new"] = side("flexgen_h2o", a, prompts)
 
         def measure(case: str) -> float:
             engine, rule, gen_config, kept = current["side"]
@@ -109,14 +132,17 @@ def main(argv: list[str] | None = None) -> int:
         for engine, *_ in sides.values():
             engine.close()
         shutil.rmtree(scratch, ignore_errors=True)
-    ratios = {case: median([n / b for n, b in zip(figures[f"{case}-new"], figures[f"{case}-base"])])
-              for case in ("prompt", "decode")}
-    result = {"args": ab.args_json(a), "seconds": figures, "new_over_base": ratios,
+    base, *others = list(sides)
+    ratios = {f"{case} {name}": median([n / b for n, b in zip(figures[f"{case}-{name}"], figures[f"{case}-{base}"])])
+              for case in ("prompt", "decode") for name in others}
+    result = {"args": ab.args_json(a), "machine": describe_machine(), "seconds": figures, "over_" + base: ratios,
               "medians_s": {k: median(v) for k, v in figures.items()}}
-    ab.write_ab(a.out, result, "new_over_base",
-                lambda case, r: f"{case}: new / base {r:.3f} (median of {a.repeats} paired ratios; medians "
-                                f"{median(figures[case + '-new']):.4f} s new, {median(figures[case + '-base']):.4f} s"
-                                " base)")
+
+    def line(key: str, r: float) -> str:
+        case, name = key.split()
+        return (f"{case}: {name} / {base} {r:.3f} (median of {a.repeats} paired ratios; medians "
+                f"{median(figures[f'{case}-{name}']):.4f} s {name}, {median(figures[f'{case}-{base}']):.4f} s {base})")
+    ab.write_ab(a.out, result, "over_" + base, line)
     return 0
 
 

@@ -163,3 +163,46 @@ class KVPressDecoding(KVPress):
         return {**super().child_metrics(raw, c),
                 **{k: raw[k] for k in ("target_size", "kv_tokens_max_decode", "kv_tokens_range", "decode_press_s",
                                        "press_config", "peak_rss_prefill_bytes")}}
+
+
+KEEP_CHILD = Path(__file__).resolve().parent / "kvpress_keep_child.py"
+KEEP_PRESSES = ("snapkv", "tova", "adakv-snapkv")
+
+
+def keep_sets(ids: list[list[int]], press: str, compression_ratio: float, window_size: int = 64,
+              kernel_size: int = 5, alpha_safeguard: float | None = None, store: Path | None = None,
+              timeout_s: float = 1800.0) -> dict:
+    """Which prompt keys kvpress's `press` (snapkv, tova, adakv-snapkv) keeps at prefill, per (prompt, layer, KV
+    head), on SmolLM2 in fp32: the outside check of our eviction scorers. Runs kvpress_keep_child.py (one batch-1
+    prefill per prompt) in the kvpress venv and returns its JSON: prompts[p]["kept"][layer][kv_head] (sorted
+    indices), prompts[p]["scores"][layer][kv_head], n_kept, settings and versions (the child's docstring says
+    what each press keeps). The prompts must share one length. The venv is not created here (that runs pip):
+    call ensure_venv() first."""
+    import os
+    import subprocess
+    import tempfile
+    if press not in KEEP_PRESSES:
+        raise ValueError(f"press must be one of {KEEP_PRESSES}, got {press!r}")
+    py = venv_python()
+    if not py.is_file():
+        raise RuntimeError(f"no kvpress virtualenv at {venv_dir()}: run benchmarks.systems.kvpress.ensure_venv()")
+    if store is None:
+        from flexgen_h2o.weights import default_store_path
+        store = default_store_path("smollm2-135m")
+    with tempfile.TemporaryDirectory(prefix="kvpress_keep_") as tmp:      # removed on every exit path
+        ids_path, out = Path(tmp) / "ids.json", Path(tmp) / "keep.json"
+        ids_path.write_text(json.dumps([[int(t) for t in p] for p in ids]))
+        cmd = [str(py), str(KEEP_CHILD), "--store", str(store), "--ids", str(ids_path), "--press", press,
+               "--compression-ratio", repr(float(compression_ratio)), "--window-size", str(window_size),
+               "--kernel-size", str(kernel_size), "--json", str(out)]
+        if alpha_safeguard is not None:
+            cmd += ["--alpha-safeguard", repr(float(alpha_safeguard))]
+        env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout_s)
+        except subprocess.TimeoutExpired as e:
+            raise RuntimeError(f"kvpress keep child ({press}) ran past {timeout_s:g} s") from e
+        if proc.returncode != 0 or not out.is_file():
+            tail = "\n".join(proc.stderr.strip().splitlines()[-20:]) or "(no stderr)"
+            raise RuntimeError(f"kvpress keep child ({press}) failed with exit status {proc.returncode}:\n{tail}")
+        return json.loads(out.read_text())
