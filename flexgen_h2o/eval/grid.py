@@ -15,6 +15,14 @@ from flexgen_h2o.kv import policy_names, trait
 
 DEFAULT_POLICIES = policy_names()                     # every registered rule: full, h2o, h2o-port, h2o-avg, ...
 DEFAULT_BUDGETS = ("5%", "10%", "20%", "40%", "64", "128", "256", "512", "1024")
+# kvpress's presses as extra rows (eval/peers.py), named only when asked for: they run outside the engine
+PEER_PREFIX = "kvpress-"
+PEER_POLICIES = tuple(PEER_PREFIX + p for p in ("snapkv", "tova", "adakv", "observed"))
+
+
+def is_peer(policy: str) -> bool:
+    """Whether a grid row is one of kvpress's presses rather than an eviction policy of the engine."""
+    return policy in PEER_POLICIES
 
 
 @dataclass(frozen=True)
@@ -65,10 +73,10 @@ def parse_budgets(text: str) -> list[BudgetSpec]:
 
 def parse_policies(text: str) -> list[str]:
     names = [t.strip() for t in text.split(",") if t.strip()]
-    bad = [n for n in names if n not in policy_names()]
+    bad = [n for n in names if n not in policy_names() and not is_peer(n)]
     if bad or not names:
         raise ConfigError(f"unknown policy {', '.join(bad) or '(none given)'}; choose from "
-                          f"{', '.join(policy_names())}")
+                          f"{', '.join(policy_names() + PEER_POLICIES)}")
     if len(set(names)) != len(names):
         raise ConfigError(f"--policies repeats a policy: {','.join(names)}")
     return names
@@ -93,10 +101,14 @@ class GridPoint:
         """The total slots this point asks for in a block of seq_len tokens (None: full cache)."""
         if self.budget is None:
             return None
+        if is_peer(self.policy):          # a press keeps this many prompt tokens per KV head
+            return self.budget.slots_for(seq_len)
         # sink needs room for its 4 sinks plus one window slot; smaller requests are raised (and recorded)
         return max(self.budget.slots_for(seq_len), trait(self.policy, "default_sinks") + 1)
 
     def eviction(self, seq_len: int, seed: int = 0) -> EvictionConfig:
+        if is_peer(self.policy):
+            raise ConfigError(f"{self.policy} is a kvpress row: it runs in kvpress's pipeline, not the engine")
         slots = self.slots(seq_len)
         if slots is None:
             return EvictionConfig(policy="full", position_rolling=self.rolling)
@@ -113,7 +125,8 @@ def make_grid(policies: list[str], budgets: list[BudgetSpec], rolling: bool = Fa
     points = [GridPoint("full", None, rolling)] if "full" in policies else []
     for policy in policies:
         if policy != "full":
-            points += [GridPoint(policy, b, rolling, heavy_share) for b in budgets]
+            share = None if is_peer(policy) else heavy_share
+            points += [GridPoint(policy, b, rolling, share) for b in budgets]
     return points
 
 

@@ -5,7 +5,8 @@ token's negative log-likelihood and whether it was the argmax; `generate_grid` d
 serves a whole task: its weights are placed once. Blocks of items run one after another, and every point of
 the grid decodes a block from one shared prompt pass (Engine.prefill): on a CPU the prompts are most of the
 cost, and the points would otherwise pay for the same prefill dozens of times. Each finished (point, block) can
-be checkpointed, so a killed run resumes inside a task.
+be checkpointed, so a killed run resumes inside a task. kvpress's rows (eval/peers.py) run the same items and
+blocks in kvpress's own pipeline, in a child process, and come back in the same shapes.
 """
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ from tqdm import tqdm
 
 from flexgen_h2o.config import ConfigError, GenerationConfig, OffloadPolicy
 from flexgen_h2o.engine import Engine
-from flexgen_h2o.eval.grid import GridPoint
+from flexgen_h2o.eval.grid import GridPoint, is_peer
+from flexgen_h2o.eval.peers import peer_grid
 from flexgen_h2o.loader import LoadedModel
 
 UNBOUNDED_WINDOW = 1 << 30
@@ -40,18 +42,21 @@ class RunInfo:
     evicted: list[bool] = field(default_factory=list)
     seconds: float = 0.0
     shared_prefill_seconds: float = 0.0
+    peer: dict | None = None          # a kvpress row: what ran it (system, press, parameters, versions)
 
     def add(self, block: dict) -> None:
         self.slots.append(block["slots"])
         self.evicted.append(block["evicted"])
         self.seconds += block["seconds"]
         self.shared_prefill_seconds += block.get("prefill_seconds", 0.0)
+        self.peer = block.get("peer", self.peer)
 
     def as_dict(self) -> dict:
         real = [s for s in self.slots if s is not None]
         return {"slots_min": min(real) if real else None, "slots_max": max(real) if real else None,
                 "blocks": len(self.slots), "blocks_evicting": sum(self.evicted), "seconds": round(self.seconds, 2),
-                "shared_prefill_seconds": round(self.shared_prefill_seconds, 2)}
+                "shared_prefill_seconds": round(self.shared_prefill_seconds, 2),
+                **({"peer": self.peer} if self.peer else {})}
 
 
 class Checkpoint(Protocol):
@@ -80,6 +85,7 @@ class Runner:
                                 weight_bits=weight_bits)
         tok = model.tokenizer
         decode = (lambda ids: tok.decode(ids, skip_special_tokens=True)) if tok is not None else None
+        self.decode = decode
         self.engine = Engine(cfg, model.read, offload=offload, locate=model.locate, device=device, decode=decode)
 
     def close(self) -> None:
@@ -100,12 +106,22 @@ class Runner:
                     mininterval=2.0)
 
     def _grid(self, points: Sequence[GridPoint], prompts: Sequence[Sequence[int]], n_new: Callable[[range], int],
-              run_block: Callable, checkpoint: Checkpoint | None, desc: str) -> dict[str, tuple[list, RunInfo]]:
+              run_block: Callable, checkpoint: Checkpoint | None, desc: str,
+              peer_task: dict) -> dict[str, tuple[list, RunInfo]]:
         """Blocks outer, points inner: each block's prompts are prefilled once (Engine.prefill, once more for
-        rolling points and for each score window) and every point decodes from that. Returns key -> (per-block results, RunInfo)."""
+        rolling points and for each score window) and every point decodes from that. Returns key -> (per-block
+        results, RunInfo). kvpress rows run first, each in one child over the blocks (peer_task: peer_grid's gen
+        or continuations)."""
         blocks = self._blocks(len(prompts))
         out = {p.key: ([None] * len(blocks), RunInfo()) for p in points}
         bar = self._bar(len(points) * sum(n_new(blk) for blk in blocks), desc)
+        for point in [p for p in points if is_peer(p.policy)]:        # kvpress rows: their own process
+            done = peer_grid(point, prompts, blocks, store=self.model.store_path, eos_id=self.model.config.eos_id,
+                             decode=self.decode, checkpoint=checkpoint, on_block=bar.update, **peer_task)
+            out[point.key][0][:] = [b["result"] for b in done]
+            for b in done:
+                out[point.key][1].add(b)
+        points = [p for p in points if not is_peer(p.policy)]
         for bi, blk in enumerate(blocks):
             block_prompts = [list(prompts[i]) for i in blk]
             prompt_len, steps = max(map(len, block_prompts)), n_new(blk)
@@ -171,7 +187,7 @@ class Runner:
             return rows
 
         grid = self._grid(points, prompts, lambda blk: max(len(continuations[i]) for i in blk), run_block,
-                          checkpoint, desc or "score")
+                          checkpoint, desc or "score", {"continuations": continuations})
         out = {}
         for key, (per_block, info) in grid.items():
             scored = [Scored(r["nll"], r["hit"]) for rows in per_block for r in rows]
@@ -198,7 +214,8 @@ class Runner:
                 self.engine.on_step_logits = None
             return {"tokens": r.token_ids, "texts": r.texts}
 
-        grid = self._grid(points, prompts, lambda blk: gen.max_new_tokens, run_block, checkpoint, desc or "generate")
+        grid = self._grid(points, prompts, lambda blk: gen.max_new_tokens, run_block, checkpoint, desc or "generate",
+                          {"gen": gen})
         return {key: ([t for r in per_block for t in r["tokens"]], [t for r in per_block for t in r["texts"]], info)
                 for key, (per_block, info) in grid.items()}
 
