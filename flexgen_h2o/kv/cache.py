@@ -185,6 +185,8 @@ class KVCache:
             n_keep = self._room_for(int(keep.sum(-1).max().item()) if keep.numel() else 0)
             index, kept = pack_kept(keep, n_keep)           # kept rows first, in prompt order: (b, g, n) each
             k_rows, v_rows = gather_slots(k_new, index), gather_slots(v_new, index)
+            if scores is not None and self.policy.needs_scores:       # what decode's rule adds to (kv/snapkv.py)
+                scores = self.policy.stored_prompt_scores(scores, positions, budget)
             sc = gather_slots(scores, index) if scores is not None else torch.zeros(b, g, n_keep, device=kept.device)
             score_rows = torch.where(kept, sc.float(), torch.zeros_like(sc, dtype=torch.float32))
             pos_rows = torch.where(kept, gather_slots(positions, index), -1)

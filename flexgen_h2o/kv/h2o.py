@@ -67,6 +67,10 @@ class H2OPolicy:
         candidates, over = h2o_candidates(positions, budget)
         return _only_over(argmin_score(self.rank(scores, positions), positions, candidates), over)
 
+    def stored_prompt_scores(self, scores: Tensor, positions: Tensor, budget: Budget | RowBudgets) -> Tensor:
+        """What a kept prompt key's accumulated score starts from: the prompt pass's column sums."""
+        return scores
+
 
 def per_query_average(scores: Tensor, positions: Tensor) -> Tensor:
     """(b, g, s) accumulated scores divided by how many queries saw each key: the queries from the key's own

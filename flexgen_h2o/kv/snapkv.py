@@ -8,8 +8,8 @@ survive with it, and keeps the window itself (the budget's recent share). As kvp
 window's own keys are left out of the pooling (their mass counts as 0 for their neighbours) and rank above
 every other key, and the pooling counts the zeros beyond a sequence's ends in its divisor.
 
-Decoding then continues as exact H2O: the cache keeps each key's unpooled window mass and adds every step's
-attention to it (kv/h2o.py's rule, compiled rule 1). `docs/cli.md` "Which policy" says when to choose it.
+Decoding then continues as exact H2O: the cache keeps each key's pooled window mass (stored_prompt_scores) and
+adds every step's attention to it (kv/h2o.py's rule, compiled rule 1). `docs/cli.md` "Which policy" says when to choose it.
 """
 from __future__ import annotations
 
@@ -21,9 +21,9 @@ from flexgen_h2o.kv.h2o import H2OPolicy, prefill_keep
 from flexgen_h2o.kv.select import expand_positions
 
 
-def window_pooled_rank(scores: Tensor, positions: Tensor, window: int, kernel: int) -> Tensor:
-    """(b, g, p) the rank of each prompt key: its window mass averaged over `kernel` neighbouring rows (zeros
-    beyond the row's ends, pads and the window's own keys count as 0), and +inf for the window's keys.
+def window_pooled(scores: Tensor, positions: Tensor, window: int, kernel: int) -> tuple[Tensor, Tensor]:
+    """(pooled, in_window), both (b, g, p): each prompt key's window mass averaged over `kernel` neighbouring rows
+    (zeros beyond the row's ends, pads and the window's own keys count as 0), and which keys are the window's.
     Rows are prompt order (pads first), so neighbours in a row are neighbours in the sequence. The kernel's
     terms are added in one fixed order whatever the padding, so a prompt ranks the same in any batch."""
     newest = positions.amax(dim=-1, keepdim=True)
@@ -37,7 +37,7 @@ def window_pooled_rank(scores: Tensor, positions: Tensor, window: int, kernel: i
         for j in range(1, kernel):
             total += padded[..., j:j + p]
         mass = total / kernel
-    return torch.where(in_window, torch.full_like(mass, float("inf")), mass)
+    return mass, in_window
 
 
 class SnapKVPolicy(H2OPolicy):
@@ -47,8 +47,20 @@ class SnapKVPolicy(H2OPolicy):
                        generator: torch.Generator | None = None) -> Tensor:
         if scores is None:
             raise ValueError(f"policy {self.name!r} ranks prompt tokens by attention: pass the column sums")
+        positions = expand_positions(positions, scores)
+        pooled, in_window = self._pooled(scores, positions, budget)
+        return prefill_keep(positions, torch.where(in_window, torch.full_like(pooled, float("inf")), pooled), budget)
+
+    def stored_prompt_scores(self, scores: Tensor, positions: Tensor, budget: Budget | RowBudgets) -> Tensor:
+        """The pooled mass, which decode's H2O then adds to: a key kept for its neighbour's hit (the rest of a
+        number whose first digit the question attends to) keeps that rank, where its own window mass would make it
+        the first victim of decode. The window's keys keep their own mass."""
+        positions = expand_positions(positions, scores)
+        pooled, in_window = self._pooled(scores, positions, budget)
+        return torch.where(in_window, scores.float(), pooled)
+
+    @staticmethod
+    def _pooled(scores: Tensor, positions: Tensor, budget: Budget | RowBudgets) -> tuple[Tensor, Tensor]:
         if budget.score_window is None:
             raise ValueError("snapkv ranks prompt keys by an observation window: the budget carries none")
-        positions = expand_positions(positions, scores)
-        rank = window_pooled_rank(scores, positions, budget.score_window, budget.pool_kernel)
-        return prefill_keep(positions, rank, budget)
+        return window_pooled(scores, positions, budget.score_window, budget.pool_kernel)

@@ -19,7 +19,8 @@ that KV head's group. Scores follow the engine's contract (flexgen_h2o/kv/h2o.py
   its own tally of the mask (every query row that was allowed to see the key), not derived from positions.
 - a score window (score_window n): the prompt's scores come from its last n real queries only.
 - snapkv: the prompt is ranked by h2o_rule.ref_window_pooled (the window's mass averaged over pool_kernel
-  neighbouring keys, the window's own keys first); decode steps are the exact rule.
+  neighbouring keys, the window's own keys first), a kept key's score starts from that pooled mass (the window's
+  keys from their own), and decode steps are the exact rule.
 - tova: a key's score is the last forward's mass only (replaced, not added), and every choice ranks by the
   sum over the sequence's KV heads, so all heads of a layer keep the same tokens.
 - position rolling (RoPE models): at a decode step every kept key is re-rotated to its rank among the kept
@@ -246,6 +247,10 @@ def masked_h2o_attention(module: torch.nn.Module, query: torch.Tensor, key: torc
                         _, cand = prefill_candidates(st.pos[bi][:L], sink, recent)
                         kept_c = st.keep[layer][bi][gi] & set(cand)
                         st.record_gap(bi, ranking, kept_c, [i for i in cand if i not in kept_c])
+                    if st.rule == "snapkv":          # decode adds to the pooled mass; the window keeps its own
+                        raw = st.score[layer][bi, gi, :L].tolist()
+                        st.score[layer][bi, gi, :L] = torch.tensor(
+                            [r if rank == float("inf") else rank for r, rank in zip(raw, ranking)])
     else:
         for bi in range(b):
             sink, heavy, recent = st.budget_args(bi)
