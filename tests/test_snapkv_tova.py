@@ -144,7 +144,7 @@ def test_hf_cache_keeps_what_the_engine_keeps(name):
 
 def test_the_budget_is_the_window_plus_the_best_scores():
     b = EvictionConfig(policy="snapkv", hh_ratio=0.1).resolve(2048, 512)
-    assert (b.sink, b.heavy, b.recent, b.score_window, b.pool_kernel) == (0, 344, 64, 64, 5)
+    assert (b.sink, b.heavy, b.recent, b.score_window, b.pool_kernel) == (0, 376, 32, 32, 5)
     b = EvictionConfig(policy="snapkv", kv_budget=204, score_window=32).resolve(2048, 16)
     assert (b.heavy, b.recent) == (172, 32)
     b = EvictionConfig(policy="snapkv", hh_size=10, recent_size=20).resolve(100, 8)     # a given window stays
@@ -153,7 +153,7 @@ def test_the_budget_is_the_window_plus_the_best_scores():
     assert (b.heavy, b.recent, b.score_window) == (407, 1, 1)
     assert EvictionConfig(policy="snapkv", kv_budget=40).resolve(100, 8).budget == 40
     line = describe(EvictionConfig(policy="snapkv", hh_ratio=0.1).resolve(2048, 512), 2048, 512, 100.0)
-    assert "last 64 prompt queries, averaged over 5 neighbouring keys" in line and "exact H2O" in line
+    assert "last 32 prompt queries, averaged over 5 neighbouring keys" in line and "exact H2O" in line
     line = describe(EvictionConfig(policy="tova", hh_ratio=0.1).resolve(2048, 512), 2048, 512, 100.0)
     assert "the last prompt query" in line and "attends to least" in line
 

@@ -146,7 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
     kv.add_argument("--score-window", type=positive, metavar="N",
                     help="rank prompt tokens by the attention of the prompt's last N tokens only (a question at its "
                          "end), not of every token; decode steps add theirs as in H2O (snapkv's observation "
-                         "window, default 64)")
+                         "window, default 32)")
     kv.add_argument("--pool-kernel", type=positive, metavar="K",
                     help="snapkv: average each prompt token's score over K neighbouring tokens (odd; default 5)")
     g = p.add_argument_group("generation")

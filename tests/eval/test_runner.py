@@ -155,8 +155,8 @@ def test_grid_shares_one_prefill_per_block_and_resumes(llama, items, monkeypatch
                             calls.append((rolling, score_window)) or real(p, rolling, score_window))
         ckpt = DictCheckpoint()
         grid = runner.score_grid(points, prompts, conts, ckpt)
-        # 2 blocks x (plain, rolling, snapkv's window of 64, tova's last query), not 2 x 6 points
-        per_block = [(False, None), (True, None), (False, 64), (False, 1)]
+        # 2 blocks x (plain, rolling, snapkv's window of 32, tova's last query), not 2 x 6 points
+        per_block = [(False, None), (True, None), (False, 32), (False, 1)]
         assert calls == per_block * 2
         alone = {p.key: runner.score(p, prompts, conts)[0] for p in points}
         for p in points:
