@@ -21,7 +21,8 @@ from tests.reference.compare import (LENGTHS, N_NEW, PLACEMENTS, all_caches, che
 KINDS = ["opt", "llama-mha", "llama-gqa"]
 # budgets of 8 slots: every prompt of LENGTHS (13-24 tokens) is cut in the prompt pass
 SNAPKV = EvictionConfig(policy="snapkv", hh_size=4, score_window=4, pool_kernel=3)        # 4 heavy + 4 window
-SNAPKV_SINK = EvictionConfig(policy="snapkv", hh_size=3, recent_size=3, sink_size=1, score_window=6)   # kernel 5
+SNAPKV_SINK = EvictionConfig(policy="snapkv", hh_size=3, recent_size=3, sink_size=1, score_window=6,
+                             pool_kernel=5)
 TOVA = EvictionConfig(policy="tova", hh_size=4)                                          # 7 heavy + the newest
 CASES = {"snapkv": SNAPKV, "snapkv-sink1": SNAPKV_SINK, "tova": TOVA}
 
@@ -144,7 +145,7 @@ def test_hf_cache_keeps_what_the_engine_keeps(name):
 
 def test_the_budget_is_the_window_plus_the_best_scores():
     b = EvictionConfig(policy="snapkv", hh_ratio=0.1).resolve(2048, 512)
-    assert (b.sink, b.heavy, b.recent, b.score_window, b.pool_kernel) == (0, 376, 32, 32, 5)
+    assert (b.sink, b.heavy, b.recent, b.score_window, b.pool_kernel) == (0, 376, 32, 32, 31)
     b = EvictionConfig(policy="snapkv", kv_budget=204, score_window=32).resolve(2048, 16)
     assert (b.heavy, b.recent) == (172, 32)
     b = EvictionConfig(policy="snapkv", hh_size=10, recent_size=20).resolve(100, 8)     # a given window stays
@@ -153,7 +154,7 @@ def test_the_budget_is_the_window_plus_the_best_scores():
     assert (b.heavy, b.recent, b.score_window) == (407, 1, 1)
     assert EvictionConfig(policy="snapkv", kv_budget=40).resolve(100, 8).budget == 40
     line = describe(EvictionConfig(policy="snapkv", hh_ratio=0.1).resolve(2048, 512), 2048, 512, 100.0)
-    assert "last 32 prompt queries, averaged over 5 neighbouring keys" in line and "exact H2O" in line
+    assert "last 32 prompt queries, averaged over 31 neighbouring keys" in line and "exact H2O" in line
     line = describe(EvictionConfig(policy="tova", hh_ratio=0.1).resolve(2048, 512), 2048, 512, 100.0)
     assert "the last prompt query" in line and "attends to least" in line
 

@@ -148,7 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "end), not of every token; decode steps add theirs as in H2O (snapkv's observation "
                          "window, default 32)")
     kv.add_argument("--pool-kernel", type=positive, metavar="K",
-                    help="snapkv: average each prompt token's score over K neighbouring tokens (odd; default 5)")
+                    help="snapkv: average each prompt token's score over K neighbouring tokens (odd; default 31)")
     g = p.add_argument_group("generation")
     g.add_argument("--input", help="batch mode: JSONL, one {\"prompt\" (raw text) or \"messages\" (a chat), \"id\"?, "
                    "\"max_new_tokens\"?} per line, or OpenAI Batch API request lines (docs/cli.md)")
