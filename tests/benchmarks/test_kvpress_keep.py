@@ -29,6 +29,16 @@ TIE = 1e-4
 CASES = {"snapkv-64-5": ("snapkv", 64, 5), "snapkv-16-3": ("snapkv", 16, 3), "tova": ("tova", 1, 1)}
 
 
+def _no_venv() -> str | None:
+    from benchmarks.systems import kvpress as kvp
+    if not kvp.venv_python().is_file():
+        return f"no kvpress virtualenv at {kvp.venv_dir()} (benchmarks.systems.kvpress.ensure_venv makes it)"
+    return None
+
+
+pytestmark = pytest.mark.skipif(_no_venv() is not None, reason=str(_no_venv()))
+
+
 @pytest.fixture(scope="module")
 def prompts(smollm2):
     from flexgen_h2o.eval import data
@@ -58,8 +68,6 @@ def ours_kept(loaded, prompts, ev: EvictionConfig) -> list[list[list[set[int]]]]
 @pytest.mark.parametrize("case", list(CASES))
 def test_our_keep_sets_are_kvpress_s(smollm2, prompts, case):
     from benchmarks.systems import kvpress as kvp
-    if not kvp.venv_python().is_file():
-        pytest.skip(f"no kvpress virtualenv at {kvp.venv_dir()} (benchmarks.systems.kvpress.ensure_venv makes it)")
     loaded, _, _ = smollm2
     policy, window, kernel = CASES[case]
     if policy == "snapkv":
