@@ -210,3 +210,19 @@ def test_the_planner_counts_the_same_cache_as_h2o_at_the_same_total(policy):
     assert new.plan.capacity == h2o.plan.capacity == 2 * 51 + 1
     assert new.plan.policy == policy and new.plan.needs_scores and new.plan.score_block > 0
     assert new.bytes == h2o.bytes
+
+
+def test_a_batch_job_records_the_values_it_runs_with():
+    """The settings record holds the window and pooling the rule runs with, so a resume that spells out a
+    default is no change, and another value is."""
+    from flexgen_h2o.frontends.cli import build_parser
+    from flexgen_h2o.frontends.settings import answer_settings
+
+    def record(*flags: str) -> dict:
+        return answer_settings(build_parser().parse_args(["--model", "opt-125m", "--hh-ratio", "0.2", *flags]), 8)
+    implicit, explicit = record("--policy", "snapkv"), record("--policy", "snapkv", "--score-window", "32",
+                                                               "--pool-kernel", "31")
+    assert implicit == explicit and (implicit["score_window"], implicit["pool_kernel"]) == (32, 31)
+    assert record("--policy", "snapkv", "--pool-kernel", "5") != implicit
+    assert (record()["score_window"], record()["pool_kernel"]) == (None, None)
+    assert record("--policy", "tova")["score_window"] == 1

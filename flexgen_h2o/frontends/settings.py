@@ -23,7 +23,7 @@ from typing import Any
 
 from flexgen_h2o.config import ConfigError
 from flexgen_h2o.files import real_path, write_atomic
-from flexgen_h2o.kv.registry import cli_variants
+from flexgen_h2o.kv.registry import cli_variants, trait
 
 VERSION = 1
 SUFFIX = ".settings.json"
@@ -67,14 +67,21 @@ def answer_settings(args: argparse.Namespace, gen_len: int) -> dict[str, Any]:
         "kv_bits": kv_bits, "weight_bits": weight_bits,
         "group_size": args.group_size if kv_bits or weight_bits else None,
         "policy": policy, **{k: budget.get(k) for k in BUDGET}, "position_rolling": bool(args.position_rolling),
-        "score_window": args.score_window if policy != "full" else None,
-        "pool_kernel": args.pool_kernel if policy != "full" else None,
+        # the values the rule runs with (a policy's default filled in), so spelling out a default is no change
+        "score_window": _or_default(args.score_window, policy, "default_score_window"),
+        "pool_kernel": _or_default(args.pool_kernel, policy, "default_pool_kernel"),
         "temperature": float(args.temperature),
         "top_p": float(args.top_p) if sampling else None, "top_k": args.top_k if sampling else None,
         "seed": args.seed if sampling or policy == "random" else None,
         "stop": sorted(set(args.stop)), "gen_len": gen_len,
     }
     return out
+
+
+def _or_default(given: Any, policy: str, default: str) -> Any:
+    if policy == "full":
+        return None
+    return given if given is not None else trait(policy, default)
 
 
 def _flag(key: str) -> str:
