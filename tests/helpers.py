@@ -202,3 +202,26 @@ def assert_matches_transformers(model, lengths=(9, 14), n_new: int = 65) -> Any:
     assert all(len(engine.step_logits[i]) == n_new for i in range(len(prompts)))
     assert_agree(model, out.token_ids, engine.step_logits, [t for t, _ in refs], [l for _, l in refs], False)
     return engine
+
+
+def assert_alone_equals_batch(model, prompts: list[list[int]], ev: EvictionConfig, n_new: int) -> None:
+    """With the compiled kernels (batch invariance), each prompt's tokens, step logits and kept slots equal its alone
+    run's bit for bit, in one padded batch and in a prompt pass of two sequences at a time."""
+    alone: list = []
+    for cut in ({}, {"prefill_batch_size": 2}):
+        engine = make_engine(model, eviction=ev, offload=OffloadPolicy(kv_dtype="float32", gpu_batch_size=4, **cut))
+        try:
+            assert engine.kernels.batch_invariant
+            while len(alone) < len(prompts):
+                engine.step_logits = {}
+                out = engine.generate([prompts[len(alone)]], greedy(n_new))
+                alone.append((out.token_ids[0], engine.step_logits[0], [x[0] for x in engine_kept(engine)]))
+            engine.step_logits = {}
+            batch = engine.generate(prompts, greedy(n_new))
+            kept = engine_kept(engine)
+            for i, (tokens, logits, slots) in enumerate(alone):
+                assert batch.token_ids[i] == tokens, (cut, i)
+                assert all(torch.equal(a, b) for a, b in zip(engine.step_logits[i], logits)), (cut, i)
+                assert [x[i] for x in kept] == slots, (cut, i)
+        finally:
+            engine.close()

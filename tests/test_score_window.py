@@ -11,14 +11,15 @@ import dataclasses
 import pytest
 import torch
 
-from flexgen_h2o.config import ConfigError, OffloadPolicy
+from flexgen_h2o.config import ConfigError
 from flexgen_h2o.hf import H2OCache, enable_h2o
 from flexgen_h2o.hf.attention import prompt_attention
 from flexgen_h2o.kernels import build
 from flexgen_h2o.kernels.dispatch import INVARIANT_SWITCH
 from flexgen_h2o.kv import EvictionConfig
 from flexgen_h2o.models.ops import TORCH, causal_pad_mask
-from tests.helpers import assert_scores_close, engine_kept, engine_scores, greedy, make_engine, random_prompts, tiny_hf
+from tests.helpers import (assert_alone_equals_batch, assert_scores_close, engine_kept, engine_scores, greedy,
+                           make_engine, random_prompts, tiny_hf)
 from tests.reference import h2o_masked
 from tests.reference.compare import (LENGTHS, N_NEW, assert_same_as_reference, left_padded, run_engine,
                                      run_reference, same_run, score_bound)
@@ -124,27 +125,8 @@ def test_a_prompt_alone_and_in_a_padded_batch_bit_for_bit(kernel):
     window is the last rows of its own tokens whatever its padding: tokens, logits and kept slots equal bit for
     bit, in one padded batch and in a prompt pass of two sequences at a time. The 5-token prompt is shorter than
     the window."""
-    model = tiny_hf("llama-gqa")
-    prompts = random_prompts([5, 31, 12, 24])
     ev = EvictionConfig(policy="h2o", hh_ratio=0.2, score_window=8)
-    alone = []
-    for cut in ({}, {"prefill_batch_size": 2}):
-        engine = make_engine(model, eviction=ev, offload=OffloadPolicy(kv_dtype="float32", gpu_batch_size=4, **cut))
-        try:
-            assert engine.kernels.batch_invariant
-            while len(alone) < len(prompts):
-                engine.step_logits = {}
-                out = engine.generate([prompts[len(alone)]], greedy(N_NEW))
-                alone.append((out.token_ids[0], engine.step_logits[0], [x[0] for x in engine_kept(engine)]))
-            engine.step_logits = {}
-            batch = engine.generate(prompts, greedy(N_NEW))
-            kept = engine_kept(engine)
-            for i, (tokens, logits, slots) in enumerate(alone):
-                assert batch.token_ids[i] == tokens, (cut, i)
-                assert all(torch.equal(a, b) for a, b in zip(engine.step_logits[i], logits)), (cut, i)
-                assert [x[i] for x in kept] == slots, (cut, i)
-        finally:
-            engine.close()
+    assert_alone_equals_batch(tiny_hf("llama-gqa"), random_prompts([5, 31, 12, 24]), ev, N_NEW)
 
 
 # --- None is H2O's rule ---

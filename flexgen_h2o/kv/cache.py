@@ -181,12 +181,13 @@ class KVCache:
             score_rows = 0.0 if scores is None else scores
         else:
             budget, generator = self._row_rules(first_row, b)
-            keep = self.policy.select_prefill(scores, positions, budget, generator)        # (b, g, p)
+            if self.policy.needs_scores:        # the rows and the scores decode starts from, in one pass
+                keep, scores = self.policy.keep_and_scores(scores, positions, budget, generator)   # (b, g, p) each
+            else:
+                keep = self.policy.select_prefill(scores, positions, budget, generator)
             n_keep = self._room_for(int(keep.sum(-1).max().item()) if keep.numel() else 0)
             index, kept = pack_kept(keep, n_keep)           # kept rows first, in prompt order: (b, g, n) each
             k_rows, v_rows = gather_slots(k_new, index), gather_slots(v_new, index)
-            if scores is not None and self.policy.needs_scores:       # what decode's rule adds to (kv/snapkv.py)
-                scores = self.policy.stored_prompt_scores(scores, positions, budget)
             sc = gather_slots(scores, index) if scores is not None else torch.zeros(b, g, n_keep, device=kept.device)
             score_rows = torch.where(kept, sc.float(), torch.zeros_like(sc, dtype=torch.float32))
             pos_rows = torch.where(kept, gather_slots(positions, index), -1)

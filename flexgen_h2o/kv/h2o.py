@@ -56,20 +56,22 @@ class H2OPolicy:
 
     def select_prefill(self, scores: Tensor | None, positions: Tensor, budget: Budget | RowBudgets,
                        generator: torch.Generator | None = None) -> Tensor:
+        return self.keep_and_scores(scores, positions, budget, generator)[0]
+
+    def keep_and_scores(self, scores: Tensor | None, positions: Tensor, budget: Budget | RowBudgets,
+                        generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
+        """The prompt rows to keep (b, g, p) and the scores the kept keys start decode from, in one pass: here the
+        column sums themselves (kv/snapkv.py starts from its pooled mass)."""
         if scores is None:
             raise ValueError(f"policy {self.name!r} ranks prompt tokens by attention: pass the column sums")
         positions = expand_positions(positions, scores)
-        return prefill_keep(positions, self.rank(scores, positions), budget)
+        return prefill_keep(positions, self.rank(scores, positions), budget), scores
 
     def choose_victim(self, scores: Tensor, positions: Tensor, budget: Budget | RowBudgets,
                       generator: torch.Generator | None = None) -> Tensor:
         positions = expand_positions(positions, scores)
         candidates, over = h2o_candidates(positions, budget)
         return _only_over(argmin_score(self.rank(scores, positions), positions, candidates), over)
-
-    def stored_prompt_scores(self, scores: Tensor, positions: Tensor, budget: Budget | RowBudgets) -> Tensor:
-        """What a kept prompt key's accumulated score starts from: the prompt pass's column sums."""
-        return scores
 
 
 def per_query_average(scores: Tensor, positions: Tensor) -> Tensor:

@@ -33,7 +33,6 @@ class PolicySpec:
     default_pool_kernel: int | None = None  # prompt scores averaged over this many neighbouring keys (SnapKV)
     recent_is_score_window: bool = False    # the recent share is the score window, the rest heavy (unless given)
     step_scores: bool = False               # a slot's score is the last step's attention, not the sum (TOVA)
-    shared_heads: bool = False              # one decision per layer from the KV heads' summed scores (TOVA)
     summary: str = ""                       # what it keeps: the startup line and `--policy` help
 
 
@@ -58,7 +57,7 @@ SPECS: tuple[PolicySpec, ...] = (
                summary="prompt keys the question (the last queries) attends to, pooled over neighbours, plus the "
                        "question; then H2O on the summed attention"),
     PolicySpec("tova", "tova:TOVAPolicy", needs_scores=True, compiled_rule=4, default_score_window=1,
-               recent_is_score_window=True, step_scores=True, shared_heads=True,
+               recent_is_score_window=True, step_scores=True,
                summary="the keys the newest query attends to most, averaged over the layer's heads; no history"),
 )
 _BY_NAME = {s.name: s for s in SPECS}

@@ -8,7 +8,7 @@ survive with it, and keeps the window itself (the budget's recent share). As kvp
 window's own keys are left out of the pooling (their mass counts as 0 for their neighbours) and rank above
 every other key, and the pooling counts the zeros beyond a sequence's ends in its divisor.
 
-Decoding then continues as exact H2O: the cache keeps each key's pooled window mass (stored_prompt_scores) and
+Decoding then continues as exact H2O: the cache keeps each key's pooled window mass (keep_and_scores) and
 adds every step's attention to it (kv/h2o.py's rule, compiled rule 1). `docs/cli.md` "Which policy" says when to choose it.
 """
 from __future__ import annotations
@@ -43,24 +43,17 @@ def window_pooled(scores: Tensor, positions: Tensor, window: int, kernel: int) -
 class SnapKVPolicy(H2OPolicy):
     """Prefill: the sinks, the observation window and the best pooled window scores; decode: exact H2O."""
 
-    def select_prefill(self, scores: Tensor | None, positions: Tensor, budget: Budget | RowBudgets,
-                       generator: torch.Generator | None = None) -> Tensor:
+    def keep_and_scores(self, scores: Tensor | None, positions: Tensor, budget: Budget | RowBudgets,
+                        generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
+        """Keep the window and the best pooled scores; the kept keys start decode from their pooled mass, which
+        decode's H2O then adds to: a key kept for its neighbour's hit (the rest of a number whose first digit the
+        question attends to) keeps that rank, where its own window mass would make it decode's first victim. The
+        window's keys start from their own mass."""
         if scores is None:
             raise ValueError(f"policy {self.name!r} ranks prompt tokens by attention: pass the column sums")
-        positions = expand_positions(positions, scores)
-        pooled, in_window = self._pooled(scores, positions, budget)
-        return prefill_keep(positions, torch.where(in_window, torch.full_like(pooled, float("inf")), pooled), budget)
-
-    def stored_prompt_scores(self, scores: Tensor, positions: Tensor, budget: Budget | RowBudgets) -> Tensor:
-        """The pooled mass, which decode's H2O then adds to: a key kept for its neighbour's hit (the rest of a
-        number whose first digit the question attends to) keeps that rank, where its own window mass would make it
-        the first victim of decode. The window's keys keep their own mass."""
-        positions = expand_positions(positions, scores)
-        pooled, in_window = self._pooled(scores, positions, budget)
-        return torch.where(in_window, scores.float(), pooled)
-
-    @staticmethod
-    def _pooled(scores: Tensor, positions: Tensor, budget: Budget | RowBudgets) -> tuple[Tensor, Tensor]:
         if budget.score_window is None:
             raise ValueError("snapkv ranks prompt keys by an observation window: the budget carries none")
-        return window_pooled(scores, positions, budget.score_window, budget.pool_kernel)
+        positions = expand_positions(positions, scores)
+        pooled, in_window = window_pooled(scores, positions, budget.score_window, budget.pool_kernel)
+        keep = prefill_keep(positions, torch.where(in_window, torch.full_like(pooled, float("inf")), pooled), budget)
+        return keep, torch.where(in_window, scores.float(), pooled)

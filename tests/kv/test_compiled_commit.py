@@ -21,7 +21,7 @@ def test_compiled_commit_leaves_the_cache_the_torch_ops_leave(kernel, monkeypatc
                                                                kv_dtype):
     budget = Budget(sink, heavy, recent, policy=policy)
     pos, scores = column_state(seed=heavy * 100 + recent + sink)
-    if trait(policy, "shared_heads"):         # every KV head of a sequence holds the same tokens slot by slot
+    if policy == "tova":      # one decision per layer: every KV head of a sequence holds the same tokens slot by slot
         pos = pos[:, :1].expand_as(pos).clone()
         scores = scores.masked_fill(pos < 0, 0.0)
     compiled = commit_cache(policy, budget, pos, scores, kv_dtype, kernel)
