@@ -18,7 +18,7 @@ from torch import Tensor
 from flexgen_h2o.backend import get_backend
 from flexgen_h2o.config import ConfigError, GenerationConfig, GenerationResult, OffloadPolicy
 from flexgen_h2o.kv import EvictionConfig, get_policy
-from flexgen_h2o.kv.cache import StagingBuffers
+from flexgen_h2o.kv.staging import StagingBuffers
 from flexgen_h2o.kv.draws import KeyedDraws
 from flexgen_h2o.kv.mixed import SplitKVCache, prompt_layout
 from flexgen_h2o.memory import ComputeTier, DiskTier, HostTier, OffloadDir

@@ -114,6 +114,21 @@ def hf_greedy(model, prompts: list[list[int]], n_new: int, pad_id: int):
     return outs
 
 
+def cli_error(flags: list[str], capsys, tmp_path, monkeypatch) -> str:
+    """run.main on opt-125m (dummy weights) with `flags`, in this process, which must refuse them as the CLI refuses
+    bad input: exit status 2 and one `error:` line, before any model is loaded. Returns that line."""
+    from flexgen_h2o import run
+    monkeypatch.setenv("FLEXGEN_H2O_HOME", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    try:
+        status = run.main(["--model", "opt-125m", "--dummy-weights", *flags])
+    except SystemExit as stop:             # argparse's errors exit from the parser
+        status = stop.code
+    err = capsys.readouterr().err
+    assert status == 2 and err.startswith("error: ") and err.count("\n") == 1, err
+    return err
+
+
 def greedy(n: int) -> GenerationConfig:
     return GenerationConfig(max_new_tokens=n, stop_at_eos=False)
 
@@ -155,7 +170,8 @@ def engine_scores(engine) -> list:
     for caches in engine.last_caches:
         for layer, split in caches.items():
             for cache in split.caches:
-                pos, score = cache.pos.to("cpu"), cache.score.to("cpu")
+                width = int(cache.pos.shape[-1])           # every column's slots (past its own: position -1)
+                pos, score = cache.pos_window(width).to("cpu"), cache.slot_scores(width).to("cpu")
                 per_layer.setdefault(layer, []).extend(
                     [{int(p): float(s) for p, s in zip(pos[b, g], score[b, g]) if p >= 0}
                      for g in range(pos.shape[1])] for b in range(pos.shape[0]))

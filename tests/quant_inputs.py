@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from flexgen_h2o.kv.cache import KVCache
+from flexgen_h2o.kv.ragged import RaggedKVCache
 from tests.reference.fake_quant import fake_quant
 from tests.tolerances import EPS32
 
@@ -22,7 +23,11 @@ class EngineQuantInputs:
 
     def __init__(self, monkeypatch):
         self.rows: dict[int, dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]]] = {}
-        prefill, decode = KVCache.commit_prefill, KVCache.commit_decode
+        for cls in (KVCache, RaggedKVCache):        # the uniform cache and the head-adaptive one (own commits)
+            self._spy_on(cls, monkeypatch)
+
+    def _spy_on(self, cls, monkeypatch) -> None:
+        prefill, decode = cls.commit_prefill, cls.commit_decode
         spy = self
 
         def commit_prefill(cache, k_new, v_new, scores, token_pos, first_row=0, *a, **kw):
@@ -40,8 +45,8 @@ class EngineQuantInputs:
                 spy._keep(cache, b, pos, out.k_new[b, :, 0], out.v_new[b, :, 0])
             return decode(cache, view, out, new_pos)
 
-        monkeypatch.setattr(KVCache, "commit_prefill", commit_prefill)
-        monkeypatch.setattr(KVCache, "commit_decode", commit_decode)
+        monkeypatch.setattr(cls, "commit_prefill", commit_prefill)
+        monkeypatch.setattr(cls, "commit_decode", commit_decode)
 
     def _keep(self, cache, b: int, pos: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v (g, d) of sequence row b at `pos`, stored as the cache's quantizer takes them."""

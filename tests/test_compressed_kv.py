@@ -21,6 +21,7 @@ from tests.tolerances import gamma, greedy_agreement, logit_bound
 H2O = EvictionConfig(policy="h2o", hh_size=4, recent_size=3, sink_size=1)
 FULL = EvictionConfig(policy="full")
 ROLLING = EvictionConfig(policy="h2o", hh_size=4, recent_size=3, position_rolling=True)
+ADAPTIVE = EvictionConfig(policy="h2o", hh_size=4, recent_size=3, head_budgets="adaptive")     # a ragged cache
 
 
 def compressed_run(kind: str, ev: EvictionConfig, bits: int, prompts=None, **offload):
@@ -34,7 +35,9 @@ def compressed_run(kind: str, ev: EvictionConfig, bits: int, prompts=None, **off
 
 @pytest.mark.parametrize("kind, ev, bits", [
     ("opt", H2O, 4), ("llama-gqa", H2O, 4), ("llama-mha", FULL, 4), ("llama-gqa", ROLLING, 4),
-    ("opt", FULL, 8), ("llama-gqa", H2O, 8)], ids=lambda x: getattr(x, "policy", x))
+    ("opt", FULL, 8), ("llama-gqa", H2O, 8), ("llama-gqa", ADAPTIVE, 4)],
+    ids=lambda x: getattr(x, "policy", x) + ("-adaptive" if getattr(x, "head_budgets", "") == "adaptive" else "")
+    if not isinstance(x, (int, str)) else x)
 def test_compressed_cache_matches_the_reference_of_the_same_quantized_math(kind, ev, bits, monkeypatch):
     spy = EngineQuantInputs(monkeypatch)
     model, prompts, engine, out = compressed_run(kind, ev, bits)

@@ -31,6 +31,8 @@ POLICIES = {
     "rolling-ratio": EvictionConfig(policy="h2o", hh_ratio=0.2, position_rolling=True),
     "snapkv-ratio": EvictionConfig(policy="snapkv", hh_ratio=0.2, score_window=4, pool_kernel=3),
     "tova-ratio": EvictionConfig(policy="tova", hh_ratio=0.2),
+    "snapkv-adaptive": EvictionConfig(policy="snapkv", hh_ratio=0.2, score_window=4, pool_kernel=3,
+                                      head_budgets="adaptive"),
 }
 # name -> (GPU batch size, GPU batches, placement, refill share)
 CUTS = {

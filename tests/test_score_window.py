@@ -12,17 +12,17 @@ import pytest
 import torch
 
 from flexgen_h2o.config import ConfigError
-from flexgen_h2o.hf import H2OCache, enable_h2o
+from flexgen_h2o.hf import H2OCache
 from flexgen_h2o.hf.attention import prompt_attention
 from flexgen_h2o.kernels import build
 from flexgen_h2o.kernels.dispatch import INVARIANT_SWITCH
 from flexgen_h2o.kv import EvictionConfig
 from flexgen_h2o.models.ops import TORCH, causal_pad_mask
-from tests.helpers import (assert_alone_equals_batch, assert_scores_close, engine_kept, engine_scores, greedy,
-                           make_engine, random_prompts, tiny_hf)
+from tests.helpers import (assert_alone_equals_batch, assert_scores_close, cli_error, engine_kept, engine_scores,
+                           greedy, make_engine, random_prompts, tiny_hf)
 from tests.reference import h2o_masked
-from tests.reference.compare import (LENGTHS, N_NEW, assert_same_as_reference, left_padded, run_engine,
-                                     run_reference, same_run, score_bound)
+from tests.reference.compare import (LENGTHS, N_NEW, assert_same_as_reference, check_hf_cache, run_engine,
+                                     run_reference, score_bound)
 from tests.tolerances import EPS32, assert_within, attention_bounds
 
 H2O = EvictionConfig(policy="h2o", hh_size=4, recent_size=3)
@@ -183,25 +183,7 @@ def test_a_prefill_keeps_its_window(kernel):
 @pytest.mark.parametrize("kind", ["opt", "llama-gqa"])
 def test_hf_cache_keeps_what_the_engine_keeps(kind):
     """H2OCache(score_window=...) in transformers' generate, left-padded: the engine's tokens and kept slots."""
-    model = enable_h2o(tiny_hf(kind))
-    prompts = random_prompts(LENGTHS)
-    ev = windowed(H2O, WINDOW)
-    cache = H2OCache(hh_size=4, recent_size=3, score_window=WINDOW)
-    ids, mask = left_padded(model, prompts)
-    with torch.no_grad():
-        res = model.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=N_NEW, min_new_tokens=N_NEW,
-                             do_sample=False, output_logits=True, return_dict_in_generate=True,
-                             pad_token_id=model.config.pad_token_id, eos_token_id=None)
-    tokens, logits = res.sequences[:, ids.shape[1]:], [l.float() for l in res.logits]
-    engine, out = run_engine(model, prompts, ev)
-    try:
-        steps = same_run(model, out.token_ids, tokens, engine.step_logits, logits)
-        whole = [i for i, n in enumerate(steps) if n == N_NEW]
-        assert whole, "every sequence split at a near tie: no kept slots left to compare"
-        kept, want = cache.kept_positions(), engine_kept(engine)
-        assert [[x[i] for i in whole] for x in kept] == [[x[i] for i in whole] for x in want]
-    finally:
-        engine.close()
+    check_hf_cache(kind, H2OCache(hh_size=4, recent_size=3, score_window=WINDOW), windowed(H2O, WINDOW))
 
 
 def test_hf_refuses_a_window_over_right_padding():
@@ -240,17 +222,7 @@ def test_the_request_names_its_window():
     (["--score-window", "8", "--h2o-variant", "avg", "--hh-ratio", "0.2"], "divides each key's mass"),
 ])
 def test_cli_refuses_a_bad_window(flags, message, capsys, tmp_path, monkeypatch):
-    """In this process: one `error:` line and exit status 2, before any model is loaded."""
-    from flexgen_h2o import run
-    monkeypatch.setenv("FLEXGEN_H2O_HOME", str(tmp_path))
-    monkeypatch.chdir(tmp_path)
-    try:
-        status = run.main(["--model", "opt-125m", "--dummy-weights", *flags])
-    except SystemExit as stop:             # argparse's errors exit from the parser
-        status = stop.code
-    err = capsys.readouterr().err
-    assert status == 2
-    assert err.startswith("error: ") and err.count("\n") == 1, err
+    err = cli_error(flags, capsys, tmp_path, monkeypatch)
     assert message in err, err
 
 

@@ -7,16 +7,15 @@ sequence at a time, batch invariance, the HF cache, and the flags. kvpress's own
 from __future__ import annotations
 
 import pytest
-import torch
 
 from flexgen_h2o.config import OffloadPolicy
-from flexgen_h2o.hf import H2OCache, enable_h2o
+from flexgen_h2o.hf import H2OCache
 from flexgen_h2o.kernels import build
 from flexgen_h2o.kv import EvictionConfig
 from flexgen_h2o.kv.budget import describe
-from tests.helpers import assert_alone_equals_batch, engine_kept, random_prompts, tiny_hf
-from tests.reference.compare import (LENGTHS, N_NEW, PLACEMENTS, all_caches, check_against_reference, left_padded,
-                                     run_engine, run_reference, same_run)
+from tests.helpers import assert_alone_equals_batch, cli_error, random_prompts, tiny_hf
+from tests.reference.compare import (LENGTHS, N_NEW, PLACEMENTS, all_caches, check_against_reference, check_hf_cache,
+                                     reference_prompt_kept)
 
 KINDS = ["opt", "llama-mha", "llama-gqa"]
 # budgets of 8 slots: every prompt of LENGTHS (13-24 tokens) is cut in the prompt pass
@@ -76,9 +75,7 @@ def test_the_rules_keep_what_they_say():
     prompts = random_prompts(LENGTHS)
 
     def prompt_kept(ev):
-        trace: list = []
-        run_reference(model, prompts, ev, n_new=2, trace=trace)
-        return trace[0]
+        return reference_prompt_kept(model, prompts, ev)
     pooled = prompt_kept(SNAPKV)
     unpooled = prompt_kept(EvictionConfig(policy="snapkv", hh_size=4, score_window=4, pool_kernel=1))
     h2o_window = prompt_kept(EvictionConfig(policy="h2o", hh_size=4, recent_size=4, score_window=4))
@@ -101,25 +98,7 @@ def test_a_prompt_alone_and_in_a_padded_batch_bit_for_bit(kernel, name):
 @pytest.mark.parametrize("name", ["snapkv", "tova"])
 def test_hf_cache_keeps_what_the_engine_keeps(name):
     """H2OCache with the rule's fields in transformers' generate, left-padded: the engine's tokens and slots."""
-    model = enable_h2o(tiny_hf("llama-gqa"))
-    prompts = random_prompts(LENGTHS)
-    ev = CASES[name]
-    cache = H2OCache(ev)
-    ids, mask = left_padded(model, prompts)
-    with torch.no_grad():
-        res = model.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=N_NEW, min_new_tokens=N_NEW,
-                             do_sample=False, output_logits=True, return_dict_in_generate=True,
-                             pad_token_id=model.config.pad_token_id, eos_token_id=None)
-    tokens, logits = res.sequences[:, ids.shape[1]:], [l.float() for l in res.logits]
-    engine, out = run_engine(model, prompts, ev)
-    try:
-        steps = same_run(model, out.token_ids, tokens, engine.step_logits, logits)
-        whole = [i for i, n in enumerate(steps) if n == N_NEW]
-        assert whole, "every sequence split at a near tie: no kept slots left to compare"
-        kept, want = cache.kept_positions(), engine_kept(engine)
-        assert [[x[i] for i in whole] for x in kept] == [[x[i] for i in whole] for x in want]
-    finally:
-        engine.close()
+    check_hf_cache("llama-gqa", H2OCache(CASES[name]), CASES[name])
 
 
 # --- budgets, the startup line and the flags ---
@@ -157,16 +136,7 @@ def test_refused_requests(fields, message):
     (["--pool-kernel", "3", "--hh-ratio", "0.2"], "policy 'h2o' does not pool"),
 ])
 def test_cli_refuses_bad_flags(flags, message, capsys, tmp_path, monkeypatch):
-    """In this process: one `error:` line and exit status 2, before any model is loaded."""
-    from flexgen_h2o import run
-    monkeypatch.setenv("FLEXGEN_H2O_HOME", str(tmp_path))
-    monkeypatch.chdir(tmp_path)
-    try:
-        status = run.main(["--model", "opt-125m", "--dummy-weights", *flags])
-    except SystemExit as stop:
-        status = stop.code
-    err = capsys.readouterr().err
-    assert status == 2 and err.startswith("error: ") and err.count("\n") == 1, err
+    err = cli_error(flags, capsys, tmp_path, monkeypatch)
     assert message in err, err
 
 

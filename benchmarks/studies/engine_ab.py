@@ -13,7 +13,8 @@ prefill per side, its first two steps left out), each as new / base.
         --recent-size 102 --steps 24 --repeats 8 --out benchmarks/results/engine_ab
 
 With --policies A,B,... the sides are eviction policies of the working tree instead, each at `--hh-ratio`'s budget
-(policies that split it otherwise, such as snapkv's window, keep the same total), each from its own prefill
+(policies that split it otherwise, such as snapkv's window, keep the same total; `snapkv-adaptive` is snapkv with
+--head-budgets adaptive), each from its own prefill
 (its score window's), and the figures are each policy over the first:
 
     python -m benchmarks.studies.engine_ab --policies h2o,snapkv,tova --hh-ratio 0.1 --batch 16 \
@@ -72,8 +73,10 @@ def side(package: str, a, prompts, policy: str = "h2o"):
     model = loader.load_model(a.model, progress=False)
     offload = config.OffloadPolicy(gpu_batch_size=a.batch, num_gpu_batches=1)
     engine = engine_mod.Engine(model.config, model.read, offload=offload, locate=model.locate)
-    if a.policies:
-        rule = kv.EvictionConfig(policy=policy, hh_ratio=a.hh_ratio)
+    if a.policies:          # `snapkv-adaptive`: the rule with head-adaptive budgets, as the eval grid spells it
+        from flexgen_h2o.eval.grid import base_policy
+        name, adaptive = base_policy(policy)
+        rule = kv.EvictionConfig(policy=name, hh_ratio=a.hh_ratio, head_budgets="adaptive" if adaptive else "uniform")
         return engine, rule, config.GenerationConfig, engine.prefill(prompts, score_window=rule.score_window)
     rule = kv.EvictionConfig(policy="h2o", hh_size=a.hh_size, recent_size=a.recent_size)
     return engine, rule, config.GenerationConfig, engine.prefill(prompts)

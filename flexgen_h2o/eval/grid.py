@@ -71,12 +71,23 @@ def parse_budgets(text: str) -> list[BudgetSpec]:
     return specs
 
 
+ADAPTIVE_SUFFIX = "-adaptive"       # `snapkv-adaptive`: the rule with head-adaptive budgets (--head-budgets adaptive)
+
+
+def base_policy(name: str) -> tuple[str, bool]:
+    """A grid policy name as (the engine's policy, whether its heads share their budget)."""
+    if name.endswith(ADAPTIVE_SUFFIX) and name[:-len(ADAPTIVE_SUFFIX)] in policy_names():
+        return name[:-len(ADAPTIVE_SUFFIX)], True
+    return name, False
+
+
 def parse_policies(text: str) -> list[str]:
     names = [t.strip() for t in text.split(",") if t.strip()]
-    bad = [n for n in names if n not in policy_names() and not is_peer(n)]
+    adaptive = [n + ADAPTIVE_SUFFIX for n in policy_names() if trait(n, "head_adaptive")]
+    bad = [n for n in names if n not in policy_names() and not is_peer(n) and n not in adaptive]
     if bad or not names:
         raise ConfigError(f"unknown policy {', '.join(bad) or '(none given)'}; choose from "
-                          f"{', '.join(policy_names() + PEER_POLICIES)}")
+                          f"{', '.join(policy_names() + PEER_POLICIES + tuple(adaptive))}")
     if len(set(names)) != len(names):
         raise ConfigError(f"--policies repeats a policy: {','.join(names)}")
     return names
@@ -104,7 +115,7 @@ class GridPoint:
         if is_peer(self.policy):          # a press keeps this many prompt tokens per KV head
             return self.budget.slots_for(seq_len)
         # sink needs room for its 4 sinks plus one window slot; smaller requests are raised (and recorded)
-        return max(self.budget.slots_for(seq_len), trait(self.policy, "default_sinks") + 1)
+        return max(self.budget.slots_for(seq_len), trait(base_policy(self.policy)[0], "default_sinks") + 1)
 
     def eviction(self, seq_len: int, seed: int = 0) -> EvictionConfig:
         if is_peer(self.policy):
@@ -112,11 +123,13 @@ class GridPoint:
         slots = self.slots(seq_len)
         if slots is None:
             return EvictionConfig(policy="full", position_rolling=self.rolling)
-        if trait(self.policy, "needs_scores") and self.heavy_share is not None:
+        policy, adaptive = base_policy(self.policy)
+        rule = dict(policy=policy, position_rolling=self.rolling, seed=seed,
+                    head_budgets="adaptive" if adaptive else "uniform")
+        if trait(policy, "needs_scores") and self.heavy_share is not None:
             heavy = int(round(self.heavy_share * slots))
-            return EvictionConfig(policy=self.policy, hh_size=heavy, recent_size=slots - heavy,
-                                  position_rolling=self.rolling, seed=seed)
-        return EvictionConfig(policy=self.policy, kv_budget=slots, position_rolling=self.rolling, seed=seed)
+            return EvictionConfig(hh_size=heavy, recent_size=slots - heavy, **rule)
+        return EvictionConfig(kv_budget=slots, **rule)
 
 
 def make_grid(policies: list[str], budgets: list[BudgetSpec], rolling: bool = False,

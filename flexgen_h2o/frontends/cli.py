@@ -149,6 +149,12 @@ def build_parser() -> argparse.ArgumentParser:
                          "window, default 32)")
     kv.add_argument("--pool-kernel", type=positive, metavar="K",
                     help="snapkv: average each prompt token's score over K neighbouring tokens (odd; default 31)")
+    kv.add_argument("--head-budgets", choices=("uniform", "adaptive"), default="uniform",
+                    help="adaptive: a layer's KV heads share its slots, taken by the best scores across them, each "
+                         "head keeping at least --head-floor of its own share (AdaKV); decode then evicts within "
+                         "each head (h2o, snapkv; default uniform: every head the same count)")
+    kv.add_argument("--head-floor", type=float, metavar="F",
+                    help="--head-budgets adaptive: the least share of its uniform budget a head keeps (default 0.2)")
     g = p.add_argument_group("generation")
     g.add_argument("--input", help="batch mode: JSONL, one {\"prompt\" (raw text) or \"messages\" (a chat), \"id\"?, "
                    "\"max_new_tokens\"?} per line, or OpenAI Batch API request lines (docs/cli.md)")
@@ -225,7 +231,12 @@ def check_flags(a: argparse.Namespace) -> None:
     if a.policy != "h2o" and not budget:
         raise ValueError(f"--policy {a.policy} needs a KV budget (--hh-ratio, --hh-size, --kv-budget, ...); "
                          "without one the cache is full and nothing is evicted")
-    for flag, value in (("--score-window", a.score_window), ("--pool-kernel", a.pool_kernel)):
+    if a.head_floor is not None and a.head_budgets != "adaptive":
+        raise ValueError("--head-floor sets the least share of a head under --head-budgets adaptive; add "
+                         "--head-budgets adaptive or drop it")
+    adaptive = "adaptive" if a.head_budgets == "adaptive" else None
+    for flag, value in (("--score-window", a.score_window), ("--pool-kernel", a.pool_kernel),
+                        ("--head-budgets", adaptive)):
         if value is not None and (a.full_cache or not budget):
             raise ValueError(f"{flag} ranks the prompt tokens an eviction keeps: it needs a KV budget "
                              "(--hh-ratio, --hh-size, --kv-budget, ...) and no --full-cache")
@@ -249,8 +260,10 @@ def eviction_from_args(a: argparse.Namespace) -> Any:
     if not given:
         return EvictionConfig(policy="full", position_rolling=a.position_rolling)
     policy = cli_variants(a.policy).get(a.h2o_variant, a.policy)
+    heads = {} if a.head_floor is None else {"head_floor": a.head_floor}
     return EvictionConfig(policy=policy, position_rolling=a.position_rolling, seed=a.seed,
-                          score_window=a.score_window, pool_kernel=a.pool_kernel, **sizes)
+                          score_window=a.score_window, pool_kernel=a.pool_kernel, head_budgets=a.head_budgets,
+                          **heads, **sizes)
 
 
 def log_file_name(a: argparse.Namespace, offload: OffloadPolicy, prompt_len: int, gen_len: int) -> str:

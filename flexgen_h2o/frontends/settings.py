@@ -23,7 +23,7 @@ from typing import Any
 
 from flexgen_h2o.config import ConfigError
 from flexgen_h2o.files import real_path, write_atomic
-from flexgen_h2o.kv.registry import cli_variants, trait
+from flexgen_h2o.kv.registry import DEFAULT_HEAD_FLOOR, cli_variants, trait
 
 VERSION = 1
 SUFFIX = ".settings.json"
@@ -70,12 +70,20 @@ def answer_settings(args: argparse.Namespace, gen_len: int) -> dict[str, Any]:
         # the values the rule runs with (a policy's default filled in), so spelling out a default is no change
         "score_window": _or_default(args.score_window, policy, "default_score_window"),
         "pool_kernel": _or_default(args.pool_kernel, policy, "default_pool_kernel"),
+        # None when uniform, so a record from before head budgets existed still matches
+        **_head_budgets(args, policy),
         "temperature": float(args.temperature),
         "top_p": float(args.top_p) if sampling else None, "top_k": args.top_k if sampling else None,
         "seed": args.seed if sampling or policy == "random" else None,
         "stop": sorted(set(args.stop)), "gen_len": gen_len,
     }
     return out
+
+
+def _head_budgets(args: argparse.Namespace, policy: str) -> dict[str, Any]:
+    adaptive = policy != "full" and getattr(args, "head_budgets", "uniform") == "adaptive"
+    floor = args.head_floor if getattr(args, "head_floor", None) is not None else DEFAULT_HEAD_FLOOR
+    return {"head_budgets": "adaptive" if adaptive else None, "head_floor": float(floor) if adaptive else None}
 
 
 def _or_default(given: Any, policy: str, default: str) -> Any:

@@ -27,6 +27,7 @@ from flexgen_h2o.formats import quant_format
 from flexgen_h2o.kernels import resolve as resolve_kernels
 from flexgen_h2o.kv import Budget, EvictionConfig, get_policy, policy_for
 from flexgen_h2o.kv.cache import KVCache
+from flexgen_h2o.kv.ragged import kv_cache
 from flexgen_h2o.models.layer import KVSpec, KVView, LayerOutput
 from flexgen_h2o.models.ops import write_slot
 
@@ -85,16 +86,15 @@ class H2OLayer(CacheLayerMixin):
             raise RuntimeError(f"H2OCache was sized for max_new_tokens={self.owner.max_new_tokens}; this step "
                                f"would be token {self.seen + 1} of at most {store.capacity}")
         slot = store.free_slots()                                               # (b, g)
-        if not store.fmt.quantized:          # a compressed row is written (packed) by commit_decode
-            write_slot(store.k, slot, key_states.to(store.k.dtype))
-            write_slot(store.v, slot, value_states.to(store.v.dtype))
-        # the position marks the slot valid, so the new token attends to itself like any kept token
-        store.pos.scatter_(2, slot.unsqueeze(-1), self.next_pos.view(-1, 1, 1).expand(*slot.shape, 1).to(torch.int32))
+        # the position marks the slot valid, so the new token attends to itself like any kept token; a
+        # compressed row is written (packed) by commit_decode
+        store.place_token(slot, None if store.fmt.quantized else key_states,
+                          None if store.fmt.quantized else value_states, self.next_pos)
         s = max(store.n_used, int(slot.max()) + 1)          # never-used slots past s are not even read
         self._pending, self._write_slot, self._window = (key_states, value_states), slot, s
         self.seen += 1
         if not store.fmt.quantized:
-            return store.k[:, :, :s], store.v[:, :, :s]
+            return store.windows(s)
         # a compressed cache: its window dequantized, the new token unrounded (as the engine attends to it)
         k, v = store.values(s, key_states.device, key_states.dtype)
         write_slot(k, slot, key_states)
@@ -144,7 +144,7 @@ class H2OLayer(CacheLayerMixin):
 
     def slot_mask(self) -> Tensor:
         """(b, g, s) bool: which slots of the window returned by the last update hold a token (the new one too)."""
-        return self.store.pos[:, :, :self._window] >= 0
+        return self.store.pos_window(self._window) >= 0
 
     @property
     def write_slot(self) -> Tensor:
@@ -159,7 +159,7 @@ class H2OLayer(CacheLayerMixin):
         owner = self.owner
         token_pos = torch.where(token_valid, token_valid.long().cumsum(-1) - 1, -1)      # true positions, pads -1
         device = k.device
-        self.store = KVCache(KVSpec(g, d), b, owner.budget.capacity, owner.policy, owner.budget, dtype=k.dtype,
+        self.store = kv_cache(KVSpec(g, d), b, owner.budget.capacity, owner.policy, owner.budget, dtype=k.dtype,
                              alloc=lambda shape, dtype: torch.empty(shape, dtype=dtype, device=device),
                              generator=owner.generator(device), kernels=owner.kernels, fmt=owner.kv_format)
         self.store.commit_prefill(k, v, scores, token_pos)
@@ -171,7 +171,7 @@ class H2OLayer(CacheLayerMixin):
         """Add this step's attention mass (b, g, s) to the scores and free one victim slot per (b, g)."""
         k_new, v_new = self._pending
         st, s = self.store, self._window
-        view = KVView(k=st.k[:, :, :s], v=st.v[:, :, :s], valid=st.pos[:, :, :s] >= 0, write_slot=self._write_slot)
+        view = KVView(k=k_new, v=v_new, valid=st.pos_window(s) >= 0, write_slot=self._write_slot)   # (k, v unread)
         st.commit_decode(view, LayerOutput(hidden=None, k_new=k_new, v_new=v_new, scores=mass), self.next_pos)
         self.next_pos = self.next_pos + 1
         self._pending = self._write_slot = None

@@ -193,22 +193,32 @@ class Kernels(ops.TorchKernels):
 
     def narrow_decode_attention(self, q: Tensor, k: Tensor, v: Tensor, valid: Tensor, slot: Tensor,
                                 k_new: Tensor, v_new: Tensor, scale: float, *, want_scores: bool = False,
-                                score_reduce: str = "sum", fmt=None) -> tuple[Tensor, Tensor | None]:
+                                score_reduce: str = "sum", fmt=None,
+                                col_start: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
         """ops.narrow_decode_attention's contract and values (to fp32 rounding) for an fp16 or quantized window
         whose (sequence, KV head) blocks of rows are contiguous, read in place (a quantized row dequantized in
-        registers, csrc/decode_attention.cpp)."""
-        rows_ok = self._cpu_fp32(q) and k.dim() == 4 and k.stride(3) == 1 and k.stride(2) == k.shape[3]
+        registers, csrc/decode_attention.cpp). col_start (b, g): k and v are a row pool (b, T, width) holding
+        heads of different lengths, each column read from its own start (ops.TorchKernels)."""
+        if col_start is None:
+            rows_ok = k.dim() == 4 and k.stride(3) == 1 and k.stride(2) == k.shape[3]
+            starts = torch.empty(0, dtype=torch.long)
+        else:
+            rows_ok = k.dim() == 3 and k.stride(2) == 1 and k.stride(1) == k.shape[2] and col_start.device.type == "cpu"
+            starts = col_start
+        rows_ok = rows_ok and self._cpu_fp32(q)
         mean = score_reduce == "mean"
         if rows_ok and fmt is not None and fmt.quantized and hasattr(self.ext, "decode_attention_quant"):
             quant = fmt.quant_for(q.shape[-1])
             out, mass = self.ext.decode_attention_quant(q, k, v, valid, slot, k_new, v_new, float(scale), want_scores,
-                                                        mean, quant.bits, quant.group_size)
+                                                        mean, quant.bits, quant.group_size, starts)
             return out, (mass if want_scores else None)
         if rows_ok and k.dtype in (torch.float16, torch.float32):
-            out, mass = self.ext.decode_attention(q, k, v, valid, slot, k_new, v_new, float(scale), want_scores, mean)
+            out, mass = self.ext.decode_attention(q, k, v, valid, slot, k_new, v_new, float(scale), want_scores, mean,
+                                                  starts)
             return out, (mass if want_scores else None)
         return super().narrow_decode_attention(q, k, v, valid, slot, k_new, v_new, scale,
-                                               want_scores=want_scores, score_reduce=score_reduce, fmt=fmt)
+                                               want_scores=want_scores, score_reduce=score_reduce, fmt=fmt,
+                                               col_start=col_start)
 
     def window_attention(self, q: Tensor, k: Tensor, v: Tensor, valid: Tensor, slot: Tensor, scale: float, *,
                          want_scores: bool = False, score_reduce: str = "sum") -> tuple[Tensor, Tensor | None]:
@@ -218,7 +228,8 @@ class Kernels(ops.TorchKernels):
                 and k.stride(3) == 1 and k.stride(2) == k.shape[3]):
             index = slot[:, :, None, None].expand(-1, -1, 1, k.shape[3])
             out, mass = self.ext.decode_attention(q, k, v, valid, slot, k.gather(2, index), v.gather(2, index),
-                                                  float(scale), want_scores, score_reduce == "mean")
+                                                  float(scale), want_scores, score_reduce == "mean",
+                                                  torch.empty(0, dtype=torch.long))
             return out, (mass if want_scores else None)
         return super().window_attention(q, k, v, valid, slot, scale, want_scores=want_scores,
                                         score_reduce=score_reduce)

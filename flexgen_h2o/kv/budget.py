@@ -24,9 +24,10 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from flexgen_h2o.kv.registry import policy_names, trait
+from flexgen_h2o.kv.registry import DEFAULT_HEAD_FLOOR, policy_names, trait
 
 SCORE_REDUCE = ("sum", "mean")
+HEAD_BUDGETS = ("uniform", "adaptive")
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,9 @@ class Budget:
     # scored them, and a score is averaged over pool_kernel neighbouring keys (1: none)
     score_window: int | None = None
     pool_kernel: int = 1
+    # head-adaptive budgets (kv/adaptive.py): None, every KV head keeps `budget` slots; a fraction, a layer's heads
+    # share budget * heads slots, each keeping at least this fraction of `budget`
+    head_floor: float | None = None
 
     @property
     def budget(self) -> int:
@@ -75,8 +79,8 @@ class RowBudgets:
     def __post_init__(self) -> None:
         if not self.rows:
             raise ValueError("RowBudgets needs at least one row")
-        if len({(r.sink, r.policy, r.score_window, r.pool_kernel) for r in self.rows}) != 1:
-            raise ValueError("the rows of a block share the sink count, the policy and its scoring")
+        if len({(r.sink, r.policy, r.score_window, r.pool_kernel, r.head_floor) for r in self.rows}) != 1:
+            raise ValueError("the rows of a block share the sink count, the policy, its scoring and head budgets")
 
     @classmethod
     def uniform(cls, budget: Budget, n: int) -> "RowBudgets":
@@ -97,6 +101,10 @@ class RowBudgets:
     @property
     def pool_kernel(self) -> int:
         return self.rows[0].pool_kernel
+
+    @property
+    def head_floor(self) -> float | None:
+        return self.rows[0].head_floor
 
     @property
     def capacity(self) -> int:
@@ -149,6 +157,9 @@ class EvictionConfig:
     score_window: int | None = None
     # SnapKV: a prompt key's score is the mean over this many neighbouring keys (odd; 1 = none). None: the policy's
     pool_kernel: int | None = None
+    # "adaptive": a layer's KV heads share its budget, AdaKV's allocation (kv/adaptive.py); "uniform": each its own
+    head_budgets: str = "uniform"
+    head_floor: float = DEFAULT_HEAD_FLOOR   # adaptive: the least share of the uniform budget a head keeps
 
     def __post_init__(self) -> None:
         if self.policy not in policy_names():
@@ -166,6 +177,17 @@ class EvictionConfig:
                                  f"{self.policy!r} does not pool (it applies to {', '.join(poolers)})")
             if isinstance(k, bool) or not isinstance(k, int) or k < 1 or k % 2 == 0:
                 raise ValueError(f"pool_kernel counts keys around each key and must be an odd integer >= 1, got {k!r}")
+        if self.head_budgets not in HEAD_BUDGETS:
+            raise ValueError(f"head_budgets must be one of {', '.join(HEAD_BUDGETS)}, got {self.head_budgets!r}")
+        if self.head_budgets == "adaptive" and not trait(self.policy, "head_adaptive"):
+            takers = [p for p in policy_names() if trait(p, "head_adaptive")]
+            raise ValueError(f"head_budgets 'adaptive' (--head-budgets) lets a layer's KV heads compete for its slots "
+                             f"by score, then evicts per head; policy {self.policy!r} cannot (it applies to "
+                             f"{', '.join(takers)})")
+        if isinstance(self.head_floor, bool) or not isinstance(self.head_floor, (int, float)) \
+                or not 0.0 <= self.head_floor <= 1.0:
+            raise ValueError(f"head_floor is a share of a head's uniform budget and must be in [0, 1], "
+                             f"got {self.head_floor!r}")
         if self.score_reduce not in SCORE_REDUCE:
             raise ValueError(f"score_reduce must be 'sum' or 'mean', got {self.score_reduce!r}")
         n = self.score_window
@@ -247,7 +269,8 @@ class EvictionConfig:
             raise ValueError(f"the eviction budget is 0 slots for prompt_len {prompt_len} ({self.describe_request()}); "
                              f"raise the ratio or give sizes in slots")
         return Budget(sink, heavy, recent, policy=self.policy, max_tokens=max_tokens, score_window=self.score_window,
-                      pool_kernel=self.pool_kernel or 1)
+                      pool_kernel=self.pool_kernel or 1,
+                      head_floor=float(self.head_floor) if self.head_budgets == "adaptive" else None)
 
     def resolve_rows(self, prompt_lens: Sequence[int], gen_lens: Sequence[int]) -> RowBudgets:
         """Each sequence's budget from its own real prompt length and new tokens. h2o-port: the port's per-block
@@ -286,6 +309,8 @@ class EvictionConfig:
         parts = [f"{n}={getattr(self, n)}" for n in ("hh_ratio", "recent_ratio", "hh_size", "recent_size",
                                                      "sink_size", "kv_budget", "score_window", "pool_kernel")
                  if getattr(self, n) is not None]
+        if self.head_budgets != "uniform":
+            parts.append(f"head_budgets={self.head_budgets} (floor {self.head_floor:g})")
         return f"policy={self.policy}" + (", " + ", ".join(parts) if parts else "")
 
     def generator(self, device: torch.device | str = "cpu") -> torch.Generator | None:
@@ -326,8 +351,13 @@ def describe(budget: Budget, prompt_len: int, gen_len: int, kv_bytes_per_token: 
 
 def scoring_note(budget: Budget) -> str:
     """How a scoring policy ranks keys, when it is not H2O's every-query sum: '' for the others."""
-    if budget.policy == "full" or budget.score_window is None:
+    if budget.policy == "full":
         return ""
+    heads = ("" if budget.head_floor is None else
+             f"; head budgets adaptive (a layer's KV heads share its slots by score, each keeping at least "
+             f"{budget.head_floor:.0%} of its own)")
+    if budget.score_window is None:
+        return heads
     w = budget.score_window
     queries = "the last prompt query" if w == 1 else f"the last {w} prompt queries"
     pooled = f", averaged over {budget.pool_kernel} neighbouring keys" if budget.pool_kernel > 1 else ""
@@ -335,7 +365,7 @@ def scoring_note(budget: Budget) -> str:
         then = "each step then evicts the key the newest query attends to least (the layer's heads averaged)"
     else:
         then = "decode then evicts as exact H2O on the summed attention"
-    return f"; prompt keys ranked by {queries}{pooled}; {then}"
+    return f"; prompt keys ranked by {queries}{pooled}; {then}{heads}"
 
 
 def _span(values: Sequence[float], fmt: str = "{:g}") -> str:

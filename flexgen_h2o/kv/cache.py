@@ -15,8 +15,7 @@ the scores, whatever the tier. The cache owns bytes; the policy owns decisions (
 from __future__ import annotations
 
 import functools
-import threading
-from collections import Counter, defaultdict
+from collections import Counter
 from typing import Callable
 
 import torch
@@ -27,6 +26,7 @@ from flexgen_h2o.kv.budget import Budget, RowBudgets
 from flexgen_h2o.kv.draws import KeyedDraws
 from flexgen_h2o.kv.registry import trait
 from flexgen_h2o.kv.select import pack_kept
+from flexgen_h2o.kv.staging import StagingBuffers
 from flexgen_h2o.models.layer import KVSpec, KVView, LayerOutput
 from flexgen_h2o.models.ops import TORCH, TorchKernels, write_slot
 
@@ -36,40 +36,6 @@ BIG_POSITION = 1 << 40
 
 def _plain_alloc(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
     return torch.empty(shape, dtype=dtype)
-
-
-class StagingBuffers:
-    """Reused flat buffers for staged KV windows on a CPU. A fresh multi-MB tensor per (layer, step) is a fresh
-    allocation whose pages fault on first touch, and they are freed on another thread than the one that made
-    them. With fresh windows an H2O decode step grew slower over a long generation; with this pool its first and
-    last tenths of steps stay level (the suite report's first / last 10 % step table, `docs/suite.md`:
-    `python -m benchmarks.suite --workload s2048+512 --systems ours-h2o-20`).
-    Buffers are sized to a cache's
-    capacity (one key per cache shape, however long the window) and come back when the step's KV is committed
-    (KVView.release).
-    Not weights.staging.StagingPool: that pool charges the compute tier, and the windows never were charged
-    (the planner counts them in its workspace estimate), so moving them there would fail budgeted runs that
-    pass today."""
-
-    def __init__(self) -> None:
-        self._free: dict[tuple[int, torch.dtype], list[Tensor]] = defaultdict(list)
-        self._lock = threading.Lock()          # taken on the copy worker, given back after the commit
-
-    def take(self, numel: int, dtype: torch.dtype) -> Tensor:
-        with self._lock:
-            free = self._free[(numel, dtype)]
-            if free:
-                return free.pop()
-        return torch.empty(numel, dtype=dtype)
-
-    def give(self, *flats: Tensor) -> None:
-        with self._lock:
-            for flat in flats:
-                self._free[(flat.numel(), flat.dtype)].append(flat)
-
-    def clear(self) -> None:
-        with self._lock:
-            self._free.clear()
 
 
 def gather_slots(x: Tensor, index: Tensor) -> Tensor:
@@ -105,11 +71,7 @@ class KVCache:
         self.tier_kind, self.kernels = tier_kind, kernels
         g, d = spec.n_kv_heads, spec.head_dim
         self.fmt = format_of(dtype) if fmt is None else fmt
-        width = self.fmt.row_width(d)                                  # d, or a quantized row's bytes
-        self.k = alloc((batch, g, capacity, width), self.fmt.dtype)    # (b, g, s, width)
-        self.v = alloc((batch, g, capacity, width), self.fmt.dtype)    # (b, g, s, width)
-        self.score = alloc((batch, g, capacity), torch.float32)        # (b, g, s) accumulated attention
-        self.pos = alloc((batch, g, capacity), torch.int32)            # (b, g, s) original position, -1 = free
+        self._allocate(alloc, self.fmt.row_width(d))                  # row width: d, or a quantized row's bytes
         self.pos.fill_(-1)
         self.score.zero_()
         # never-used slots are read (masked) by attention: garbage there would give 0 * NaN = NaN in p @ V
@@ -126,6 +88,13 @@ class KVCache:
         self.bytes_read: Counter = Counter()
         self.bytes_written: Counter = Counter()
 
+    def _allocate(self, alloc: Allocator, width: int) -> None:
+        b, g, cap = self.batch, self.spec.n_kv_heads, self.capacity
+        self.k = alloc((b, g, cap, width), self.fmt.dtype)    # (b, g, s, width)
+        self.v = alloc((b, g, cap, width), self.fmt.dtype)    # (b, g, s, width)
+        self.score = alloc((b, g, cap), torch.float32)        # (b, g, s) accumulated attention
+        self.pos = alloc((b, g, cap), torch.int32)            # (b, g, s) original position, -1 = free
+
     # --- sizes ---
 
     @property
@@ -133,10 +102,11 @@ class KVCache:
         scale = 0 if self.k_scale is None else self.k_scale.nbytes
         return scale + sum(t.numel() * t.element_size() for t in (self.k, self.v, self.score, self.pos))
 
-    def _slot_bytes(self, n_slots: int, with_kv: bool = True, rows: int | None = None) -> int:
-        b, g, _, width = self.k.shape
-        kv = 2 * width * self.k.element_size() if with_kv else 0
-        return (b if rows is None else rows) * g * n_slots * (kv + 4 + 4)
+    def _slot_bytes(self, n_slots: int, with_kv: bool = True, rows: int | None = None, per_head: bool = True) -> int:
+        """Bytes of n_slots slots of every KV head of `rows` sequences (per_head=False: n_slots in all)."""
+        kv = 2 * self.k.shape[-1] * self.k.element_size() if with_kv else 0
+        heads = self.spec.n_kv_heads if per_head else 1
+        return (self.batch if rows is None else rows) * heads * n_slots * (kv + 4 + 4)
 
     # --- batch maps (beam reorder, repeat, select: transformers' cache contract) ---
 
@@ -167,11 +137,7 @@ class KVCache:
         key_scale (b, g, 1, d): the per-channel key scale of rows already stored (a snapshot's, Engine.prefill)."""
         b, g, p, _ = k_new.shape
         rows = slice(first_row, first_row + b)
-        if self.k_scale is not None:
-            if key_scale is None:       # each channel's largest |k| over the sequence's real prompt tokens
-                real = (token_pos >= 0)[:, None, :, None].to(k_new.device)
-                key_scale = torch.where(real, k_new.abs(), 0).amax(dim=2, keepdim=True).float().clamp_(min=1e-30)
-            self.k_scale[rows] = key_scale.to(self.k_scale.device)
+        self._set_key_scale(k_new, token_pos, rows, key_scale)
         positions = token_pos[:, None, :].expand(b, g, p).long()
         if unpadded and trait(self.policy.name, "keeps_every_row"):
             # every row, in order: slices, with no keep mask, packing, gather or host sync (the gathers show in
@@ -197,6 +163,16 @@ class KVCache:
         self.pos[rows, :, :n_keep] = pos_rows
         self.n_used = max(self.n_used, n_keep)
         self.bytes_written[self.tier_kind] += self._slot_bytes(n_keep, rows=b)
+
+    def _set_key_scale(self, k_new: Tensor, token_pos: Tensor, rows: slice, key_scale: Tensor | None) -> None:
+        """A compressed cache's per-channel key scale for sequences `rows`: each channel's largest |k| over the
+        sequence's real prompt tokens, or the given one (a snapshot's)."""
+        if self.k_scale is None:
+            return
+        if key_scale is None:
+            real = (token_pos >= 0)[:, None, :, None].to(k_new.device)
+            key_scale = torch.where(real, k_new.abs(), 0).amax(dim=2, keepdim=True).float().clamp_(min=1e-30)
+        self.k_scale[rows] = key_scale.to(self.k_scale.device)
 
     def _row_rules(self, first_row: int, b: int) -> tuple[Budget | RowBudgets, KeyedDraws | None]:
         """The budgets and random draws of sequences [first_row, first_row + b): a chunk of the prompt pass, or
@@ -251,36 +227,68 @@ class KVCache:
         OpenMP threads: `docs/architecture.md` "How a token flows")."""
         return self.pos.argmin(dim=-1)
 
+    def place_token(self, slot: Tensor, k: Tensor | None, v: Tensor | None, position: Tensor) -> None:
+        """Write a new token into each column's slot (b, g) before attention reads the cache's own rows (the HF
+        cache's step): its K and V rows (b, g, 1, d), unless None, and its position (b,), which marks it valid."""
+        if k is not None:
+            write_slot(self.k, slot, k.to(self.k.dtype))
+            write_slot(self.v, slot, v.to(self.v.dtype))
+        self.pos.scatter_(2, slot.unsqueeze(-1), position.view(-1, 1, 1).expand(*slot.shape, 1).to(torch.int32))
+
     def stage(self, device: torch.device, dtype: torch.dtype, new_rank: Tensor | None = None) -> KVView:
         """Read the used window into compute dtype on `device` and pick each (b, g)'s write slot; a cache read in
         place hands out its own window instead (a narrow view: KVView.compute_dtype).
         new_rank (b,): with position rolling, the rank the new token will have among the kept tokens."""
         write_slot = self.free_slots()
         s = max(self.n_used, int(write_slot.max().item()) + 1)
-        pos = self.pos[:, :, :s].to(device)
-        windows = (self.k[:, :, :s], self.v[:, :, :s])
-        self.bytes_read[self.tier_kind] += self._slot_bytes(s)
+        pos = self.pos_window(s).to(device)
+        self.bytes_read[self.tier_kind] += self._window_bytes(s)
         release = None
-        if self.copy_stored and not self.read_in_place:
-            windows, release = self._copy_stored(windows, device)
         if self.read_in_place or self.copy_stored:
+            windows, col_start = self._own_windows(s)
+            if not self.read_in_place:
+                windows, release = self._copy_stored(windows, device)
             return KVView(k=windows[0], v=windows[1], valid=pos >= 0, write_slot=write_slot.to(device),
-                          compute_dtype=dtype, format=self.fmt, release=release,
+                          compute_dtype=dtype, format=self.fmt, release=release, col_start=col_start,
                           key_scale=None if self.k_scale is None else self.k_scale.to(device))
         into = (None, None)
         d = self.spec.head_dim
-        if self.staging is not None and device.type == "cpu":
+        windows = self.windows(s)
+        # (a head-adaptive cache's window can be wider than capacity: it is staged into fresh tensors)
+        if self.staging is not None and device.type == "cpu" and s <= self.capacity:
             # capacity-sized buffers: one pool key per cache, however wide the window
             flats = [self.staging.take(self.batch * self.spec.n_kv_heads * self.capacity * d, dtype)
                      for _ in windows]
             shape = (*windows[0].shape[:3], d)               # the window's values: (b, g, s, d)
             into = tuple(flat[:shape[0] * shape[1] * s * d].view(shape) for flat in flats)
             release = functools.partial(self.staging.give, *flats)
-        k, v = self.values(s, device, dtype, into)
+        k, v = self.values(s, device, dtype, into, windows)
         view = KVView(k=k, v=v, valid=pos >= 0, write_slot=write_slot.to(device), release=release)
         if self.rolling:
             view.key_positions = self._ranks(pos.long(), view.write_slot, new_rank.to(device))
         return view
+
+    # --- the slot layout: (b, g, capacity) here; kv/ragged.py's pool of heads of different lengths overrides these
+
+    def pos_window(self, s: int) -> Tensor:
+        """(b, g, s) the positions of each column's slots [0, s)."""
+        return self.pos[:, :, :s]
+
+    def slot_scores(self, s: int) -> Tensor:
+        """(b, g, s) the scores of each column's slots [0, s)."""
+        return self.score[:, :, :s]
+
+    def windows(self, s: int) -> tuple[Tensor, Tensor]:
+        """K and V of each column's slots [0, s), stored form, (b, g, s, width): views of the cache's own rows."""
+        return self.k[:, :, :s], self.v[:, :, :s]
+
+    def _own_windows(self, s: int) -> tuple[tuple[Tensor, Tensor], Tensor | None]:
+        """What a view of stored rows (read in place, or copied as they are) hands attention: the cache's own rows,
+        and where each column starts in them (None: column (b, g) is row block [b, g])."""
+        return self.windows(s), None
+
+    def _window_bytes(self, s: int) -> int:
+        return self._slot_bytes(s)
 
     def _copy_stored(self, windows: tuple[Tensor, Tensor], device: torch.device
                      ) -> tuple[tuple[Tensor, Tensor], Callable[[], None] | None]:
@@ -292,11 +300,14 @@ class KVCache:
         return copies, functools.partial(self.staging.give, *flats)
 
     def values(self, s: int, device: torch.device, dtype: torch.dtype,
-               into: tuple[Tensor | None, Tensor | None] = (None, None)) -> tuple[Tensor, Tensor]:
+               into: tuple[Tensor | None, Tensor | None] = (None, None),
+               windows: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
         """K and V of slots [0, s) as values on `device` in `dtype`, written into `into`'s buffers or fresh
-        tensors: a compressed cache's rows dequantized there, keys multiplied back by their channel scale."""
+        tensors: a compressed cache's rows dequantized there, keys multiplied back by their channel scale.
+        windows: self.windows(s), when the caller has them."""
         d = self.spec.head_dim
-        k, v = (self.fmt.stage(w[:, :, :s], device, dtype, into=buf, n=d) for w, buf in zip((self.k, self.v), into))
+        windows = self.windows(s) if windows is None else windows
+        k, v = (self.fmt.stage(w, device, dtype, into=buf, n=d) for w, buf in zip(windows, into))
         if self.k_scale is not None:
             k.mul_(self.k_scale.to(device, dtype))
         return k, v
@@ -312,7 +323,7 @@ class KVCache:
         """Write the new token's K/V row home, add this step's attention, evict one token per (b, g) if over
         budget. new_pos (b,) original positions of the new tokens."""
         slot = view.write_slot.to(self.k.device)                                        # (b, g)
-        s = view.k.shape[2]
+        s = view.valid.shape[2]
         if self._compiled_commit():
             rule = self.policy.compiled_rule
             mass = out.scores.to(self.score.device) if out.scores is not None else torch.empty(0)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from flexgen_h2o.kv.adaptive import adaptive_keep
 from flexgen_h2o.kv.budget import Budget, RowBudgets
 from flexgen_h2o.kv.draws import KeyedDraws, draws_for
 from flexgen_h2o.kv.select import NO_VICTIM, argmin_score, expand_positions, keep_prefill, newest_mask, uniform_choice
@@ -37,7 +38,10 @@ def h2o_candidates(positions: Tensor, budget: Budget | RowBudgets) -> tuple[Tens
 
 
 def prefill_keep(positions: Tensor, rank: Tensor | None, budget: Budget | RowBudgets) -> Tensor:
-    """select.keep_prefill with each sequence's own counts."""
+    """select.keep_prefill with each sequence's own counts, or kv/adaptive.py's allocation where the budget's heads
+    share their slots."""
+    if budget.head_floor is not None:
+        return adaptive_keep(positions, rank, budget)
     return keep_prefill(positions, rank, budget.sink, budget.col("heavy", positions), budget.col("recent", positions),
                         budget.col("budget", positions))
 

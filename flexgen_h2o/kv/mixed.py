@@ -5,11 +5,14 @@ range of sequences; staging concatenates their windows and committing slices the
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import Tensor
 
 from flexgen_h2o.kv.cache import KVCache, gather_slots
 from flexgen_h2o.models.layer import KVView, LayerOutput
+from flexgen_h2o.models.ops import column_rows
 
 
 def _pad_slots(x: Tensor, s: int, fill) -> Tensor:
@@ -18,6 +21,16 @@ def _pad_slots(x: Tensor, s: int, fill) -> Tensor:
     pad_shape = list(x.shape)
     pad_shape[2] = s - x.shape[2]
     return torch.cat([x, torch.full(pad_shape, fill, dtype=x.dtype, device=x.device)], dim=2)
+
+
+def _as_window(view: KVView) -> KVView:
+    """A view read in place from a head-adaptive cache's row pool (KVView.col_start) as a (b, g, s, width) window
+    of its columns, which joins the other parts' windows."""
+    if view.col_start is None:
+        return view
+    s = view.valid.shape[2]
+    return dataclasses.replace(view, k=column_rows(view.k, view.col_start, s), v=column_rows(view.v, view.col_start, s),
+                               col_start=None)
 
 
 class SplitKVCache:
@@ -71,9 +84,10 @@ class SplitKVCache:
         if self.attention_device is not None:
             device, dtype = self.attention_device, torch.float32
         views = [c.stage(device, dtype, None if new_rank is None else new_rank[lo:hi]) for lo, hi, c in self.parts]
-        self._widths = [v.k.shape[2] for v in views]
+        self._widths = [v.valid.shape[2] for v in views]
         if len(views) == 1:
             return views[0]
+        views = [_as_window(v) for v in views]
         s = max(self._widths)
         cat = lambda name, fill: torch.cat([_pad_slots(getattr(v, name), s, fill) for v in views])  # noqa: E731
         first = views[0]      # stored rows copied as they are (KVCache.copy_stored) stay in their format

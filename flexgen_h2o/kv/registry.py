@@ -11,6 +11,11 @@ from dataclasses import dataclass
 from typing import Any
 
 
+# AdaKV's safeguard: under head-adaptive budgets each head keeps at least this share of its uniform budget (the
+# paper's and kvpress's 0.2)
+DEFAULT_HEAD_FLOOR = 0.2
+
+
 @dataclass(frozen=True)
 class PolicySpec:
     name: str
@@ -33,18 +38,20 @@ class PolicySpec:
     default_pool_kernel: int | None = None  # prompt scores averaged over this many neighbouring keys (SnapKV)
     recent_is_score_window: bool = False    # the recent share is the score window, the rest heavy (unless given)
     step_scores: bool = False               # a slot's score is the last step's attention, not the sum (TOVA)
+    # takes --head-budgets adaptive: ranks keys per head by comparable scores and evicts each head on its own
+    head_adaptive: bool = False
     summary: str = ""                       # what it keeps: the startup line and `--policy` help
 
 
 SPECS: tuple[PolicySpec, ...] = (
     PolicySpec("full", "window:FullPolicy", compiled_rule=0, keeps_every_row=True, summary="every token"),
-    PolicySpec("h2o", "h2o:H2OPolicy", needs_scores=True, compiled_rule=1,
+    PolicySpec("h2o", "h2o:H2OPolicy", needs_scores=True, compiled_rule=1, head_adaptive=True,
                summary="heavy hitters by attention summed over every query, plus the recent window"),
     # the port asserts int(prompt_len * hh_ratio) > 0
     PolicySpec("h2o-port", "h2o:H2OPortPolicy", needs_scores=True, per_block=True, min_heavy=1, compiled_rule=3,
                variant_of="h2o", variant="port", summary="the FlexGen port's H2O: the leaving token always enters"),
     PolicySpec("h2o-avg", "h2o:H2OAveragePolicy", needs_scores=True, compiled_rule=2, variant_of="h2o",
-               variant="avg", counts_every_query=True,
+               variant="avg", counts_every_query=True, head_adaptive=True,
                summary="H2O ranking by attention per query that saw the key (no bias to old keys)"),
     PolicySpec("local", "window:WindowPolicy", window_only=True, summary="the newest tokens only"),
     PolicySpec("sink", "window:SinkPolicy", window_only=True, default_sinks=4,      # StreamingLLM's start_size
@@ -53,7 +60,7 @@ SPECS: tuple[PolicySpec, ...] = (
     # the SnapKV paper's 32-query window, and pooling over 31 keys, about a sentence around each hit (kvpress's
     # 64 and 5 lose needles: docs/accuracy.md "Question-aware eviction")
     PolicySpec("snapkv", "snapkv:SnapKVPolicy", needs_scores=True, compiled_rule=1, default_score_window=32,
-               default_pool_kernel=31, recent_is_score_window=True,
+               default_pool_kernel=31, recent_is_score_window=True, head_adaptive=True,
                summary="prompt keys the question (the last queries) attends to, pooled over neighbours, plus the "
                        "question; then H2O on the summed attention"),
     PolicySpec("tova", "tova:TOVAPolicy", needs_scores=True, compiled_rule=4, default_score_window=1,

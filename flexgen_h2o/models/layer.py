@@ -121,6 +121,9 @@ class KVView:
     compute_dtype: torch.dtype | None = None
     format: StorageFormat = FP16          # the stored form of k and v when compute_dtype is set
     key_scale: Tensor | None = None       # (b, g, 1, d) a compressed cache's keys are k * key_scale (kv/cache.py)
+    # (b, g) long, set where k and v are a pool of rows (b, T, width) holding heads of different lengths (a
+    # head-adaptive cache read in place, kv/ragged.py): column (b, g)'s slot i is row col_start[b, g] + i
+    col_start: Tensor | None = None
 
 
 @dataclass

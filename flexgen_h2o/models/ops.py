@@ -77,8 +77,7 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 # --- attention ---
 
 def causal_pad_mask(token_valid: Tensor) -> Tensor:
-    """(b, 1, t, t) bool mask for a prompt: causal, pad keys hidden. A pad query may see itself, so that no
-    softmax row is empty (a NaN would poison nothing visible, but it is cleaner to never make one)."""
+    """(b, 1, t, t) bool mask for a prompt: causal, pad keys hidden; a pad query sees itself (no empty row)."""
     b, t = token_valid.shape
     causal = torch.ones(t, t, dtype=torch.bool, device=token_valid.device).tril()
     mask = causal & token_valid[:, None, :]
@@ -93,8 +92,7 @@ MIN_QUERY_CHUNK = 32             # fewer queries per block and the per-block op 
 
 
 def score_block_cap(device_type: str) -> int:
-    """The byte cap of one scored block: glibc's mmap threshold and the cache sizes are a CPU's, so on a GPU the
-    blocks stay at query_chunk."""
+    """The byte cap of one scored block: a CPU's (glibc's mmap threshold, its caches); a GPU's blocks: query_chunk."""
     return SCORE_BLOCK_BYTES if device_type == "cpu" else 1 << 62
 
 
@@ -115,8 +113,8 @@ def score_block_bytes(batch: int, heads: int, tokens: int, query_chunk: int, dev
 
 
 def score_start(t: int, score_window: int | None) -> int:
-    """The first of a prompt's t query rows whose attention scores the keys: 0 (every valid query) without a
-    score window, else the last score_window rows, which with left padding are the last real queries."""
+    """The first of a prompt's t query rows that score the keys: 0 (every valid query), or the last score_window
+    rows (with left padding, the last real queries)."""
     return 0 if score_window is None else max(0, t - score_window)
 
 
@@ -219,6 +217,14 @@ def narrow_decode_attention(q: Tensor, k: Tensor, v: Tensor, valid: Tensor, slot
     if len(parts) == 1:
         return parts[0]
     return torch.cat([o for o, _ in parts]), (torch.cat([sc for _, sc in parts]) if want_scores else None)
+
+
+def column_rows(pool: Tensor, col_start: Tensor, s: int) -> Tensor:
+    """(b, g, s, width): slots [0, s) of each column (b, g) of a row pool (b, T, width), from row col_start[b, g]
+    (KVView.col_start); slots past a column's rows are its neighbour's, masked as any free slot is."""
+    b, t, width = pool.shape
+    rows = (col_start.to(pool.device)[:, :, None] + torch.arange(s, device=pool.device)).clamp_(max=t - 1)
+    return pool.gather(1, rows.view(b, -1, 1).expand(b, rows[0].numel(), width)).view(b, -1, s, width)
 
 
 def split_heads(x: Tensor, n_heads: int) -> Tensor:
@@ -346,7 +352,8 @@ class TorchKernels:
                 q = (q.reshape(b, g, h // g, d) * kv.key_scale).reshape(b, h, 1, d)
                 k_new = k_new / kv.key_scale
             return self.narrow_decode_attention(q, kv.k, kv.v, kv.valid, kv.write_slot, k_new, v_new, scale,
-                                                want_scores=want, score_reduce=reduce, fmt=kv.format)
+                                                want_scores=want, score_reduce=reduce, fmt=kv.format,
+                                                col_start=kv.col_start)
         write_slot(kv.k, kv.write_slot, k_new)
         write_slot(kv.v, kv.write_slot, v_new)
         keys = kv.k
@@ -371,7 +378,10 @@ class TorchKernels:
 
     def narrow_decode_attention(self, q: Tensor, k: Tensor, v: Tensor, valid: Tensor, slot: Tensor,
                                 k_new: Tensor, v_new: Tensor, scale: float, *, want_scores: bool = False,
-                                score_reduce: str = "sum", fmt=None) -> tuple[Tensor, Tensor | None]:
+                                score_reduce: str = "sum", fmt=None,
+                                col_start: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+        if col_start is not None:           # a row pool (KVView.col_start): each column's slots gathered first
+            k, v = (column_rows(pool, col_start, valid.shape[2]) for pool in (k, v))
         return narrow_decode_attention(q, k, v, valid, slot, k_new, v_new, scale, want_scores=want_scores,
                                        score_reduce=score_reduce, fmt=fmt)
 

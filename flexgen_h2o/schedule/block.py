@@ -17,9 +17,10 @@ from torch import Tensor
 
 from flexgen_h2o.config import ConfigError, OffloadPolicy
 from flexgen_h2o.kv import RowBudgets, get_policy
-from flexgen_h2o.kv.cache import KVCache, StagingBuffers
+from flexgen_h2o.kv.staging import StagingBuffers
 from flexgen_h2o.kv.draws import KeyedDraws
 from flexgen_h2o.kv.mixed import SplitKVCache
+from flexgen_h2o.kv.ragged import kv_cache
 from flexgen_h2o.memory import check_space
 from flexgen_h2o.planner.plan import BatchPlan, Plan
 from flexgen_h2o.schedule.activations import ActivationHome
@@ -108,7 +109,7 @@ class Runtime:
         reads = dict(read_in_place=self.offload.kv_read_in_place(attention_on, rolling, plan.size),
                      copy_stored=self.kernels.batch_invariant and attention_on == "cpu" and not rolling)
         for lo, hi, kind in plan.cache:
-            cache = KVCache(layer.kv_spec(), hi - lo, capacity, policy, budget.part(lo, hi), fmt=self.offload.kv_format,
+            cache = kv_cache(layer.kv_spec(), hi - lo, capacity, policy, budget.part(lo, hi), fmt=self.offload.kv_format,
                             alloc=lambda shape, dtype, kind=kind: self.alloc(kind, shape, dtype), tier_kind=kind,
                             rolling=rolling, generator=None if draws is None else draws.part(lo, hi),
                             staging=self.kv_staging, kernels=self.kernels, **reads)

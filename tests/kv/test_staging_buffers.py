@@ -9,7 +9,7 @@ import torch
 
 from flexgen_h2o.config import OffloadPolicy
 from flexgen_h2o.kv import EvictionConfig
-from flexgen_h2o.kv.cache import StagingBuffers
+from flexgen_h2o.kv.staging import StagingBuffers
 from tests.helpers import greedy, make_engine, max_logit_diff, random_prompts, tiny_hf
 
 H2O = EvictionConfig(policy="h2o", hh_size=4, recent_size=3)

@@ -39,7 +39,14 @@ def run_reference(model, prompts, ev: EvictionConfig, n_new: int = N_NEW, trace=
     return reference_generate(model, ids, mask, budgets, rule=RULE_FOR_POLICY[ev.policy], max_new_tokens=n_new,
                               score_reduce=ev.score_reduce, trace=trace, rolling=ev.position_rolling,
                               scores=scores, eviction=eviction, score_window=ev.score_window,
-                              pool_kernel=ev.pool_kernel or 1)
+                              pool_kernel=ev.pool_kernel or 1, head_floor=budgets[0].head_floor)
+
+
+def reference_prompt_kept(model, prompts, ev: EvictionConfig) -> list:
+    """The positions the reference's prompt pass keeps under `ev`, [layer][b][g] (a short run: 2 new tokens)."""
+    trace: list = []
+    run_reference(model, prompts, ev, n_new=2, trace=trace)
+    return trace[0]
 
 
 def quantized_reference(model, prompts, ev: EvictionConfig, kv_bits, near_ties: list | None = None,
@@ -49,7 +56,8 @@ def quantized_reference(model, prompts, ev: EvictionConfig, kv_bits, near_ties: 
     budgets = [ev.resolve(len(p), N_NEW) for p in prompts]
     return reference_generate(model, ids, mask, budgets, rule=RULE_FOR_POLICY[ev.policy], max_new_tokens=N_NEW,
                               rolling=ev.position_rolling, kv_bits=kv_bits, near_ties=near_ties,
-                              quant_log=quant_log, score_window=ev.score_window, pool_kernel=ev.pool_kernel or 1)
+                              quant_log=quant_log, score_window=ev.score_window, pool_kernel=ev.pool_kernel or 1,
+                              head_floor=budgets[0].head_floor)
 
 
 def run_engine(model, prompts, ev, n_new: int = N_NEW, **kw):
@@ -132,3 +140,28 @@ def check_against_reference(kind: str, ev: EvictionConfig, inspect=None, **engin
     finally:
         engine.close()
     return trace
+
+
+def check_hf_cache(kind: str, cache, ev: EvictionConfig) -> list:
+    """H2OCache `cache` in transformers' generate on the shared left-padded prompts keeps the engine's tokens and
+    kept slots under `ev` (the same rule), for every sequence no near tie split. Returns the cache's kept
+    positions [layer][b][g]."""
+    from flexgen_h2o.hf import enable_h2o
+    model = enable_h2o(tiny_hf(kind))
+    prompts = random_prompts(LENGTHS)
+    ids, mask = left_padded(model, prompts)
+    with torch.no_grad():
+        res = model.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=N_NEW, min_new_tokens=N_NEW,
+                             do_sample=False, output_logits=True, return_dict_in_generate=True,
+                             pad_token_id=model.config.pad_token_id, eos_token_id=None)
+    tokens, logits = res.sequences[:, ids.shape[1]:], [l.float() for l in res.logits]
+    engine, out = run_engine(model, prompts, ev)
+    try:
+        steps = same_run(model, out.token_ids, tokens, engine.step_logits, logits)
+        whole = [i for i, n in enumerate(steps) if n == N_NEW]
+        assert whole, "every sequence split at a near tie: no kept slots left to compare"
+        kept, want = cache.kept_positions(), engine_kept(engine)
+        assert [[x[i] for i in whole] for x in kept] == [[x[i] for i in whole] for x in want]
+    finally:
+        engine.close()
+    return kept

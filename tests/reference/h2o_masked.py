@@ -42,8 +42,8 @@ import torch
 from transformers import AttentionInterface
 
 from tests.reference.fake_quant import fake_quant
-from tests.reference.h2o_rule import (prefill_candidates, ref_keep_prefill, ref_victim, ref_window_pooled,
-                                      victim_candidates)
+from tests.reference.h2o_rule import (prefill_candidates, ref_adaptive_keep, ref_keep_prefill, ref_victim,
+                                      ref_window_pooled, victim_candidates)
 
 ATTN_NAME = "h2o_reference_masked"
 NEAR_TIE = 3e-7         # a compressed cache's rounding this close to a boundary may go either way (fake_quant)
@@ -101,6 +101,8 @@ class _RefState:
         self.score_reduce = score_reduce
         self.max_len = max_len
         self.score_window: int | None = None     # the prompt's last real queries that score its keys
+        self.head_floor: float | None = None     # set: head-adaptive budgets, each head's heavy count its own
+        self.head_heavy: dict[tuple[int, int], list[int]] = {}    # (layer, b) -> per KV head
         self.pool_kernel = 1
         self.phase = "prefill"
         self.decode_mass = True          # False: decode steps add nothing (what a broken cache would do)
@@ -236,13 +238,18 @@ def masked_h2o_attention(module: torch.nn.Module, query: torch.Tensor, key: torc
             for gi in range(g):         # every head's scores first: tova ranks by their sum
                 st.score[layer][bi, gi, :L] = st.pool(probs, bi, gi, r, score_rows)
                 st.seen[layer][bi, gi, :L] = allowed[bi, gi, real_rows].sum(dim=0).float()
+            rankings = [st.ranking(layer, bi, gi, L) for gi in range(g)]
+            if st.head_floor is not None:          # head-adaptive: the layer's heads share their budget
+                keeps = ref_adaptive_keep(rankings, st.pos[bi][:L], sink, heavy, recent, st.head_floor)
+                st.head_heavy[(layer, bi)] = [len(k) - sink - recent if sum(p >= 0 for p in st.pos[bi]) >
+                                              sink + heavy + recent else heavy for k in keeps]
             for gi in range(g):
                 if st.rule == "full":            # no budget at all: every real prompt token stays
                     st.keep[layer][bi][gi] = {i for i in range(L) if st.pos[bi][i] >= 0}
                 else:
-                    ranking = st.ranking(layer, bi, gi, L)
-                    st.keep[layer][bi][gi] = ref_keep_prefill(ranking, st.pos[bi][:L], sink, heavy, recent,
-                                                              st.flip_ties)
+                    ranking = rankings[gi]
+                    st.keep[layer][bi][gi] = keeps[gi] if st.head_floor is not None else ref_keep_prefill(
+                        ranking, st.pos[bi][:L], sink, heavy, recent, st.flip_ties)
                     if st.rule != "window":          # the window's choice is by position only
                         _, cand = prefill_candidates(st.pos[bi][:L], sink, recent)
                         kept_c = st.keep[layer][bi][gi] & set(cand)
@@ -266,7 +273,8 @@ def masked_h2o_attention(module: torch.nn.Module, query: torch.Tensor, key: torc
                 kept = st.keep[layer][bi][gi]
                 positions = [st.pos[bi][i] if i in kept else -1 for i in range(L)]
                 ranking = st.ranking(layer, bi, gi, L)
-                victim = ref_victim(ranking, positions, sink, heavy, recent, st.rule, st.flip_ties)
+                own = st.head_heavy[(layer, bi)][gi] if st.head_floor is not None else heavy    # this head's count
+                victim = ref_victim(ranking, positions, sink, own, recent, st.rule, st.flip_ties)
                 if victim is not None:
                     if st.rule not in ("window", "full"):      # the candidates ref_victim ranked
                         cand = victim_candidates(positions, sink, recent, st.rule)
@@ -315,12 +323,13 @@ def reference_generate(model: torch.nn.Module, input_ids: torch.Tensor, attentio
                        near_ties: list | None = None,
                        quant_log: dict | None = None,
                        eviction: dict | None = None, score_window: int | None = None,
-                       pool_kernel: int = 1) -> tuple[torch.Tensor, list[torch.Tensor]]:
+                       pool_kernel: int = 1, head_floor: float | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """Greedy generation with simulated eviction.
 
     input_ids (b, p), left-padded; attention_mask (b, p) 1 = real (None = all real); budget: (sink, heavy,
     recent) or any object with those attributes (ignored for rule "full"), or a list of them, one per sequence;
-    rule: exact | port | window | avg | full | snapkv | tova; score_window, pool_kernel: EvictionConfig's.
+    rule: exact | port | window | avg | full | snapkv | tova; score_window, pool_kernel: EvictionConfig's;
+    head_floor: head-adaptive budgets with that floor (h2o_rule.ref_adaptive_keep), None for uniform ones.
     Returns tokens (b, max_new_tokens) and the logits (b, V) fp32 that chose each of them. If `trace` is a
     list, it receives after the prefill and after every decode step the kept positions [layer][b][g].
     rolling: position rolling (RoPE models only). forced (b, max_new_tokens): feed these tokens instead of the
@@ -360,7 +369,7 @@ def reference_generate(model: torch.nn.Module, input_ids: torch.Tensor, attentio
         inv_freq = rope.inv_freq.float()
     state = _RefState(mask, budgets, rule, score_reduce, max_len=p + max_new_tokens, inv_freq=inv_freq)
     state.decode_mass, state.flip_ties, state.kv_bits = decode_mass, flip_ties, kv_bits
-    state.score_window, state.pool_kernel = score_window, pool_kernel
+    state.score_window, state.pool_kernel, state.head_floor = score_window, pool_kernel, head_floor
     state.quant_log = quant_log
     old_impl, was_training = model.config._attn_implementation, model.training
     model.config._attn_implementation = ATTN_NAME

@@ -65,3 +65,28 @@ def ref_window_pooled(scores: Sequence[float], positions: Sequence[int], window:
     half, n = kernel // 2, len(mass)
     pooled = [sum(mass[j] for j in range(i - half, i + half + 1) if 0 <= j < n) / kernel for i in range(n)]
     return [float("inf") if w else v for v, w in zip(pooled, in_window)]
+
+
+def ref_adaptive_keep(rankings: Sequence[Sequence[float]], positions: Sequence[int], sink: int, heavy: int,
+                      recent: int, floor_share: float) -> list[set[int]]:
+    """Head-adaptive budgets (AdaKV) for one sequence of one layer: per KV head, the prompt rows it keeps.
+    rankings[h][i]: head h's ranking of row i. Every head keeps its sinks and recent window and its best rows up
+    to int(floor_share * budget) in all; the rest of the layer's g * budget rows go to the best remaining
+    (head, row) pairs of all heads, ties to the newer position, then the lower head. The floor is at least 1 where
+    floor_share is not 0. A prompt within the budget
+    keeps every real row in every head."""
+    budget = sink + heavy + recent
+    real = [i for i, p in enumerate(positions) if p >= 0]
+    if len(real) <= budget:
+        return [set(real) for _ in rankings]
+    fixed, others = prefill_candidates(positions, sink, recent)
+    floor = max(1, int(budget * floor_share)) if floor_share > 0 else 0
+    keeps = []
+    for ranking in rankings:
+        best = sorted(others, key=lambda i: (-ranking[i], -positions[i]))
+        keeps.append(set(fixed) | set(best[:max(0, floor - len(fixed))]))
+    shared = sorted(((h, i) for h in range(len(rankings)) for i in others if i not in keeps[h]),
+                    key=lambda hi: (-rankings[hi[0]][hi[1]], -positions[hi[1]], hi[0]))
+    for h, i in shared[:len(rankings) * budget - sum(len(k) for k in keeps)]:
+        keeps[h].add(i)
+    return keeps

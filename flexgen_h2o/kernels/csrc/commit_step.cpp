@@ -141,31 +141,44 @@ void commit_sequences(T* k_data, T* v_data, float* score, int32_t* pos, const in
   });
 }
 
+// Where each (sequence, KV head) column's slots are: block (bi, gi) of a (b, g, cap) cache, or rows [start, start +
+// cap) of sequence bi's T rows in a head-adaptive cache's pool (kv/ragged.py)
+struct Columns {
+  int64_t g, rows, cap;         // rows: slots per sequence (g * cap for a plain cache)
+  const int64_t* start;         // (b, g) or null
+  const int64_t* caps;          // (b, g) or null
+  int64_t base(int64_t col) const { return (col / g) * rows + (start != nullptr ? start[col] : (col % g) * cap); }
+  int64_t extent(int64_t col, int64_t s) const { return std::min(s, caps != nullptr ? caps[col] : cap); }
+};
+
 template <typename T, typename S>
 void commit_columns(const at::Tensor& k, const at::Tensor& v, float* score, int32_t* pos, const int64_t* slot,
                     const S* k_new, const S* v_new, const int64_t* new_pos, const float* mass, int64_t b,
-                    int64_t g, int64_t cap, int64_t d, int64_t s, Rule rule, int64_t sink, const int64_t* recent,
-                    const int64_t* budget, int64_t* victims) {
+                    const Columns& cols, int64_t d, int64_t s, Rule rule, int64_t sink, const int64_t* recent,
+                    const int64_t* budget, bool budget_per_column, int64_t* victims) {
   T* k_data = k.data_ptr<T>();
   T* v_data = v.data_ptr<T>();
+  const int64_t g = cols.g;
   if (rule == kLayerStep) {
-    commit_sequences(k_data, v_data, score, pos, slot, k_new, v_new, new_pos, mass, b, g, cap, d, s, sink, recent,
-                     budget, victims);
+    commit_sequences(k_data, v_data, score, pos, slot, k_new, v_new, new_pos, mass, b, g, cols.cap, d, s, sink,
+                     recent, budget, victims);
     return;
   }
   at::parallel_for(0, b * g, 16, [&](int64_t begin, int64_t end) {
     std::vector<int32_t> scratch;
     for (int64_t col = begin; col < end; ++col) {
-      const int64_t row = col * cap + slot[col];
+      const int64_t base = cols.base(col), n = cols.extent(col, s);
+      const int64_t row = base + slot[col];
       store_row(k_data + row * d, k_new + col * d, d);
       store_row(v_data + row * d, v_new + col * d, d);
-      int32_t* p = pos + col * cap;
-      float* sc = score + col * cap;
+      int32_t* p = pos + base;
+      float* sc = score + base;
       p[slot[col]] = static_cast<int32_t>(new_pos[col / g]);
       if (mass != nullptr)              // free slots got no mass; the new slot starts from its own
-        for (int64_t i = 0; i < s; ++i) sc[i] += mass[col * s + i];
-      const Budget limits{sink, recent[col / g], budget[col / g]};     // each sequence's own budget
-      const int64_t victim = choose_victim(p, sc, s, rule, limits, scratch);
+        for (int64_t i = 0; i < n; ++i) sc[i] += mass[col * s + i];
+      // each sequence's own budget, or each column's (head-adaptive)
+      const Budget limits{sink, recent[col / g], budget[budget_per_column ? col : col / g]};
+      const int64_t victim = choose_victim(p, sc, n, rule, limits, scratch);
       victims[col] = victim;
       if (victim >= 0) {
         p[victim] = -1;
@@ -183,26 +196,50 @@ void commit_columns(const at::Tensor& k, const at::Tensor& v, float* score, int3
 // mass (b, g, s) fp32 or an empty tensor. s: the window the step attended. recent, budget (b,) int64: each
 // sequence's recent window and budget (kv/budget.py's RowBudgets). Returns the victim slots (b, g), -1 where a
 // column kept everything.
+// With col_start and col_cap (b, g) int64 (a head-adaptive cache, kv/ragged.py): k, v (b, T, d), score and pos
+// (b, T) are row pools, column (b, g) owns rows [col_start, col_start + col_cap) and reads min(s, col_cap) of
+// them, and budget may be (b, g), one per column.
 at::Tensor commit_step(const at::Tensor& k, const at::Tensor& v, const at::Tensor& score, const at::Tensor& pos,
                        const at::Tensor& slot, const at::Tensor& k_new, const at::Tensor& v_new,
                        const at::Tensor& new_pos, const at::Tensor& mass, int64_t s, int64_t rule, int64_t sink,
-                       const at::Tensor& recent, const at::Tensor& budget) {
-  TORCH_CHECK(k.dim() == 4 && k.sizes() == v.sizes() && k.scalar_type() == v.scalar_type() &&
+                       const at::Tensor& recent, const at::Tensor& budget, const at::Tensor& col_start,
+                       const at::Tensor& col_cap) {
+  const bool pooled = col_start.defined() && col_start.numel() > 0;
+  TORCH_CHECK(k.dim() == (pooled ? 3 : 4) && k.sizes() == v.sizes() && k.scalar_type() == v.scalar_type() &&
               (k.scalar_type() == at::kHalf || k.scalar_type() == at::kFloat || k.scalar_type() == at::kByte) &&
               k.is_contiguous() && v.is_contiguous(),
-              "k and v must be contiguous (b, g, cap, d) float16, float32 or uint8 (packed rows) caches");
-  const int64_t b = k.size(0), g = k.size(1), cap = k.size(2), d = k.size(3);
+              pooled ? "k and v must be contiguous (b, T, d) row pools of float16, float32 or uint8"
+                     : "k and v must be contiguous (b, g, cap, d) float16, float32 or uint8 (packed rows) caches");
+  TORCH_CHECK(slot.dim() == 2, "slot must be (b, g)");
+  const int64_t b = k.size(0), g = slot.size(1), d = k.size(k.dim() - 1);
+  const int64_t rows = pooled ? k.size(1) : g * k.size(2), cap = pooled ? rows : k.size(2);
+  TORCH_CHECK(pooled || k.size(1) == g, "slot must be (b, g)");
+  const std::vector<int64_t> slot_shape = pooled ? std::vector<int64_t>{b, rows} : std::vector<int64_t>{b, g, cap};
   TORCH_CHECK(score.scalar_type() == at::kFloat && pos.scalar_type() == at::kInt && score.is_contiguous() &&
-              pos.is_contiguous() && score.sizes() == at::IntArrayRef({b, g, cap}) && pos.sizes() == score.sizes(),
-              "score (float32) and pos (int32) must be contiguous (b, g, cap)");
-  TORCH_CHECK(0 < s && s <= cap, "the window must lie inside the cache");
+              pos.is_contiguous() && score.sizes() == at::IntArrayRef(slot_shape) && pos.sizes() == score.sizes(),
+              "score (float32) and pos (int32) must be contiguous, shaped as k's slots");
+  TORCH_CHECK(0 < s && (pooled || s <= cap), "the window must lie inside the cache");
   TORCH_CHECK(rule >= kKeepAll && rule <= kLayerStep, "unknown rule ", rule);
+  TORCH_CHECK(!(pooled && rule == kLayerStep), "the layer-step rule needs every head to hold the same slots");
   const at::Tensor slot_c = slot.to(at::kLong).contiguous(), new_pos_c = new_pos.to(at::kLong).contiguous();
   TORCH_CHECK(slot_c.sizes() == at::IntArrayRef({b, g}) && new_pos_c.sizes() == at::IntArrayRef({b}),
               "slot must be (b, g) and new_pos (b,)");
   const int64_t* slots = slot_c.data_ptr<int64_t>();
   TORCH_CHECK(std::all_of(slots, slots + b * g, [s](int64_t i) { return 0 <= i && i < s; }),
               "every write slot must lie inside the window");
+  at::Tensor start_c, cap_c;
+  if (pooled) {
+    start_c = col_start.to(at::kLong).contiguous();
+    cap_c = col_cap.to(at::kLong).contiguous();
+    TORCH_CHECK(start_c.sizes() == at::IntArrayRef({b, g}) && cap_c.sizes() == start_c.sizes(),
+                "col_start and col_cap must be (b, g)");
+    const int64_t *starts = start_c.data_ptr<int64_t>(), *caps = cap_c.data_ptr<int64_t>();
+    for (int64_t col = 0; col < b * g; ++col)
+      TORCH_CHECK(starts[col] >= 0 && slots[col] < caps[col] && starts[col] + caps[col] <= rows,
+                  "a column's rows must lie inside the pool and its write slot inside its rows");
+  }
+  const Columns cols{g, rows, cap, pooled ? start_c.data_ptr<int64_t>() : nullptr,
+                     pooled ? cap_c.data_ptr<int64_t>() : nullptr};
   const bool packed = k.scalar_type() == at::kByte;
   TORCH_CHECK(!packed || (k_new.scalar_type() == at::kByte && v_new.scalar_type() == at::kByte),
               "a uint8 cache takes its new rows packed (uint8)");
@@ -216,17 +253,19 @@ at::Tensor commit_step(const at::Tensor& k, const at::Tensor& v, const at::Tenso
     TORCH_CHECK(mass_c.sizes() == at::IntArrayRef({b, g, s}), "mass must be (b, g, s)");
   }
   const at::Tensor recent_c = recent.to(at::kLong).contiguous(), budget_c = budget.to(at::kLong).contiguous();
-  TORCH_CHECK(recent_c.sizes() == at::IntArrayRef({b}) && budget_c.sizes() == at::IntArrayRef({b}),
-              "recent and budget must be (b,): one per sequence");
+  const bool budget_per_column = budget_c.sizes() == at::IntArrayRef({b, g});
+  TORCH_CHECK(recent_c.sizes() == at::IntArrayRef({b}) &&
+              (budget_c.sizes() == at::IntArrayRef({b}) || (pooled && budget_per_column)),
+              "recent and budget must be (b,): one per sequence (budget (b, g) for a row pool)");
   at::Tensor victims = at::empty({b, g}, slot_c.options());
   const float* mass_ptr = mass.numel() > 0 ? mass_c.data_ptr<float>() : nullptr;
   auto run = [&](auto tag, auto row_tag) {
     using T = decltype(tag);
     using S = decltype(row_tag);
     commit_columns<T, S>(k, v, score.data_ptr<float>(), pos.data_ptr<int32_t>(), slots, k_new_c.data_ptr<S>(),
-                         v_new_c.data_ptr<S>(), new_pos_c.data_ptr<int64_t>(), mass_ptr, b, g, cap, d, s,
+                         v_new_c.data_ptr<S>(), new_pos_c.data_ptr<int64_t>(), mass_ptr, b, cols, d, s,
                          static_cast<Rule>(rule), sink, recent_c.data_ptr<int64_t>(), budget_c.data_ptr<int64_t>(),
-                         victims.data_ptr<int64_t>());
+                         budget_per_column && pooled, victims.data_ptr<int64_t>());
   };
   if (k.scalar_type() == at::kHalf)
     run(at::Half(), float());
@@ -235,4 +274,12 @@ at::Tensor commit_step(const at::Tensor& k, const at::Tensor& v, const at::Tenso
   else
     run(float(), float());
   return victims;
+}
+
+at::Tensor commit_step(const at::Tensor& k, const at::Tensor& v, const at::Tensor& score, const at::Tensor& pos,
+                       const at::Tensor& slot, const at::Tensor& k_new, const at::Tensor& v_new,
+                       const at::Tensor& new_pos, const at::Tensor& mass, int64_t s, int64_t rule, int64_t sink,
+                       const at::Tensor& recent, const at::Tensor& budget) {
+  return commit_step(k, v, score, pos, slot, k_new, v_new, new_pos, mass, s, rule, sink, recent, budget, at::Tensor(),
+                     at::Tensor());
 }

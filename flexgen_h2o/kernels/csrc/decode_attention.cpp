@@ -273,6 +273,7 @@ struct Problem {
   const uint8_t* k;               // window blocks, in bytes: k + bi * kb + gi * kg holds s rows
   const uint8_t* v;
   int64_t kb, kg, vb, vg;
+  const int64_t* start;           // (b, g) or null: a row pool, column (bi, gi) at k + bi * kb + start * kg
   const bool* valid;              // (b, g, s)
   const int64_t* slot;            // (b, g): where the new token sits in the window
   const float* k_new;             // (b, g, d): its key and value, unrounded
@@ -298,7 +299,8 @@ void attend_column(const Problem& p, int64_t bi, int64_t gi, float* qs, float* p
   const float* k_new = p.k_new + bg * d;
   const float* v_new = p.v_new + bg * d;
   for (int64_t i = 0; i < r * d; ++i) qs[i] = q[i] * p.scale;
-  const Rows keys(p.k + bi * p.kb + gi * p.kg, d, p.group_size);
+  const int64_t block = p.start != nullptr ? p.start[bg] : gi;
+  const Rows keys(p.k + bi * p.kb + block * p.kg, d, p.group_size);
   for (int64_t j0 = 0; j0 < r; j0 += HEADS_AT_ONCE)
     head_logits(qs + j0 * d, std::min(HEADS_AT_ONCE, r - j0), keys, e, d, s, probs + j0 * s);
   constexpr float masked = -std::numeric_limits<float>::infinity();
@@ -313,7 +315,7 @@ void attend_column(const Problem& p, int64_t bi, int64_t gi, float* qs, float* p
   }
   float* out = p.out + bg * r * d;
   std::fill(out, out + r * d, 0.0f);
-  const Rows values(p.v + bi * p.vb + gi * p.vg, d, p.group_size);
+  const Rows values(p.v + bi * p.vb + block * p.vg, d, p.group_size);
   for (int64_t j0 = 0; j0 < r; j0 += HEADS_AT_ONCE)
     head_values(probs + j0 * s, std::min(HEADS_AT_ONCE, r - j0), s, values, e, d, new_slot, out + j0 * d);
   for (int64_t j = 0; j < r; ++j)
@@ -331,22 +333,36 @@ void attend_column(const Problem& p, int64_t bi, int64_t gi, float* qs, float* p
 
 void check_window(const at::Tensor& w, const at::Tensor& like, const char* name, at::ScalarType dtype,
                   const char* dtype_name) {
-  TORCH_CHECK(w.scalar_type() == dtype && w.dim() == 4, name, " must be a 4-d ", dtype_name, " window");
+  const int64_t n = w.dim();
+  TORCH_CHECK(w.scalar_type() == dtype && (n == 4 || n == 3), name, " must be a 4-d ", dtype_name,
+              " window (or a 3-d row pool)");
   TORCH_CHECK(w.sizes() == like.sizes(), name, " must have the key window's shape");
-  TORCH_CHECK(w.stride(3) == 1 && w.stride(2) == w.size(3), name, "'s slots must be contiguous rows");
+  TORCH_CHECK(w.stride(n - 1) == 1 && w.stride(n - 2) == w.size(n - 1), name, "'s slots must be contiguous rows");
 }
 
-// Both entry points past their windows' checks: k and v (b, g, s, row) hold d values a row, read through Rows
+// a window's last read slot + 1 per column, as attend_column finds it: its last valid slot or its new one
+int64_t column_end(const bool* valid, int64_t s, int64_t new_slot) {
+  int64_t e = s;
+  while (e > new_slot + 1 && !valid[e - 1]) --e;
+  return e;
+}
+
+// Both entry points past their windows' checks: k and v (b, g, s, row) hold d values a row, read through Rows;
+// or, with col_start (b, g) given, (b, T, row) pools whose column (bi, gi) starts at row col_start[bi, gi]
 template <class Rows>
 std::vector<at::Tensor> decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                const at::Tensor& valid, const at::Tensor& slot, const at::Tensor& k_new,
                                const at::Tensor& v_new, double scale, bool want_mass, bool mean_pool, int64_t d,
-                               int64_t group_size) {
+                               int64_t group_size, const at::Tensor& col_start) {
   TORCH_CHECK(q.dim() == 4 && q.size(2) == 1 && q.scalar_type() == at::kFloat, "q must be (b, h, 1, d) float32");
-  const int64_t b = k.size(0), g = k.size(1), s = k.size(2), h = q.size(1);
+  const bool pooled = col_start.defined() && col_start.numel() > 0;
+  TORCH_CHECK(k.dim() == (pooled ? 3 : 4), pooled ? "with col_start, k and v must be (b, T, row) row pools"
+                                                  : "k and v must be (b, g, s, row) windows");
+  TORCH_CHECK(valid.scalar_type() == at::kBool && valid.dim() == 3, "valid must be (b, g, s) bool");
+  const int64_t b = k.size(0), g = valid.size(1), s = valid.size(2), h = q.size(1);
+  TORCH_CHECK(pooled || (k.size(1) == g && k.size(2) == s), "valid must be (b, g, s) for the (b, g, s, row) window");
+  TORCH_CHECK(valid.size(0) == b, "valid must be (b, g, s) bool");
   TORCH_CHECK(q.size(0) == b && q.size(3) == d && h % g == 0, "q must match the window: (b, h, 1, d), h % g == 0");
-  TORCH_CHECK(valid.scalar_type() == at::kBool && valid.sizes() == at::IntArrayRef({b, g, s}),
-              "valid must be (b, g, s) bool");
   TORCH_CHECK(slot.scalar_type() == at::kLong && slot.sizes() == at::IntArrayRef({b, g}), "slot must be (b, g) int64");
   for (const at::Tensor* t : {&k_new, &v_new})
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->sizes() == at::IntArrayRef({b, g, 1, d}),
@@ -356,14 +372,27 @@ std::vector<at::Tensor> decode(const at::Tensor& q, const at::Tensor& k, const a
   const int64_t* slots = slot_c.data_ptr<int64_t>();
   TORCH_CHECK(std::all_of(slots, slots + b * g, [s](int64_t i) { return 0 <= i && i < s; }),
               "every write slot must lie inside the window");
+  at::Tensor start_c;
+  if (pooled) {
+    start_c = col_start.contiguous();
+    TORCH_CHECK(start_c.scalar_type() == at::kLong && start_c.sizes() == at::IntArrayRef({b, g}),
+                "col_start must be (b, g) int64");
+    const int64_t* starts = start_c.data_ptr<int64_t>();
+    const bool* flags = valid_c.data_ptr<bool>();
+    for (int64_t col = 0; col < b * g; ++col)     // a column reads rows [start, start + its end) of the pool
+      TORCH_CHECK(starts[col] >= 0 && starts[col] + column_end(flags + col * s, s, slots[col]) <= k.size(1),
+                  "a column's slots must lie inside the row pool");
+  }
   at::Tensor out = at::empty({b, h, 1, d}, q.options());
   at::Tensor mass = want_mass ? at::empty({b, g, s}, q.options()) : at::empty({0}, q.options());
   const int64_t r = h / g, kz = k.element_size(), vz = v.element_size();
   Problem p{b, g, r, s, d, group_size, qc.data_ptr<float>(), static_cast<const uint8_t*>(k.data_ptr()),
-            static_cast<const uint8_t*>(v.data_ptr()), k.stride(0) * kz, k.stride(1) * kz, v.stride(0) * vz,
-            v.stride(1) * vz, valid_c.data_ptr<bool>(), slot_c.data_ptr<int64_t>(), k_new_c.data_ptr<float>(),
-            v_new_c.data_ptr<float>(), static_cast<float>(scale), mean_pool ? 1.0f / static_cast<float>(r) : 1.0f,
-            out.data_ptr<float>(), want_mass ? mass.data_ptr<float>() : nullptr};
+            static_cast<const uint8_t*>(v.data_ptr()), k.stride(0) * kz, k.stride(1) * kz,
+            v.stride(0) * vz, v.stride(1) * vz,      // dim 1: a window's head blocks, a pool's rows
+            pooled ? start_c.data_ptr<int64_t>() : nullptr, valid_c.data_ptr<bool>(), slot_c.data_ptr<int64_t>(),
+            k_new_c.data_ptr<float>(), v_new_c.data_ptr<float>(), static_cast<float>(scale),
+            mean_pool ? 1.0f / static_cast<float>(r) : 1.0f, out.data_ptr<float>(),
+            want_mass ? mass.data_ptr<float>() : nullptr};
   // a thread takes at least MIN_SLOTS_PER_THREAD (sequence, KV head, slot) rows: waking the sleeping OpenMP thread
   // (OMP_WAIT_POLICY=PASSIVE) costs more than a small step's whole attention (docs/architecture.md "How a token
   // flows")
@@ -381,17 +410,27 @@ std::vector<at::Tensor> decode(const at::Tensor& q, const at::Tensor& k, const a
 // a larger cache are fine); valid (b, g, s) bool with the new token's slot set; slot (b, g) int64; k_new,
 // v_new (b, g, 1, d) fp32. Returns out (b, h, 1, d) and, if want_mass, the mass (b, g, s) each key received,
 // pooled over its group's query heads (sum, or mean when mean_pool), else an empty tensor.
+// col_start (b, g) int64, or an empty tensor: k and v are then (b, T, d) row pools and column (bi, gi)'s slots
+// are rows col_start[bi, gi] onwards (a head-adaptive cache, kv/ragged.py).
 std::vector<at::Tensor> decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                          const at::Tensor& valid, const at::Tensor& slot, const at::Tensor& k_new,
-                                         const at::Tensor& v_new, double scale, bool want_mass, bool mean_pool) {
+                                         const at::Tensor& v_new, double scale, bool want_mass, bool mean_pool,
+                                         const at::Tensor& col_start) {
+  const int64_t d = k.size(k.dim() - 1);
   if (k.scalar_type() == at::kFloat) {
     check_window(k, k, "k", at::kFloat, "float32");
     check_window(v, k, "v", at::kFloat, "float32");
-    return decode<FloatRows>(q, k, v, valid, slot, k_new, v_new, scale, want_mass, mean_pool, k.size(3), 0);
+    return decode<FloatRows>(q, k, v, valid, slot, k_new, v_new, scale, want_mass, mean_pool, d, 0, col_start);
   }
   check_window(k, k, "k", at::kHalf, "float16");
   check_window(v, k, "v", at::kHalf, "float16");
-  return decode<HalfRows>(q, k, v, valid, slot, k_new, v_new, scale, want_mass, mean_pool, k.size(3), 0);
+  return decode<HalfRows>(q, k, v, valid, slot, k_new, v_new, scale, want_mass, mean_pool, d, 0, col_start);
+}
+
+std::vector<at::Tensor> decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                         const at::Tensor& valid, const at::Tensor& slot, const at::Tensor& k_new,
+                                         const at::Tensor& v_new, double scale, bool want_mass, bool mean_pool) {
+  return decode_attention(q, k, v, valid, slot, k_new, v_new, scale, want_mass, mean_pool, at::Tensor());
 }
 
 // decode_attention over a quantized cache: k, v (b, g, s, row_bytes) uint8 windows of quant.py's row form, d =
@@ -399,16 +438,28 @@ std::vector<at::Tensor> decode_attention(const at::Tensor& q, const at::Tensor& 
 std::vector<at::Tensor> decode_attention_quant(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                const at::Tensor& valid, const at::Tensor& slot,
                                                const at::Tensor& k_new, const at::Tensor& v_new, double scale,
-                                               bool want_mass, bool mean_pool, int64_t bits, int64_t group_size) {
+                                               bool want_mass, bool mean_pool, int64_t bits, int64_t group_size,
+                                               const at::Tensor& col_start) {
   check_window(k, k, "k", at::kByte, "uint8");
   check_window(v, k, "v", at::kByte, "uint8");
   TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
   TORCH_CHECK(group_size >= 2 && group_size % 2 == 0, "group_size must be even");
   TORCH_CHECK(q.dim() == 4 && q.size(3) > 0, "q must be (b, h, 1, d) float32");
   const int64_t d = q.size(3);
-  TORCH_CHECK(k.size(3) == quant_row_bytes(d, group_size, bits), "k and v rows must be quant.py's row form of d = ",
-              d, " values: ", quant_row_bytes(d, group_size, bits), " bytes, not ", k.size(3));
+  const int64_t row = k.size(k.dim() - 1);
+  TORCH_CHECK(row == quant_row_bytes(d, group_size, bits), "k and v rows must be quant.py's row form of d = ",
+              d, " values: ", quant_row_bytes(d, group_size, bits), " bytes, not ", row);
   if (bits == 4)
-    return decode<QuantRows<4>>(q, k, v, valid, slot, k_new, v_new, scale, want_mass, mean_pool, d, group_size);
-  return decode<QuantRows<8>>(q, k, v, valid, slot, k_new, v_new, scale, want_mass, mean_pool, d, group_size);
+    return decode<QuantRows<4>>(q, k, v, valid, slot, k_new, v_new, scale, want_mass, mean_pool, d, group_size,
+                                col_start);
+  return decode<QuantRows<8>>(q, k, v, valid, slot, k_new, v_new, scale, want_mass, mean_pool, d, group_size,
+                              col_start);
+}
+
+std::vector<at::Tensor> decode_attention_quant(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                               const at::Tensor& valid, const at::Tensor& slot,
+                                               const at::Tensor& k_new, const at::Tensor& v_new, double scale,
+                                               bool want_mass, bool mean_pool, int64_t bits, int64_t group_size) {
+  return decode_attention_quant(q, k, v, valid, slot, k_new, v_new, scale, want_mass, mean_pool, bits, group_size,
+                                at::Tensor());
 }

@@ -16,17 +16,34 @@ std::vector<at::Tensor> scored_prompt_attention(const at::Tensor& q, const at::T
 std::vector<at::Tensor> decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                          const at::Tensor& valid, const at::Tensor& slot, const at::Tensor& k_new,
                                          const at::Tensor& v_new, double scale, bool want_mass, bool mean_pool);
+// ... and over a row pool of heads of different lengths: column (b, g) starts at row col_start[b, g] (kv/ragged.py)
+std::vector<at::Tensor> decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                         const at::Tensor& valid, const at::Tensor& slot, const at::Tensor& k_new,
+                                         const at::Tensor& v_new, double scale, bool want_mass, bool mean_pool,
+                                         const at::Tensor& col_start);
 // The same over a group-wise quantized cache: k, v (b, g, s, row_bytes) uint8 in quant.py's row form.
 std::vector<at::Tensor> decode_attention_quant(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                const at::Tensor& valid, const at::Tensor& slot,
                                                const at::Tensor& k_new, const at::Tensor& v_new, double scale,
                                                bool want_mass, bool mean_pool, int64_t bits, int64_t group_size);
+std::vector<at::Tensor> decode_attention_quant(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                               const at::Tensor& valid, const at::Tensor& slot,
+                                               const at::Tensor& k_new, const at::Tensor& v_new, double scale,
+                                               bool want_mass, bool mean_pool, int64_t bits, int64_t group_size,
+                                               const at::Tensor& col_start);
 
 // One decode step's commit into a CPU-homed cache: K/V row, position, scores, H2O's victim (commit_step.cpp).
 at::Tensor commit_step(const at::Tensor& k, const at::Tensor& v, const at::Tensor& score, const at::Tensor& pos,
                        const at::Tensor& slot, const at::Tensor& k_new, const at::Tensor& v_new,
                        const at::Tensor& new_pos, const at::Tensor& mass, int64_t s, int64_t rule, int64_t sink,
                        const at::Tensor& recent, const at::Tensor& budget);
+// ... into a row pool of heads of different lengths: k, v (b, T, d), score, pos (b, T); column (b, g) holds rows
+// [col_start, col_start + col_cap) and budget is (b, g), one per column (kv/ragged.py)
+at::Tensor commit_step(const at::Tensor& k, const at::Tensor& v, const at::Tensor& score, const at::Tensor& pos,
+                       const at::Tensor& slot, const at::Tensor& k_new, const at::Tensor& v_new,
+                       const at::Tensor& new_pos, const at::Tensor& mass, int64_t s, int64_t rule, int64_t sink,
+                       const at::Tensor& recent, const at::Tensor& budget, const at::Tensor& col_start,
+                       const at::Tensor& col_cap);
 
 // x (m, k) fp32 @ w.T for an fp16 weight (n, k), converting the weight in L1 (half_linear.cpp).
 at::Tensor half_linear(const at::Tensor& x, const at::Tensor& w);
