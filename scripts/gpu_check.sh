@@ -13,7 +13,7 @@
 #      H2O) against FlexGen 0.1.8's own --compress-weight --compress-cache, one round;
 #   6. the placement and H2O suites on the GPU in fp32 (FLEXGEN_H2O_TEST_DEVICE=cuda), with -s too: H2O's
 #      decode half against the reference on every tier, H2O with --cpu-cache-compute (the real split there),
-#      and batch invariance.
+#      batch invariance, and the head-adaptive (ragged) cache's torch path against the reference.
 #
 #   bash scripts/gpu_check.sh [OUT]          # logs and JSON in OUT (default benchmarks/results/gpu-check)
 #   ROUNDS=1 bash scripts/gpu_check.sh       # one round of step 4 (default 2)
@@ -55,6 +55,7 @@ want compressed && {
         --hh-ratio 0.1 --no-progress --metrics-json "$OUT/ours_h2o_int4.json"
 }
 want fp32_tests && step fp32_tests 240 env FLEXGEN_H2O_TEST_DEVICE=cuda "${PYTEST[@]}" -s $XDIST \
-    tests/test_equivalence.py tests/test_h2o_engine.py tests/test_h2o_decode.py tests/test_batch_invariance.py
+    tests/test_equivalence.py tests/test_h2o_engine.py tests/test_h2o_decode.py tests/test_batch_invariance.py \
+    tests/test_head_budgets.py::test_matches_the_reference
 echo "$failed step(s) failed; logs in $OUT"
 exit "$failed"

@@ -225,7 +225,12 @@ class KVCache:
         A free slot holds position -1, below every kept one, and argmin returns the first of equal minima: one
         op where compare, cast and argmax were three (each a parallel region on a CPU, which wakes the sleeping
         OpenMP threads: `docs/architecture.md` "How a token flows")."""
-        return self.pos.argmin(dim=-1)
+        return self.pos_window(self.widest).argmin(dim=-1)
+
+    @property
+    def widest(self) -> int:
+        """The most slots a column owns: every column's `capacity` here."""
+        return self.capacity
 
     def place_token(self, slot: Tensor, k: Tensor | None, v: Tensor | None, position: Tensor) -> None:
         """Write a new token into each column's slot (b, g) before attention reads the cache's own rows (the HF
@@ -239,9 +244,10 @@ class KVCache:
         """Read the used window into compute dtype on `device` and pick each (b, g)'s write slot; a cache read in
         place hands out its own window instead (a narrow view: KVView.compute_dtype).
         new_rank (b,): with position rolling, the rank the new token will have among the kept tokens."""
-        write_slot = self.free_slots()
+        every_slot = self.pos_window(self.widest)             # one read of the positions serves both
+        write_slot = every_slot.argmin(dim=-1)                  # free_slots()
         s = max(self.n_used, int(write_slot.max().item()) + 1)
-        pos = self.pos_window(s).to(device)
+        pos = every_slot[:, :, :s].to(device)
         self.bytes_read[self.tier_kind] += self._window_bytes(s)
         release = None
         if self.read_in_place or self.copy_stored:

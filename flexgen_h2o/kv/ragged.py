@@ -66,16 +66,28 @@ class RaggedKVCache(KVCache):
         self.col_cap = torch.full((b, g), cap, dtype=torch.long, device=device)          # (b, g)
         rows = self.budget.rows if isinstance(self.budget, RowBudgets) else (self.budget,) * b
         self.col_budget = torch.tensor([[r.budget] * g for r in rows], dtype=torch.long, device=device)
+        self._layout_changed()
 
     # --- the layout as (b, g, s) windows ---
+
+    def _layout_changed(self) -> None:
+        self._memo: dict = {}            # what the layout determines, made once per layout (every step reads it)
 
     def _columns(self, s: int) -> tuple[Tensor, Tensor]:
         """(rows, inside), both (b, g, s): the pool row of each column's slot i < s, and whether the slot is the
         column's own (slots past its run are masked and never written)."""
-        slots = torch.arange(s, device=self.k.device)
-        inside = slots < self.col_cap[:, :, None]
-        rows = (self.col_start[:, :, None] + slots).clamp_(max=self.pos.shape[1] - 1)
-        return rows, inside
+        if s not in self._memo:
+            slots = torch.arange(s, device=self.k.device)
+            inside = slots < self.col_cap[:, :, None]
+            rows = (self.col_start[:, :, None] + slots).clamp_(max=self.pos.shape[1] - 1)
+            self._memo[s] = rows, inside
+        return self._memo[s]
+
+    @property
+    def widest(self) -> int:
+        if "widest" not in self._memo:
+            self._memo["widest"] = int(self.col_cap.max())
+        return self._memo["widest"]
 
     def _gather(self, pool: Tensor, s: int, fill) -> Tensor:
         rows, inside = self._columns(s)
@@ -97,14 +109,12 @@ class RaggedKVCache(KVCache):
 
     def _window_slots(self, s: int) -> int:
         """Slots a window of width s covers: each column's run, up to s."""
-        return int(self.col_cap.clamp(max=s).sum())
+        if ("slots", s) not in self._memo:
+            self._memo[("slots", s)] = int(self.col_cap.clamp(max=s).sum())
+        return self._memo[("slots", s)]
 
     def _window_bytes(self, s: int) -> int:
         return self._slot_bytes(self._window_slots(s), per_head=False, rows=1)
-
-    def free_slots(self) -> Tensor:
-        """(b, g) each column's lowest free slot: within its run, which always has one (budget + 1 slots)."""
-        return self.pos_window(int(self.col_cap.max())).argmin(dim=-1)
 
     # --- prefill ---
 
@@ -127,6 +137,7 @@ class RaggedKVCache(KVCache):
         self.col_cap[rows] = caps
         self.col_start[rows] = caps.cumsum(dim=1) - caps
         self.col_budget[rows] = torch.where(evicts, counts, row_budget[:, None])
+        self._layout_changed()
         n_keep = int(counts.max()) if counts.numel() else 0
         index, kept = pack_kept(keep, n_keep)                  # kept rows first, in prompt order: (b, g, n) each
         kept = kept.to(device)
@@ -150,11 +161,13 @@ class RaggedKVCache(KVCache):
         self.col_start[row] = torch.arange(g, device=self.k.device) * self.capacity
         self.col_cap[row] = self.capacity
         self.col_budget[row] = budget.budget
+        self._layout_changed()
 
     def map_rows(self, fn) -> None:
         super().map_rows(fn)
         for name in ("col_start", "col_cap", "col_budget"):
             setattr(self, name, fn(getattr(self, name)).contiguous())
+        self._layout_changed()
 
     # --- decode ---
 
