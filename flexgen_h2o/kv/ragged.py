@@ -64,8 +64,7 @@ class RaggedKVCache(KVCache):
         device = self.k.device
         self.col_start = (torch.arange(g, device=device) * cap).repeat(b, 1)            # (b, g)
         self.col_cap = torch.full((b, g), cap, dtype=torch.long, device=device)          # (b, g)
-        rows = self.budget.rows if isinstance(self.budget, RowBudgets) else (self.budget,) * b
-        self.col_budget = torch.tensor([[r.budget] * g for r in rows], dtype=torch.long, device=device)
+        self.col_budget = self._row_counts[1].to(device)[:, None].repeat(1, g)                # (b, g): the rows'
         self._layout_changed()
 
     # --- the layout as (b, g, s) windows ---

@@ -42,6 +42,7 @@ import torch
 from transformers import AttentionInterface
 
 from tests.reference.fake_quant import fake_quant
+from tests.reference.rolling import roll_to_ranks, rotate
 from tests.reference.h2o_rule import (prefill_candidates, ref_adaptive_keep, ref_keep_prefill, ref_victim,
                                       ref_window_pooled, victim_candidates)
 
@@ -56,15 +57,6 @@ STATE_ATTR = "_h2o_reference_state"   # set on every attention module for the du
 
 
 # --- the simulated cache ---
-
-def rotate(x: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
-    """Turn RoPE'd vectors x (..., d) further by `delta` (...) positions (HF's rotate-half pairing)."""
-    angles = delta.double()[..., None] * inv_freq.double()                         # (..., d/2)
-    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
-    half = x.shape[-1] // 2
-    rotated_half = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return (x.double() * cos + rotated_half.double() * sin).to(x.dtype)
-
 
 def stored_history(st: "_RefState", key: torch.Tensor, value: torch.Tensor):
     """key, value (b, g, L, d) with every row but the newest (index L - 1) as a compressed cache reads it back."""
@@ -281,23 +273,6 @@ def masked_h2o_attention(module: torch.nn.Module, query: torch.Tensor, key: torc
                         st.record_gap(bi, ranking, {victim}, [i for i in cand if i != victim])
                     kept.discard(victim)
     return out.transpose(1, 2).contiguous(), probs
-
-
-def roll_to_ranks(st: _RefState, layer: int, query: torch.Tensor, key: torch.Tensor):
-    """Decode step with rolling: kept keys of each (b, g) turned to their ranks, queries to the new token's."""
-    b, h, _, _ = query.shape
-    g, L = key.shape[1], key.shape[2]
-    key, query = key.clone(), query.clone()
-    for bi in range(b):
-        new_rank = None
-        for gi in range(g):
-            kept = sorted(st.keep[layer][bi][gi], key=lambda i: st.pos[bi][i])       # by true position
-            for rank, i in enumerate(kept):
-                key[bi, gi, i] = rotate(key[bi, gi, i], torch.tensor(rank - st.pos[bi][i]), st.inv_freq)
-            new_rank = len(kept) - 1                                                  # the new token is last
-        delta = torch.tensor(new_rank - st.pos[bi][L - 1])
-        query[bi] = rotate(query[bi], delta, st.inv_freq)
-    return query, key
 
 
 AttentionInterface.register(ATTN_NAME, masked_h2o_attention)
