@@ -38,7 +38,7 @@ from flexgen_h2o.weights.staging import StagingPool
 
 SAMPLE, END = -1, -2           # `forced` entries: sample this step; finish this sequence here
 # summed over blocks; every other metric describes one block (the last)
-ADDITIVE_METRICS = ("prefill_s", "decode_s", "prompt_tokens", "generated_tokens", "decode_steps")
+ADDITIVE_METRICS = ("prefill_s", "decode_s", "prompt_tokens", "generated_tokens", "decode_steps", "kv_bytes_read")
 
 
 @dataclass
@@ -52,6 +52,11 @@ class Prefilled:
     layers: list[dict[int, tuple[Tensor, ...]]]          # per GPU batch: layer -> (k, v, score, pos[, key scale])
     logits: list[Tensor]                                 # per GPU batch: (b, V) logits of step 0
     score_window: int | None = None                      # the prompt queries that scored (EvictionConfig's)
+
+
+def kv_bytes_read(caches: list[dict[int, SplitKVCache]]) -> int:
+    """Bytes the decode steps read from these caches, every tier and page selection's summaries (KVCache.bytes_read)."""
+    return sum(sum(c.bytes_read.values()) for per_layer in caches for split in per_layer.values() for c in split.caches)
 
 
 class Engine:
@@ -311,7 +316,7 @@ class Engine:
         n_gen = sum(len(t) for t in tokens)
         metrics = {"prefill_s": times[0] - t0, "decode_s": t_end - times[0], "prompt_tokens": plan.n_seqs *
                    plan.prompt_len, "generated_tokens": n_gen, "decode_steps": len(times) - 1, "block_size": plan.n_seqs,
-                   "padded_prompt_len": plan.prompt_len,
+                   "padded_prompt_len": plan.prompt_len, "kv_bytes_read": kv_bytes_read(self.last_caches),
                    # wall time of decode step i (i >= 1), which attends prompt_len + i tokens (or the budget)
                    "step_times_s": [b - a for a, b in zip(times, times[1:])]}
         return tokens, texts, reasons, metrics

@@ -299,7 +299,7 @@ def _preflight(args, cfg, offload, eviction, backend, deferred, job) -> tuple:
     from flexgen_h2o.memory.offload_dir import sweep_stale
 
     from flexgen_h2o.planner import preflight
-    from flexgen_h2o.planner.memory import kv_slot_bytes, plan_bytes
+    from flexgen_h2o.planner.memory import kv_row_bytes, kv_slot_bytes, plan_bytes
     from flexgen_h2o.weights import default_store_path
     plan = job.peak if cfg is job.model else replace(job.peak, model=cfg)     # a pipeline stage counts its layers
     if offload.uses_disk:
@@ -322,6 +322,9 @@ def _preflight(args, cfg, offload, eviction, backend, deferred, job) -> tuple:
     # slot bytes as allocated: K, V, score, position
     print(describe_rows(job.budgets, job.lens, job.max_new,
                         kv_slot_bytes(cfg, offload.kv_format) * cfg.n_layers * plan.n_seqs))
+    if eviction.pages is not None:
+        print(eviction.pages.describe(max(job.lens), max(job.max_new),
+                                      kv_row_bytes(cfg, offload.kv_format) * cfg.n_layers * plan.n_seqs))
     print(est.plan.describe())
     return est, checked
 

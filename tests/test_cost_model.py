@@ -282,3 +282,28 @@ def test_compression_is_chosen_only_for_a_clear_gain():
     found = search(PRESETS["opt-1.3b"], ev, OffloadPolicy(), slow, prompt_len=32, gen_len=4, n_prompts=4,
                    device_type="cpu", machine=Machine(ram_available=int(1.5 * GIB), ram_total=2 * GIB, process_rss=0))
     assert found[0].offload.weight_bits in (4, 8) and found[0].offload.tier_fractions("weights")[2] == 0
+
+
+def test_page_selection_prices_the_pages_it_reads():
+    """KV on a cold disk: a step under page selection reads its share of the window, not all of it, so it is
+    priced below the full cache's and above nothing; the dense layers read theirs whole; the planner counts the
+    summaries on the compute tier."""
+    from flexgen_h2o.kv.page_rule import PageRule
+    from flexgen_h2o.planner.cost import page_reads
+    from flexgen_h2o.planner.memory import plan_bytes
+    off = OffloadPolicy.from_percent([100, 0, 0, 0, 100, 0], gpu_batch_size=2, overlap=False)
+    rule = PageRule(page_size=8, fetch_ratio=0.25, score="bound")
+    pages, dense = (EvictionConfig(pages=r) for r in (rule, PageRule(page_size=8, fetch_ratio=0.25, dense_layers=1,
+                                                                     score="bound")))
+    full, paged, half_dense, ram = (predict(_plan(o, ev, prompt=256, gen=8), RATES, free_ram=0) for o, ev in (
+        (off, None), (off, pages), (off, dense), (OffloadPolicy(gpu_batch_size=2), None)))
+    assert ram.decode_s < paged.decode_s < half_dense.decode_s < full.decode_s
+    assert page_reads(_plan(off, pages, prompt=256, gen=8), 260.0, 2) == (72.0, 260.0 / 8)   # 9 pages of 8
+    summaries = plan_bytes(_plan(off, pages, prompt=256, gen=8)).bytes["compute"]["kv"]
+    assert summaries == 2 * TINY.n_layers * 2 * TINY.n_kv_heads * (264 // 8) * TINY.head_dim * 4
+    keys = EvictionConfig(pages=PageRule(page_size=8, fetch_ratio=0.25))      # int4 rows: 8 bytes + fp16 min, step
+    assert page_reads(_plan(off, keys, prompt=256, gen=8), 260.0, 2) == (72.0, 260.0)
+    assert plan_bytes(_plan(off, keys, prompt=256, gen=8)).bytes["compute"]["kv"] == TINY.n_layers * 2 * \
+        TINY.n_kv_heads * (264 + 1) * (8 + 4)
+    by_keys = predict(_plan(off, keys, prompt=256, gen=8), RATES, free_ram=0)
+    assert paged.decode_s < by_keys.decode_s < full.decode_s

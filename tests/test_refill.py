@@ -15,6 +15,7 @@ import pytest
 from flexgen_h2o.config import GenerationConfig, OffloadPolicy
 from flexgen_h2o.engine import Engine
 from flexgen_h2o.kv import EvictionConfig
+from flexgen_h2o.kv.page_rule import PageRule
 from tests.helpers import greedy, make_engine, random_prompts, tiny_hf, weight_reader
 from tests.helpers import assert_agree
 from tests.reference.compare import PLACEMENTS
@@ -33,6 +34,7 @@ POLICIES = {
     "tova-ratio": EvictionConfig(policy="tova", hh_ratio=0.2),
     "snapkv-adaptive": EvictionConfig(policy="snapkv", hh_ratio=0.2, score_window=4, pool_kernel=3,
                                       head_budgets="adaptive"),
+    "pages": EvictionConfig(pages=PageRule(page_size=4, fetch_pages=3)),
 }
 # name -> (GPU batch size, GPU batches, placement, refill share)
 CUTS = {

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from flexgen_h2o.config import ConfigError
 from flexgen_h2o.kv import EvictionConfig
+from flexgen_h2o.kv.page_rule import DEFAULT_PAGE_SIZE, PageRule
 from flexgen_h2o.kv import policy_names, trait
 
 DEFAULT_POLICIES = policy_names()                     # every registered rule: full, h2o, h2o-port, h2o-avg, ...
@@ -74,6 +75,11 @@ def parse_budgets(text: str) -> list[BudgetSpec]:
 ADAPTIVE_SUFFIX = "-adaptive"       # `snapkv-adaptive`: the rule with head-adaptive budgets (--head-budgets adaptive)
 
 
+# page selection over a full cache (--kv-select pages): rows at the same budgets, read rather than kept, each
+# with its page score (kv/page_rule.py)
+PAGES = {"pages": "keys", "pages-bound": "bound"}
+
+
 def base_policy(name: str) -> tuple[str, bool]:
     """A grid policy name as (the engine's policy, whether its heads share their budget)."""
     if name.endswith(ADAPTIVE_SUFFIX) and name[:-len(ADAPTIVE_SUFFIX)] in policy_names():
@@ -84,10 +90,10 @@ def base_policy(name: str) -> tuple[str, bool]:
 def parse_policies(text: str) -> list[str]:
     names = [t.strip() for t in text.split(",") if t.strip()]
     adaptive = [n + ADAPTIVE_SUFFIX for n in policy_names() if trait(n, "head_adaptive")]
-    bad = [n for n in names if n not in policy_names() and not is_peer(n) and n not in adaptive]
+    bad = [n for n in names if n not in policy_names() and not is_peer(n) and n not in adaptive and n not in PAGES]
     if bad or not names:
         raise ConfigError(f"unknown policy {', '.join(bad) or '(none given)'}; choose from "
-                          f"{', '.join(policy_names() + PEER_POLICIES + tuple(adaptive))}")
+                          f"{', '.join(policy_names() + PEER_POLICIES + tuple(adaptive) + tuple(PAGES))}")
     if len(set(names)) != len(names):
         raise ConfigError(f"--policies repeats a policy: {','.join(names)}")
     return names
@@ -115,6 +121,8 @@ class GridPoint:
         if is_peer(self.policy):          # a press keeps this many prompt tokens per KV head
             return self.budget.slots_for(seq_len)
         # sink needs room for its 4 sinks plus one window slot; smaller requests are raised (and recorded)
+        if self.policy in PAGES:
+            return self.budget.slots_for(seq_len)
         return max(self.budget.slots_for(seq_len), trait(base_policy(self.policy)[0], "default_sinks") + 1)
 
     def eviction(self, seq_len: int, seed: int = 0) -> EvictionConfig:
@@ -123,6 +131,10 @@ class GridPoint:
         slots = self.slots(seq_len)
         if slots is None:
             return EvictionConfig(policy="full", position_rolling=self.rolling)
+        if self.policy in PAGES:         # a share reads that share of each sequence; a slot count, its pages
+            read = (dict(fetch_ratio=self.budget.fraction) if self.budget.is_fraction
+                    else dict(fetch_pages=-(-slots // DEFAULT_PAGE_SIZE)))
+            return EvictionConfig(policy="full", pages=PageRule(score=PAGES[self.policy], **read))
         policy, adaptive = base_policy(self.policy)
         rule = dict(policy=policy, position_rolling=self.rolling, seed=seed,
                     head_budgets="adaptive" if adaptive else "uniform")

@@ -140,7 +140,8 @@ class Runner:
                     t0 = time.perf_counter()
                     result = run_block(blk, block_prompts, ev, shared[kept], bar)
                     saved = {"result": result, "slots": point.slots(prompt_len + steps),
-                             "evicted": ev.resolve(prompt_len, steps).evicts, "prefill_seconds": prefill_s,
+                             "evicted": ev.resolve(prompt_len, steps).evicts or (
+                                 ev.pages is not None and ev.pages.skips(prompt_len + steps)), "prefill_seconds": prefill_s,
                              "seconds": time.perf_counter() - t0}
                     if checkpoint is not None:
                         checkpoint.put(point.key, bi, saved)

@@ -10,6 +10,7 @@ Batch and prompt modes' metrics and summary lines (run_metrics, summary) use the
 from __future__ import annotations
 
 import time
+from collections import Counter
 from typing import Any, Callable
 
 from flexgen_h2o.config import GenerationConfig
@@ -104,6 +105,9 @@ def run_benchmark(llm: Any, prompts: list[list[int]], *, gen_len: int, cut_gen_l
         **engine_metrics(llm, weights_in_tiers, kv_cache_bytes=kv_bytes, full_cache_bytes=full_cache_bytes,
                          hidden_bytes=block * prompt_len * cfg.hidden_size * 2),
         "weights_bytes_read": {k: v - read0.get(k, 0) for k, v in engine.weights.bytes_read.items()},
+        # what the decode steps read of the KV (page selection: the pages read and their summaries)
+        "kv_bytes_read": kv_read_by_tier(engine.last_caches),
+        "kv_bytes_read_per_step": m["kv_bytes_read"] / max(m["decode_steps"], 1),
         "peak_rss_bytes": max(load_peak_rss, peak_rss_bytes()),
         "peak_rss_run_bytes": peak_rss_bytes() if rss_window else None,
         "kv_slots_per_seq": engine.last_plan.capacity,
@@ -116,6 +120,15 @@ def run_benchmark(llm: Any, prompts: list[list[int]], *, gen_len: int, cut_gen_l
         f"{f', executed {run_len}, decode projected' if projected else ''})")
     say(memory_line(metrics))
     return metrics
+
+
+def kv_read_by_tier(caches: list) -> dict[str, int]:
+    read: Counter = Counter()
+    for per_layer in caches:
+        for split in per_layer.values():
+            for cache in split.caches:
+                read.update(cache.bytes_read)
+    return dict(read)
 
 
 def memory_line(m: dict) -> str:
@@ -145,6 +158,7 @@ def run_metrics(llm: Any, t: dict, est: Any, mode: str, weights_in_tiers: bool, 
             "prefill_tok_s": prompt_tokens / max(prefill_s, 1e-9),
             "decode_tok_s": max(gen_tokens - n_prompts, 0) / max(decode_s, 1e-9),
             "total_tok_s": gen_tokens / max(prefill_s + decode_s, 1e-9), "projected": False,
+            "kv_bytes_read_per_step": t.get("kv_bytes_read", 0) / max(t.get("decode_steps", 0), 1),
             # continuous refill: join passes, and the share of row-steps that held a prompt (None: blocks)
             "refill_joins": t.get("joins"), "row_occupancy": t.get("row_occupancy"),
             **engine_metrics(llm, weights_in_tiers, kv_cache_bytes=est.kv_bytes, full_cache_bytes=est.full_kv_bytes,

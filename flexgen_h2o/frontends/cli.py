@@ -12,6 +12,7 @@ import sys
 from typing import Any, NoReturn
 
 from flexgen_h2o.config import OffloadPolicy
+from flexgen_h2o.kv.page_rule import DEFAULT_PAGE_SIZE, KV_SELECT, PAGE_SCORES
 from flexgen_h2o.kv.registry import cli_policies, cli_variants, policy_help
 
 
@@ -155,6 +156,22 @@ def build_parser() -> argparse.ArgumentParser:
                          "each head (h2o, snapkv; default uniform: every head the same count)")
     kv.add_argument("--head-floor", type=float, metavar="F",
                     help="--head-budgets adaptive: the least share of its uniform budget a head keeps (default 0.2)")
+    pg = p.add_argument_group("KV page selection (docs/page-selection.md)")
+    pg.add_argument("--kv-select", choices=KV_SELECT, default="all",
+                    help="pages: keep every token (on any tier) and let each decode step read only the pages of the "
+                         "cache its query can attend to most (Quest's bound on per-page key min/max), plus the first "
+                         "and the newest pages; all (default): read the whole cache, or what eviction kept")
+    pg.add_argument("--fetch-ratio", type=ratio, metavar="R",
+                    help="--kv-select pages: the share of each sequence a step reads, in whole pages")
+    pg.add_argument("--fetch-pages", type=positive, metavar="N", help="--kv-select pages: pages a step reads")
+    pg.add_argument("--page-size", type=positive, metavar="T",
+                    help=f"--kv-select pages: tokens per page (default {DEFAULT_PAGE_SIZE})")
+    pg.add_argument("--page-score", choices=PAGE_SCORES,
+                    help="--kv-select pages: rank pages by the query's attention to an int4 copy of the keys kept "
+                         "where it computes (keys, the default), or by Quest's bound on each page's key min/max "
+                         "(bound: less to keep, looser on RoPE models; docs/page-selection.md)")
+    pg.add_argument("--dense-layers", type=count, metavar="N",
+                    help="--kv-select pages: the first N attention layers read every page (default 0)")
     g = p.add_argument_group("generation")
     g.add_argument("--input", help="batch mode: JSONL, one {\"prompt\" (raw text) or \"messages\" (a chat), \"id\"?, "
                    "\"max_new_tokens\"?} per line, or OpenAI Batch API request lines (docs/cli.md)")
@@ -231,6 +248,7 @@ def check_flags(a: argparse.Namespace) -> None:
     if a.policy != "h2o" and not budget:
         raise ValueError(f"--policy {a.policy} needs a KV budget (--hh-ratio, --hh-size, --kv-budget, ...); "
                          "without one the cache is full and nothing is evicted")
+    check_page_flags(a, budget)
     if a.head_floor is not None and a.head_budgets != "adaptive":
         raise ValueError("--head-floor sets the least share of a head under --head-budgets adaptive; add "
                          "--head-budgets adaptive or drop it")
@@ -240,6 +258,22 @@ def check_flags(a: argparse.Namespace) -> None:
         if value is not None and (a.full_cache or not budget):
             raise ValueError(f"{flag} ranks the prompt tokens an eviction keeps: it needs a KV budget "
                              "(--hh-ratio, --hh-size, --kv-budget, ...) and no --full-cache")
+
+
+def check_page_flags(a: argparse.Namespace, budget: list[str]) -> None:
+    page_flags = [f"--{k.replace('_', '-')}" for k in ("fetch_ratio", "fetch_pages", "page_size", "page_score",
+                                                        "dense_layers") if getattr(a, k) is not None]
+    if a.kv_select != "pages":
+        if page_flags:
+            raise ValueError(f"{', '.join(page_flags)} set(s) what page selection reads; add --kv-select pages or "
+                             "drop it")
+        return
+    if budget or a.policy != "h2o" or a.h2o_variant != "exact" or a.position_rolling:
+        raise ValueError("--kv-select pages reads from a cache that keeps every token: drop the eviction flags "
+                         "(--hh-ratio, --kv-budget, --policy, --position-rolling, ...) or drop --kv-select pages")
+    if (a.fetch_ratio is None) == (a.fetch_pages is None):
+        raise ValueError("--kv-select pages needs what a step reads: --fetch-ratio R (a share of each sequence) "
+                         "or --fetch-pages N, one of them")
 
 
 def run_sampling(a: argparse.Namespace) -> dict:
@@ -253,6 +287,12 @@ def eviction_from_args(a: argparse.Namespace) -> Any:
     sizes = dict(hh_ratio=a.hh_ratio, recent_ratio=a.recent_ratio, hh_size=a.hh_size, recent_size=a.recent_size,
                  sink_size=a.sink_size, kv_budget=a.kv_budget)
     given = [f"--{k.replace('_', '-')}" for k, v in sizes.items() if v is not None]
+    if a.kv_select == "pages":
+        from flexgen_h2o.kv.page_rule import PageRule
+        given = {k: getattr(a, k) for k in ("page_size", "page_score", "dense_layers") if getattr(a, k) is not None}
+        rule = PageRule(fetch_ratio=a.fetch_ratio, fetch_pages=a.fetch_pages,
+                        **{"score" if k == "page_score" else k: v for k, v in given.items()})
+        return EvictionConfig(policy="full", pages=rule)
     if a.full_cache:
         if given:
             raise ValueError(f"--full-cache keeps every token; drop {', '.join(given)}")

@@ -23,6 +23,7 @@ from typing import Any
 
 from flexgen_h2o.config import ConfigError
 from flexgen_h2o.files import real_path, write_atomic
+from flexgen_h2o.kv.page_rule import DEFAULT_PAGE_SCORE, DEFAULT_PAGE_SIZE
 from flexgen_h2o.kv.registry import DEFAULT_HEAD_FLOOR, cli_variants, trait
 
 VERSION = 1
@@ -72,6 +73,7 @@ def answer_settings(args: argparse.Namespace, gen_len: int) -> dict[str, Any]:
         "pool_kernel": _or_default(args.pool_kernel, policy, "default_pool_kernel"),
         # None when uniform, so a record from before head budgets existed still matches
         **_head_budgets(args, policy),
+        **_page_selection(args),
         "temperature": float(args.temperature),
         "top_p": float(args.top_p) if sampling else None, "top_k": args.top_k if sampling else None,
         "seed": args.seed if sampling or policy == "random" else None,
@@ -84,6 +86,15 @@ def _head_budgets(args: argparse.Namespace, policy: str) -> dict[str, Any]:
     adaptive = policy != "full" and getattr(args, "head_budgets", "uniform") == "adaptive"
     floor = args.head_floor if getattr(args, "head_floor", None) is not None else DEFAULT_HEAD_FLOOR
     return {"head_budgets": "adaptive" if adaptive else None, "head_floor": float(floor) if adaptive else None}
+
+
+def _page_selection(args: argparse.Namespace) -> dict[str, Any]:
+    """The pages a step reads, or nothing (so a record from before page selection existed still matches)."""
+    if getattr(args, "kv_select", "all") != "pages":
+        return {}
+    return {"kv_select": "pages", "page_size": args.page_size or DEFAULT_PAGE_SIZE, "fetch_ratio": args.fetch_ratio,
+            "fetch_pages": args.fetch_pages, "page_score": args.page_score or DEFAULT_PAGE_SCORE,
+            "dense_layers": args.dense_layers or 0}
 
 
 def _or_default(given: Any, policy: str, default: str) -> Any:

@@ -129,9 +129,16 @@ def h2o_attention(module: torch.nn.Module, query: Tensor, key: Tensor, value: Te
                                      score_window=owner.eviction.score_window)
         layer.commit_prefill(mass, valid)
     else:
-        # one new token over the slot window (kept tokens + itself, which update() wrote into its free slot)
-        out, mass = owner.kernels.window_attention(query, key, value, layer.slot_mask(), layer.write_slot, scale,
-                                                   want_scores=layer.needs_scores, score_reduce=reduce)
+        pages = layer.select(query)
+        if pages is not None:         # page selection: the new token over the pages its query needs
+            view, k_new, v_new = pages
+            ctx = StepContext(positions=layer.next_pos.view(-1, 1), token_valid=torch.ones(b, 1, dtype=torch.bool),
+                              compute_dtype=query.dtype, kernels=owner.kernels)
+            out, mass = owner.kernels.decode_attention(query, k_new, v_new, view, ctx, scale)
+        else:
+            # one new token over the slot window (kept tokens + itself, which update() wrote into its free slot)
+            out, mass = owner.kernels.window_attention(query, key, value, layer.slot_mask(), layer.write_slot,
+                                                       scale, want_scores=layer.needs_scores, score_reduce=reduce)
         layer.commit_decode(mass)
     return out.transpose(1, 2).contiguous(), mass
 

@@ -27,7 +27,8 @@ from flexgen_h2o.formats import quant_format
 from flexgen_h2o.kernels import resolve as resolve_kernels
 from flexgen_h2o.kv import Budget, EvictionConfig, get_policy, policy_for
 from flexgen_h2o.kv.cache import KVCache
-from flexgen_h2o.kv.ragged import kv_cache
+from flexgen_h2o.kv.layouts import kv_cache
+from flexgen_h2o.kv.pages import PagedKVCache
 from flexgen_h2o.models.layer import KVSpec, KVView, LayerOutput
 from flexgen_h2o.models.ops import write_slot
 
@@ -53,9 +54,9 @@ class H2OLayer(CacheLayerMixin):
     is_sliding = False
     is_croppable = False             # evicted tokens are gone: no rollback for assisted decoding
 
-    def __init__(self, owner: H2OCache):
+    def __init__(self, owner: H2OCache, index: int = 0):
         super().__init__()
-        self.owner = owner
+        self.owner, self.index = owner, index
         self.store: KVCache | None = None
         self.seen = 0                # tokens processed, pads included: transformers' sequence length
         self.next_pos: Tensor | None = None     # (b,) true position of each sequence's next token
@@ -159,13 +160,24 @@ class H2OLayer(CacheLayerMixin):
         owner = self.owner
         token_pos = torch.where(token_valid, token_valid.long().cumsum(-1) - 1, -1)      # true positions, pads -1
         device = k.device
+        pages = owner.eviction.pages
+        if pages is not None and self.index < pages.dense_layers:
+            pages = None                        # a dense layer reads its whole window
         self.store = kv_cache(KVSpec(g, d), b, owner.budget.capacity, owner.policy, owner.budget, dtype=k.dtype,
                              alloc=lambda shape, dtype: torch.empty(shape, dtype=dtype, device=device),
-                             generator=owner.generator(device), kernels=owner.kernels, fmt=owner.kv_format)
+                             generator=owner.generator(device), kernels=owner.kernels, fmt=owner.kv_format,
+                             pages=pages, summaries=dict(summary_device=device, summary_dtype=k.dtype))
         self.store.commit_prefill(k, v, scores, token_pos)
         self.next_pos = token_valid.long().sum(-1)
         self.keys, self.values = self.store.k, self.store.v
         self._pending = None
+
+    def select(self, query: Tensor) -> tuple[KVView, Tensor, Tensor] | None:
+        """Under page selection (EvictionConfig.pages), the view of the pages this step's query (b, h, 1, d) needs
+        (kv/pages.py) and the new token's K and V rows; None for a cache that attends over its whole window."""
+        if not isinstance(self.store, PagedKVCache):
+            return None
+        return self.store.select(query.device, query.dtype, query), *self._pending
 
     def commit_decode(self, mass: Tensor | None) -> None:
         """Add this step's attention mass (b, g, s) to the scores and free one victim slot per (b, g)."""
@@ -246,7 +258,7 @@ class H2OCache(Cache):
         if self._unattended is not None and self._unattended._pending is not None:
             raise RuntimeError(NEEDS_ATTENTION)     # the last layer's tensors never reached our attention function
         while len(self.layers) <= layer_idx:
-            self.layers.append(H2OLayer(self))
+            self.layers.append(H2OLayer(self, len(self.layers)))
         if self.budget is None:
             self.resolve(key_states.shape[2])        # before the first attention: it decides whether to score
         layer = self.layers[layer_idx]

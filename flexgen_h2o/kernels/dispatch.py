@@ -220,6 +220,18 @@ class Kernels(ops.TorchKernels):
                                                want_scores=want_scores, score_reduce=score_reduce, fmt=fmt,
                                                col_start=col_start)
 
+    def key_mass(self, q: Tensor, k: Tensor, valid: Tensor, slot: Tensor, k_new: Tensor, scale: float,
+                 fmt) -> Tensor:
+        """ops.TorchKernels.key_mass's values (to fp32 rounding): the compressed-cache kernel without its values."""
+        quant = fmt.quant_for(q.shape[-1])
+        if (self._cpu_fp32(q) and k.dim() == 4 and k.stride(3) == 1 and k.stride(2) == k.shape[3]
+                and hasattr(self.ext, "decode_attention_quant")):
+            none = torch.empty(0, dtype=torch.uint8)
+            _, mass = self.ext.decode_attention_quant(q, k, none, valid, slot, k_new, k_new, float(scale), True,
+                                                      False, quant.bits, quant.group_size, torch.empty(0, dtype=torch.long))
+            return mass
+        return super().key_mass(q, k, valid, slot, k_new, scale, fmt)
+
     def window_attention(self, q: Tensor, k: Tensor, v: Tensor, valid: Tensor, slot: Tensor, scale: float, *,
                          want_scores: bool = False, score_reduce: str = "sum") -> tuple[Tensor, Tensor | None]:
         """Batch-invariant: the decode kernel over the fp32 window, which reads only each column's own slots

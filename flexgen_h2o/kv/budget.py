@@ -24,6 +24,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
+from flexgen_h2o.kv.page_rule import PageRule
 from flexgen_h2o.kv.registry import DEFAULT_HEAD_FLOOR, policy_names, trait
 
 SCORE_REDUCE = ("sum", "mean")
@@ -160,10 +161,15 @@ class EvictionConfig:
     # "adaptive": a layer's KV heads share its budget, AdaKV's allocation (kv/adaptive.py); "uniform": each its own
     head_budgets: str = "uniform"
     head_floor: float = DEFAULT_HEAD_FLOOR   # adaptive: the least share of the uniform budget a head keeps
+    # page selection (kv/pages.py): nothing evicted, each decode step reads the pages its query needs
+    pages: PageRule | None = None
 
     def __post_init__(self) -> None:
         if self.policy not in policy_names():
             raise ValueError(f"unknown eviction policy {self.policy!r}; choose one of {', '.join(policy_names())}")
+        if self.pages is not None and (self.policy != "full" or self.position_rolling):
+            raise ValueError("page selection (--kv-select pages) reads from a cache that keeps every token; drop "
+                             "the eviction budget and --position-rolling, or use eviction alone")
         # a policy's own defaults are filled in here, so everything downstream reads one value
         if self.score_window is None and trait(self.policy, "default_score_window") is not None:
             object.__setattr__(self, "score_window", trait(self.policy, "default_score_window"))

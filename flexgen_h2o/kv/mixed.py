@@ -33,6 +33,24 @@ def _as_window(view: KVView) -> KVView:
                                col_start=None)
 
 
+def _join(views: list[KVView]) -> KVView:
+    """The parts' views as one window of the whole batch (the widest part's slots; the others' padded, masked)."""
+    views = [_as_window(v) for v in views]
+    s = max(v.valid.shape[2] for v in views)
+    cat = lambda name, fill: torch.cat([_pad_slots(getattr(v, name), s, fill) for v in views])  # noqa: E731
+    first = views[0]      # stored rows copied as they are (KVCache.copy_stored) stay in their format
+    view = KVView(k=cat("k", 0), v=cat("v", 0), valid=cat("valid", False),
+                  write_slot=torch.cat([v.write_slot for v in views]), compute_dtype=first.compute_dtype,
+                  format=first.format,
+                  key_scale=None if first.key_scale is None else torch.cat([v.key_scale for v in views]))
+    if views[0].key_positions is not None:
+        view.key_positions = cat("key_positions", 0)
+    for part in views:                     # the parts were copied into the joint window
+        if part.release is not None:
+            part.release()
+    return view
+
+
 class SplitKVCache:
     def __init__(self, parts: list[tuple[int, int, KVCache]], attention_device: torch.device | None = None):
         self.parts = parts                     # (first sequence, end sequence, cache over that range)
@@ -87,20 +105,10 @@ class SplitKVCache:
         self._widths = [v.valid.shape[2] for v in views]
         if len(views) == 1:
             return views[0]
-        views = [_as_window(v) for v in views]
-        s = max(self._widths)
-        cat = lambda name, fill: torch.cat([_pad_slots(getattr(v, name), s, fill) for v in views])  # noqa: E731
-        first = views[0]      # stored rows copied as they are (KVCache.copy_stored) stay in their format
-        view = KVView(k=cat("k", 0), v=cat("v", 0), valid=cat("valid", False),
-                      write_slot=torch.cat([v.write_slot for v in views]), compute_dtype=first.compute_dtype,
-                      format=first.format,
-                      key_scale=None if first.key_scale is None else torch.cat([v.key_scale for v in views]))
-        if views[0].key_positions is not None:
-            view.key_positions = cat("key_positions", 0)
-        for part in views:                     # the parts were copied into the joint window
-            if part.release is not None:
-                part.release()
-        return view
+        if views[0].select is not None:        # each part reads the pages its rows' queries need, then they join
+            return dataclasses.replace(_join(views), select=lambda q: _join(
+                [v.select(q[lo:hi]) for (lo, hi, _), v in zip(self.parts, views)]))
+        return _join(views)
 
     def commit_decode(self, view: KVView, out: LayerOutput, new_pos: Tensor) -> None:
         for (lo, hi, cache), width in zip(self.parts, self._widths):

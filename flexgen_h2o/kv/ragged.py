@@ -47,13 +47,6 @@ class ColumnBudgets:
         return getattr(self.rows, name)
 
 
-def kv_cache(spec, batch: int, capacity: int, policy, budget: Budget | RowBudgets, **kw) -> KVCache:
-    """The cache a budget needs: ragged where a layer's heads share their slots and the policy evicts."""
-    if budget.head_floor is not None and policy.name != "full":
-        return RaggedKVCache(spec, batch, capacity, policy, budget, **kw)
-    return KVCache(spec, batch, capacity, policy, budget, **kw)
-
-
 class RaggedKVCache(KVCache):
     def _allocate(self, alloc, width: int) -> None:
         b, g, cap = self.batch, self.spec.n_kv_heads, self.capacity

@@ -10,8 +10,10 @@ from __future__ import annotations
 import ctypes
 import errno
 import itertools
+import mmap
 import os
 import re
+import struct
 import threading
 from pathlib import Path
 from typing import ClassVar, Sequence
@@ -187,6 +189,34 @@ def _fallocate(path: str, nbytes: int) -> None:
         os.close(fd)
 
 
+def _write_npy_header(path: str, shape: tuple[int, ...], dtype: np.dtype, nbytes: int) -> int:
+    """A `.npy` file of `nbytes` data whose data starts at the next OS page (np.load reads any header length), so
+    an aligned run of data is whole OS pages: a reader of scattered KV pages (kv/pages.py) faults in only its own.
+    Returns the data's offset."""
+    text = repr({"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False, "shape": tuple(shape)})
+    offset = -(-(len(text) + 11) // mmap.PAGESIZE) * mmap.PAGESIZE          # magic 6 + version 2 + length 2 + "\n"
+    body = text + " " * (offset - 10 - len(text) - 1) + "\n"
+    with open(path, "wb") as f:
+        f.write(b"\x93NUMPY\x01\x00" + struct.pack("<H", len(body)) + body.encode("latin1"))
+        f.truncate(offset + nbytes)
+    return offset
+
+
+def drop_from_memory(x: Tensor, path: str | os.PathLike) -> None:
+    """Drop a disk-homed tensor's pages from RAM, the mapping's and the page cache's, so its next read comes from
+    the disk: what a step finds when the KV is larger than the RAM it may use (tests, benchmarks)."""
+    page = mmap.PAGESIZE
+    start = x.data_ptr() // page * page
+    length = x.data_ptr() + x.numel() * x.element_size() - start
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    libc.msync.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    libc.msync(start, length, 4)                              # MS_SYNC: dirty pages written first
+    if libc.madvise(start, length, mmap.MADV_DONTNEED) != 0:
+        raise OSError(ctypes.get_errno(), "madvise(MADV_DONTNEED) failed")
+    drop_file_cache(path)
+
+
 def release_free_heap() -> None:
     """glibc's malloc_trim(0): free heap pages go back to the OS wherever they lie (elsewhere: nothing)."""
     try:
@@ -230,9 +260,7 @@ class DiskTier(Tier):
         old_peak = self.peak_bytes
         self._charge(t.nbytes)
         try:
-            mm = np.lib.format.open_memmap(path, mode="w+", dtype=_NP_DTYPE[dtype], shape=shape)
-            offset = int(mm.offset)
-            del mm
+            offset = _write_npy_header(path, shape, np.dtype(_NP_DTYPE[dtype]), t.nbytes)
             _fallocate(path, offset + t.nbytes)
         except BaseException as e:
             self._refund(t.nbytes, old_peak)
@@ -245,14 +273,18 @@ class DiskTier(Tier):
         self._live[id(t)] = t
         return t
 
-    def torch_view(self, t: TieredTensor) -> Tensor:
-        """Shared, writable zero-copy view of the file: writes land in it."""
+    def torch_view(self, t: TieredTensor, random: bool = False) -> Tensor:
+        """Shared, writable zero-copy view of the file: writes land in it. random: a reader of scattered pages
+        (kv/pages.py); the kernel then reads only the pages touched, not the ~128 KiB it reads around a fault."""
         f: DiskFile = t.payload
         if f is None:
             raise RuntimeError(f"use of freed {t!r}")
         if t.numel == 0:                     # mmap cannot map zero bytes
             return torch.empty(t.shape, dtype=t.dtype)
-        x = torch.from_numpy(np.memmap(f.path, dtype=f.np_dtype, mode="r+", offset=f.offset, shape=t.shape))
+        array = np.memmap(f.path, dtype=f.np_dtype, mode="r+", offset=f.offset, shape=t.shape)
+        if random:
+            array._mmap.madvise(mmap.MADV_RANDOM)
+        x = torch.from_numpy(array)
         return x.view(torch.bfloat16) if t.dtype is torch.bfloat16 else x
 
     def free(self, t: TieredTensor) -> None:

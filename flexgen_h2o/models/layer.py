@@ -124,6 +124,9 @@ class KVView:
     # (b, g) long, set where k and v are a pool of rows (b, T, width) holding heads of different lengths (a
     # head-adaptive cache read in place, kv/ragged.py): column (b, g)'s slot i is row col_start[b, g] + i
     col_start: Tensor | None = None
+    # set on a lazy view (a cache that reads only the pages a query needs, kv/pages.py): the attention layer calls
+    # it with the step's query (b, h, 1, d), after RoPE, and attends over the view it returns
+    select: Callable[[Tensor], "KVView"] | None = None
 
 
 @dataclass

@@ -385,6 +385,13 @@ class TorchKernels:
         return narrow_decode_attention(q, k, v, valid, slot, k_new, v_new, scale, want_scores=want_scores,
                                        score_reduce=score_reduce, fmt=fmt)
 
+    def key_mass(self, q: Tensor, k: Tensor, valid: Tensor, slot: Tensor, k_new: Tensor, scale: float,
+                 fmt) -> Tensor:
+        """The attention mass (b, g, s) query q (b, h, 1, d) gives the quantized key rows k (b, g, s, row) of format
+        fmt, summed over each KV head's query heads: narrow_decode_attention's mass with the keys as values too
+        (compiled kernels skip the values)."""
+        return self.narrow_decode_attention(q, k, k, valid, slot, k_new, k_new, scale, want_scores=True, fmt=fmt)[1]
+
     def window_attention(self, q: Tensor, k: Tensor, v: Tensor, valid: Tensor, slot: Tensor, scale: float, *,
                          want_scores: bool = False, score_reduce: str = "sum") -> tuple[Tensor, Tensor | None]:
         """One decode step over a staged window in compute dtype (b, g, s, d) that already holds the new token

@@ -98,6 +98,8 @@ class AttentionLayer(_Base):
             # key's mass where the rule wants it
             out, scores = kernels.prompt_attention(q, k, v, ctx, scale)
         else:
+            if kv.select is not None:        # the cache reads the pages this query needs (kv/pages.py)
+                kv = kv.select(q)
             if kv.k.device != q.device:      # attention where the KV was staged (cpu_cache_compute)
                 q, k_store, v = (t.to(kv.k.device, kv.compute_dtype or kv.k.dtype) for t in (q, k_store, v))
             out, scores = kernels.decode_attention(q, k_store, v, kv, ctx, scale, self.inv_freq)

@@ -184,6 +184,19 @@ def page_cache_room(checked: list[Any] | None) -> int | None:
     return None if ram is None else max(0, ram.available - ram.need)
 
 
+def page_reads(plan: Plan, window: float, n_attn: int) -> tuple[float, float]:
+    """Slots a decode step reads per (sequence, KV head, attention layer), averaged over the layers, and what it
+    scores to choose them: the window and nothing, or under page selection (kv/page_rule.py) the pages it reads
+    and the page summaries ("bound") or the int4 key rows ("keys") of the layers that select."""
+    pages = plan.eviction.pages
+    if pages is None:
+        return window, 0.0
+    dense = min(pages.dense_layers, n_attn) / n_attn
+    sparse = min(window, pages.pages_read(int(window)) * pages.page_size)
+    scored = window / pages.page_size if pages.score == "bound" else window
+    return dense * window + (1 - dense) * sparse, (1 - dense) * scored
+
+
 def predict(plan: Plan, rates: dict[str, Any], *, n_prompts: int | None = None, free_ram: int | None = None,
             peak_bytes: dict[str, int] | None = None) -> Prediction:
     """Predicted times of one block of `plan` (and of the job: ceil(n_prompts / block) blocks). free_ram: RAM the
@@ -196,8 +209,14 @@ def predict(plan: Plan, rates: dict[str, Any], *, n_prompts: int | None = None, 
     kv_name = plan.kv_format.name if plan.kv_format.quantized else "fp16"
     ns_slot = r.get(f"decode_ns_per_slot_{kv_name}", r["decode_ns_per_slot_fp16"]) * 1e-9
     groups = layer_costs(cfg, off.tier_fractions("weights"), off.weight_format, off.sep_layer)
+    full = plan.policy == "full"
+    # the decode window: a full cache's grows from the prompt (each column reads its own extent), a budget's is fixed
+    window = plan.prompt_len + plan.gen_len / 2 if full else plan.capacity
+    n_attn = max(1, sum(g.attn for g in groups))
+    read_window, summary_slots = page_reads(plan, window, n_attn)
     # the share of disk reads the page cache serves: what fits beside the run, of what it passes over each step
-    demand = (0 if off.uncached_disk_weights else sum(g.disk_bytes for g in groups)) + plan.kv_bytes().get("disk", 0)
+    demand = ((0 if off.uncached_disk_weights else sum(g.disk_bytes for g in groups))
+              + plan.kv_bytes().get("disk", 0) * read_window / window)
     hit = 1.0 if free_ram is None or demand <= free_ram else free_ram / demand
     hit_w = 0.0 if off.uncached_disk_weights else hit
     page_cache, disk_read = rates["page_cache_read_GBps"] * 1e9, rates["disk_read_GBps"] * 1e9
@@ -209,12 +228,10 @@ def predict(plan: Plan, rates: dict[str, Any], *, n_prompts: int | None = None, 
     attn_flops_tok = 4 * cfg.n_heads * cfg.head_dim                   # QK^T and PV per query per key
     prompt_rate = r["prompt_scored_GFLOPs" if plan.needs_scores else "prompt_plain_GFLOPs"] * 1e9
     fixed_dec, fixed_pre = r["fixed_decode_s_per_layer"], r["fixed_prefill_s_per_layer"]
-    full = plan.policy == "full"
     kv_fr = off.tier_fractions("cache")
-    # the decode window: a full cache's grows from the prompt (each column reads its own extent), a budget's is fixed
-    window = plan.prompt_len + plan.gen_len / 2 if full else plan.capacity
-    in_place = off.kv_read_in_place(plan.device_type, plan.eviction.position_rolling, off.gpu_batch_size)
-    n_attn = max(1, sum(g.attn for g in groups))
+    # page selection copies the pages it reads (kv/pages.py); a plain cache may be read where it lies
+    in_place = (plan.eviction.pages is None
+                and off.kv_read_in_place(plan.device_type, plan.eviction.position_rolling, off.gpu_batch_size))
     probed = block_points(r, fmt_w, cfg)
     block_flops = sum(g.flops_per_row for g in groups if g.block) / max(1, cfg.n_layers)
     sizes = collections.Counter(b.size for b in plan.batches)        # GPU batches by row count
@@ -237,9 +254,16 @@ def predict(plan: Plan, rates: dict[str, Any], *, n_prompts: int | None = None, 
         for rows, n in sizes.items():
             compute += n * _decode_matrices_s(g, rows, linear, probed, block_flops, fixed_dec)
             if g.attn:
-                slots = n * rows * cfg.n_kv_heads * window * cfg.n_layers / n_attn
-                beyond = max(0.0, window - PROBE_WINDOW) / window if probed else 1.0
+                slots = n * rows * cfg.n_kv_heads * read_window * cfg.n_layers / n_attn
+                beyond = max(0.0, read_window - PROBE_WINDOW) / read_window if probed else 1.0
                 compute += slots * ns_slot * beyond
+                # choosing the pages: a pass over the page summaries at the copy rate, or attention over the int4
+                # copy of the keys at the compressed cache's rate
+                scored = n * rows * cfg.n_kv_heads * summary_slots * cfg.n_layers / n_attn
+                if plan.eviction.pages is not None and plan.eviction.pages.score == "keys":
+                    compute += scored * r.get("decode_ns_per_slot_int4-g64", r["decode_ns_per_slot_fp16"]) * 1e-9
+                else:
+                    compute += (scored * 2 * cfg.head_dim * plan.compute_itemsize / (rates["memcpy_GBps"] * 1e9))
                 if not in_place:                 # a staged copy of the window (split, disk, or rolling cache)
                     compute += slots * cfg.head_dim * 2 * 4 / (rates["memcpy_GBps"] * 1e9)
                 if gpu:

@@ -29,6 +29,8 @@ from flexgen_h2o.config import OffloadPolicy
 from flexgen_h2o.formats import StorageFormat
 from flexgen_h2o.kernels import onednn_may_run
 from flexgen_h2o.kv import Budget, EvictionConfig
+from flexgen_h2o.kv.page_rule import PageRule
+from flexgen_h2o.kv.pages import SKETCH
 from flexgen_h2o.models import KVSpec, ModelConfig, all_specs, build_layers, schedule_groups
 from flexgen_h2o.planner.plan import Plan
 from flexgen_h2o.weights.placement import (is_lookup_table, model_bytes, packed_names, resident_dtype,
@@ -65,6 +67,19 @@ def kv_slot_bytes(model: ModelConfig, fmt: StorageFormat) -> int:
     return KVSpec(model.n_kv_heads, model.head_dim).row_bytes(fmt)
 
 
+def summary_row_bytes(pages: PageRule, capacity: int, head_dim: int, itemsize: int) -> int:
+    """Bytes page selection keeps per (sequence, KV head, layer) to score pages: each page's key min and max, or
+    an int4 row per slot (and a spare one) for the "keys" score."""
+    if pages.score == "bound":
+        return -(-capacity // pages.page_size) * 2 * head_dim * itemsize
+    return (capacity + 1) * SKETCH.row_width(head_dim)
+
+
+def kv_row_bytes(model: ModelConfig, fmt: StorageFormat) -> int:
+    """One token's K and V in one attention layer, every KV head: what reading it moves."""
+    return 2 * model.n_kv_heads * fmt.nbytes(model.head_dim, model.head_dim)
+
+
 def estimate(model: ModelConfig, offload: OffloadPolicy, eviction: EvictionConfig, *, prompt_len: int,
              gen_len: int, n_seqs: int | None = None, compute_dtype_bytes: int = 4,
              dummy_store_bytes: int = 0, device_type: str | None = None, real_weights: bool = False) -> Estimate:
@@ -95,6 +110,11 @@ def plan_bytes(plan: Plan, *, dummy_store_bytes: int = 0, real_weights: bool = F
         est.add("disk", "weights", est.model_bytes)     # the packed copy converted beside the store (<fmt>/)
     for tier, n in plan.kv_bytes().items():
         est.add(tier, "kv", n)
+    pages = plan.eviction.pages
+    if pages is not None:        # page selection's scores' inputs, where it computes (kv/pages.py)
+        layers = model.n_layers - min(pages.dense_layers, model.n_layers)
+        est.add("compute", "kv", layers * plan.n_seqs * model.n_kv_heads * summary_row_bytes(pages, plan.capacity,
+                                                                                            model.head_dim, c))
     est.kv_bytes = sum(est.bytes[t]["kv"] for t in TIERS)
     est.full_kv_bytes = model.n_layers * plan.n_seqs * (plan.prompt_len + plan.gen_len) * plan.slot_bytes()
     for tier, n in plan.activation_bytes().items():

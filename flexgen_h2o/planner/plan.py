@@ -106,8 +106,12 @@ class Plan:
 
     @property
     def capacity(self) -> int:
-        """Slots every sequence's cache allocates (the block's largest budget + 1, capped by its length)."""
-        return self.budgets.capacity
+        """Slots every sequence's cache allocates (the block's largest budget + 1, capped by its length); under page
+        selection, whole pages, so that every page of every column starts on a page boundary of its tier."""
+        pages = self.eviction.pages
+        if pages is None:
+            return self.budgets.capacity
+        return -(-self.budgets.capacity // pages.page_size) * pages.page_size
 
     @property
     def needs_scores(self) -> bool:

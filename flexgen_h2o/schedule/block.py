@@ -20,7 +20,8 @@ from flexgen_h2o.kv import RowBudgets, get_policy
 from flexgen_h2o.kv.staging import StagingBuffers
 from flexgen_h2o.kv.draws import KeyedDraws
 from flexgen_h2o.kv.mixed import SplitKVCache
-from flexgen_h2o.kv.ragged import kv_cache
+from flexgen_h2o.kv.layouts import kv_cache
+from flexgen_h2o.kv.page_rule import PageRule
 from flexgen_h2o.memory import check_space
 from flexgen_h2o.planner.plan import BatchPlan, Plan
 from flexgen_h2o.schedule.activations import ActivationHome
@@ -61,14 +62,15 @@ class Runtime:
 
     # --- memory of the current block ---
 
-    def alloc(self, kind: str, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
-        """A tensor homed on a tier, charged to that tier's accounting; disk gives a writable memmap view."""
+    def alloc(self, kind: str, shape: tuple[int, ...], dtype: torch.dtype, random: bool = False) -> Tensor:
+        """A tensor homed on a tier, charged to that tier's accounting; disk gives a writable memmap view (random:
+        mapped for reads of scattered pages, without the kernel's read-around)."""
         if kind not in self.tiers:
             raise ConfigError("the placement puts tensors on disk: pass an --offload-dir")
         tier = self.tiers[kind]
         handle = tier.allocate(shape, dtype)
         self.handles.append(handle)
-        return tier.torch_view(handle) if kind == "disk" else handle.payload
+        return tier.torch_view(handle, random=random) if kind == "disk" else handle.payload
 
     def mark(self) -> int:
         """A point to free back to (free_since): a join pass's transient activation homes."""
@@ -98,9 +100,10 @@ class Runtime:
     # --- allocation ---
 
     def make_cache(self, layer: Any, plan: BatchPlan, budget: RowBudgets, capacity: int, policy: Any,
-                   draws: KeyedDraws | None, rolling: bool) -> SplitKVCache:
+                   draws: KeyedDraws | None, rolling: bool, pages: PageRule | None = None) -> SplitKVCache:
         """One GPU batch's cache of one layer: every tier's part allocates the block's capacity (its largest
-        sequence budget, as the planner counts it) and keeps its own rows' budgets."""
+        sequence budget, as the planner counts it) and keeps its own rows' budgets. pages: what a step reads of a
+        cache that keeps every token (kv/pages.py), None for the whole cache."""
         parts = []
         host_attention = (self.offload.cpu_cache_compute and any(kind != "compute" for _, _, kind in plan.cache)
                           and (self.device.type != "cpu" or self.host_attention_on_cpu))
@@ -108,11 +111,13 @@ class Runtime:
         # batch invariance: attention reads the stored rows wherever they were staged from (KVCache.copy_stored)
         reads = dict(read_in_place=self.offload.kv_read_in_place(attention_on, rolling, plan.size),
                      copy_stored=self.kernels.batch_invariant and attention_on == "cpu" and not rolling)
+        if pages is not None:            # the pages a step reads are chosen where it computes
+            reads["summaries"] = dict(summary_device=self.device, summary_dtype=self.compute_dtype)
         for lo, hi, kind in plan.cache:
             cache = kv_cache(layer.kv_spec(), hi - lo, capacity, policy, budget.part(lo, hi), fmt=self.offload.kv_format,
-                            alloc=lambda shape, dtype, kind=kind: self.alloc(kind, shape, dtype), tier_kind=kind,
-                            rolling=rolling, generator=None if draws is None else draws.part(lo, hi),
-                            staging=self.kv_staging, kernels=self.kernels, **reads)
+                            alloc=lambda shape, dtype, kind=kind: self.alloc(kind, shape, dtype, random=pages is not None),
+                            tier_kind=kind, rolling=rolling, generator=None if draws is None else draws.part(lo, hi),
+                            staging=self.kv_staging, kernels=self.kernels, pages=pages, **reads)
             parts.append((lo, hi, cache))
         return SplitKVCache(parts, attention_device=torch.device("cpu") if host_attention else None)
 
@@ -128,6 +133,9 @@ class Runtime:
             check_space(self.offload_root, plan.disk_bytes())
         policy, rolling = get_policy(plan.policy), plan.eviction.position_rolling
         mine = range(*self.stage)
+        attention = [(l, layer) for l, layer in enumerate(self.layers) if layer.kind == "attn"]
+        pages = plan.eviction.pages              # page selection: the first dense_layers read every page
+        dense = 0 if pages is None else pages.dense_layers
         batches = []
         for bp in plan.batches:
             lo, hi = bp.lo, bp.hi
@@ -136,8 +144,9 @@ class Runtime:
                            kept_max=torch.tensor(rows.values("budget")),
                            evicts=None if evicts is None else tuple(evicts[lo:hi]),
                            first_step=torch.zeros(hi - lo, dtype=torch.long) if refill else None)
-            b.caches = {l: self.make_cache(layer, bp, rows, plan.capacity, policy, draws(l, lo, hi), rolling)
-                        for l, layer in enumerate(self.layers) if layer.kind == "attn" and l in mine}
+            b.caches = {l: self.make_cache(layer, bp, rows, plan.capacity, policy, draws(l, lo, hi), rolling,
+                                           pages if n >= dense else None)
+                        for n, (l, layer) in enumerate(attention) if l in mine}
             b.activations = ActivationHome(list(bp.act), self.alloc, self.device)
             batches.append(b)
         return batches

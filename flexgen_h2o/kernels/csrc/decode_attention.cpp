@@ -279,7 +279,7 @@ struct Problem {
   const float* k_new;             // (b, g, d): its key and value, unrounded
   const float* v_new;
   float scale, pool;              // pool: 1 to sum the group's heads into a key's mass, 1 / r for their mean
-  float* out;                     // (b, g * r, d)
+  float* out;                     // (b, g * r, d), or null: the mass alone (no values were given)
   float* mass;                    // (b, g, s), or null
 };
 
@@ -313,13 +313,15 @@ void attend_column(const Problem& p, int64_t bi, int64_t gi, float* qs, float* p
     line[new_slot] = sum;
     softmax(line, e);                       // the new token is always valid: no line is all masked
   }
-  float* out = p.out + bg * r * d;
-  std::fill(out, out + r * d, 0.0f);
-  const Rows values(p.v + bi * p.vb + block * p.vg, d, p.group_size);
-  for (int64_t j0 = 0; j0 < r; j0 += HEADS_AT_ONCE)
-    head_values(probs + j0 * s, std::min(HEADS_AT_ONCE, r - j0), s, values, e, d, new_slot, out + j0 * d);
-  for (int64_t j = 0; j < r; ++j)
-    for (int64_t c = 0; c < d; ++c) out[j * d + c] += probs[j * s + new_slot] * v_new[c];
+  if (p.out != nullptr) {
+    float* out = p.out + bg * r * d;
+    std::fill(out, out + r * d, 0.0f);
+    const Rows values(p.v + bi * p.vb + block * p.vg, d, p.group_size);
+    for (int64_t j0 = 0; j0 < r; j0 += HEADS_AT_ONCE)
+      head_values(probs + j0 * s, std::min(HEADS_AT_ONCE, r - j0), s, values, e, d, new_slot, out + j0 * d);
+    for (int64_t j = 0; j < r; ++j)
+      for (int64_t c = 0; c < d; ++c) out[j * d + c] += probs[j * s + new_slot] * v_new[c];
+  }
   if (p.mass != nullptr) {
     float* mass = p.mass + bg * s;
     std::copy(probs, probs + e, mass);
@@ -383,15 +385,17 @@ std::vector<at::Tensor> decode(const at::Tensor& q, const at::Tensor& k, const a
       TORCH_CHECK(starts[col] >= 0 && starts[col] + column_end(flags + col * s, s, slots[col]) <= k.size(1),
                   "a column's slots must lie inside the row pool");
   }
-  at::Tensor out = at::empty({b, h, 1, d}, q.options());
+  const bool values = v.numel() > 0;          // none given: the keys' mass alone (want_mass), no output
+  TORCH_CHECK(values || want_mass, "without values only the mass can be computed: pass want_mass");
+  at::Tensor out = values ? at::empty({b, h, 1, d}, q.options()) : at::empty({0}, q.options());
   at::Tensor mass = want_mass ? at::empty({b, g, s}, q.options()) : at::empty({0}, q.options());
   const int64_t r = h / g, kz = k.element_size(), vz = v.element_size();
   Problem p{b, g, r, s, d, group_size, qc.data_ptr<float>(), static_cast<const uint8_t*>(k.data_ptr()),
             static_cast<const uint8_t*>(v.data_ptr()), k.stride(0) * kz, k.stride(1) * kz,
-            v.stride(0) * vz, v.stride(1) * vz,      // dim 1: a window's head blocks, a pool's rows
+            values ? v.stride(0) * vz : 0, values ? v.stride(1) * vz : 0,   // dim 1: a window's head blocks, a pool's rows
             pooled ? start_c.data_ptr<int64_t>() : nullptr, valid_c.data_ptr<bool>(), slot_c.data_ptr<int64_t>(),
             k_new_c.data_ptr<float>(), v_new_c.data_ptr<float>(), static_cast<float>(scale),
-            mean_pool ? 1.0f / static_cast<float>(r) : 1.0f, out.data_ptr<float>(),
+            mean_pool ? 1.0f / static_cast<float>(r) : 1.0f, values ? out.data_ptr<float>() : nullptr,
             want_mass ? mass.data_ptr<float>() : nullptr};
   // a thread takes at least MIN_SLOTS_PER_THREAD (sequence, KV head, slot) rows: waking the sleeping OpenMP thread
   // (OMP_WAIT_POLICY=PASSIVE) costs more than a small step's whole attention (docs/architecture.md "How a token
@@ -435,13 +439,15 @@ std::vector<at::Tensor> decode_attention(const at::Tensor& q, const at::Tensor& 
 
 // decode_attention over a quantized cache: k, v (b, g, s, row_bytes) uint8 windows of quant.py's row form, d =
 // q.size(3) values a row in groups of group_size (even), bits 4 or 8. A masked slot's bytes are never used.
+// v empty (numel 0) with want_mass: the keys' mass alone, and an empty out (page selection's int4 key copy scores
+// its pages so, kv/pages.py: half the reads, none of the value sums).
 std::vector<at::Tensor> decode_attention_quant(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                const at::Tensor& valid, const at::Tensor& slot,
                                                const at::Tensor& k_new, const at::Tensor& v_new, double scale,
                                                bool want_mass, bool mean_pool, int64_t bits, int64_t group_size,
                                                const at::Tensor& col_start) {
   check_window(k, k, "k", at::kByte, "uint8");
-  check_window(v, k, "v", at::kByte, "uint8");
+  if (v.numel() > 0) check_window(v, k, "v", at::kByte, "uint8");
   TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
   TORCH_CHECK(group_size >= 2 && group_size % 2 == 0, "group_size must be even");
   TORCH_CHECK(q.dim() == 4 && q.size(3) > 0, "q must be (b, h, 1, d) float32");
