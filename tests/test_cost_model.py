@@ -307,3 +307,22 @@ def test_page_selection_prices_the_pages_it_reads():
         TINY.n_kv_heads * (264 + 1) * (8 + 4)
     by_keys = predict(_plan(off, keys, prompt=256, gen=8), RATES, free_ram=0)
     assert paged.decode_s < by_keys.decode_s < full.decode_s
+
+
+def test_auto_prices_a_paged_cache_on_disk_by_the_pages_it_reads(tmp_path):
+    """`--percent auto` with page selection: a KV homed on disk is among the fitting plans, priced by the share a
+    step reads, so its predicted decode is under half the full cache's at the same plan."""
+    from flexgen_h2o.kv.page_rule import PageRule
+    machine = Machine(ram_available=4 * GIB, ram_total=8 * GIB, process_rss=0)
+    paged = EvictionConfig(pages=PageRule(page_size=8, fetch_ratio=0.2))
+    found = search(TINY, paged, OffloadPolicy(), RATES, prompt_len=512, gen_len=8, n_prompts=16, device_type="cpu",
+                   machine=machine, compress=False, offload_root=tmp_path, keep=1000)
+    assert found
+    on_disk = [c for c in found if c.offload.tier_fractions("cache")[2] == 1]
+    assert on_disk
+    same = on_disk[0].offload
+    full = predict(Plan.for_shape(TINY, same, EvictionConfig(), prompt_len=512, gen_len=8, n_seqs=same.block_size,
+                                  device_type="cpu", compute_itemsize=4), RATES, free_ram=0)
+    mine = predict(Plan.for_shape(TINY, same, paged, prompt_len=512, gen_len=8, n_seqs=same.block_size,
+                                  device_type="cpu", compute_itemsize=4), RATES, free_ram=0)
+    assert mine.decode_s < 0.5 * full.decode_s

@@ -167,7 +167,7 @@ def test_every_tier_matches_the_reference(placement, monkeypatch, tmp_path):
 
 
 def test_a_budget_of_every_page_is_the_full_cache(tmp_path):
-    """Bit for bit, on the compute tier and with the KV on disk, fp32 and fp16 KV."""
+    """Bit for bit, on the compute tier and with the KV on disk, fp32, fp16 and int4 KV."""
     model = tiny_hf("llama-gqa")
     prompts = random_prompts(LENGTHS)
 
@@ -181,11 +181,30 @@ def test_a_budget_of_every_page_is_the_full_cache(tmp_path):
             engine.close()
 
     every = EvictionConfig(pages=PageRule(page_size=4, fetch_ratio=1.0))
-    for offload in (dict(kv_dtype="float32"), dict(kv_dtype="float16", **PLACEMENTS["disk"])):
+    for offload in (dict(kv_dtype="float32"), dict(kv_dtype="float16", **PLACEMENTS["disk"]), dict(kv_bits=4)):
         full_tokens, full_logits = run(EvictionConfig(), **offload)
         tokens, logits = run(every, **offload)
         assert tokens == full_tokens
         assert all(torch.equal(a, b) for x, y in zip(logits, full_logits) for a, b in zip(x, y))
+
+
+def test_a_compressed_cache_scores_its_own_keys(monkeypatch):
+    """int4 KV: the pages chosen from what the cache reads back (its dequantized keys), and every page equals the
+    compressed full cache; a 4-page read differs from it (the selection acts)."""
+    monkeypatch.setattr(PagedKVCache, "record_pages", True)
+    model = tiny_hf("llama-gqa")
+    prompts = random_prompts(LENGTHS)
+    runs = {}
+    for name, ev in (("full", EvictionConfig()), ("pages", EvictionConfig(pages=RULES["keys"]))):
+        engine = make_engine(model, eviction=ev, offload=OffloadPolicy(kv_bits=4, gpu_batch_size=3))
+        try:
+            out = engine.generate(prompts, greedy(N_NEW))
+            runs[name] = (out.token_ids, [engine.step_logits[i] for i in range(len(prompts))])
+            if name == "pages":
+                assert all(c.fmt.quantized and c.page_log for c in all_caches(engine))
+        finally:
+            engine.close()
+    assert any(not torch.equal(a, b) for x, y in zip(runs["full"][1], runs["pages"][1]) for a, b in zip(x, y))
 
 
 def test_alone_equals_in_a_batch():
@@ -267,6 +286,8 @@ def test_the_disk_tier_reads_only_the_chosen_pages(tmp_path):
     (["--kv-select", "pages", "--fetch-ratio", "0.2", "--hh-ratio", "0.1"], "keeps every token"),
     (["--fetch-ratio", "0.2"], "--kv-select pages"),
     (["--page-size", "16"], "--kv-select pages"),
+    (["--page-score", "bound"], "--kv-select pages"),
+    (["--kv-select", "pages", "--fetch-ratio", "0.2", "--position-rolling"], "keeps every token"),
 ])
 def test_refusals(flags, says, capsys, tmp_path, monkeypatch):
     assert says in cli_error(flags, capsys, tmp_path, monkeypatch)

@@ -19,6 +19,9 @@ With --policies A,B,... the sides are eviction policies of the working tree inst
 
     python -m benchmarks.studies.engine_ab --policies h2o,snapkv,tova --hh-ratio 0.1 --batch 16 \
         --prompt-len 2048 --steps 24 --repeats 8 --out benchmarks/results/policy_ab
+
+`full` and `pages` (page selection reading 2 x --hh-ratio of each sequence; `pages-bound` with Quest's bound) are
+sides too: `--policies full,pages --cases decode` times the decode step alone.
 """
 from __future__ import annotations
 
@@ -73,10 +76,17 @@ def side(package: str, a, prompts, policy: str = "h2o"):
     model = loader.load_model(a.model, progress=False)
     offload = config.OffloadPolicy(gpu_batch_size=a.batch, num_gpu_batches=1)
     engine = engine_mod.Engine(model.config, model.read, offload=offload, locate=model.locate)
-    if a.policies:          # `snapkv-adaptive`: the rule with head-adaptive budgets, as the eval grid spells it
-        from flexgen_h2o.eval.grid import base_policy
+    if a.policies:          # `snapkv-adaptive`, `pages`: as the eval grid spells them
+        from flexgen_h2o.eval.grid import PAGES, base_policy
+        from flexgen_h2o.kv.page_rule import PageRule
         name, adaptive = base_policy(policy)
-        rule = kv.EvictionConfig(policy=name, hh_ratio=a.hh_ratio, head_budgets="adaptive" if adaptive else "uniform")
+        if name in PAGES:       # page selection reads the share an H2O cache of the same flags keeps
+            rule = kv.EvictionConfig(pages=PageRule(fetch_ratio=2 * a.hh_ratio, score=PAGES[name]))
+        elif name == "full":
+            rule = kv.EvictionConfig()
+        else:
+            rule = kv.EvictionConfig(policy=name, hh_ratio=a.hh_ratio,
+                                     head_budgets="adaptive" if adaptive else "uniform")
         return engine, rule, config.GenerationConfig, engine.prefill(prompts, score_window=rule.score_window)
     rule = kv.EvictionConfig(policy="h2o", hh_size=a.hh_size, recent_size=a.recent_size)
     return engine, rule, config.GenerationConfig, engine.prefill(prompts)
@@ -93,6 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--policies", help="comma-separated eviction policies of this tree to compare, instead of --base "
                                       "(the first is the baseline)")
     p.add_argument("--hh-ratio", type=float, default=0.1, help="with --policies: the budget, as --hh-ratio")
+    p.add_argument("--cases", default="prompt,decode", help="what to time: prompt, decode or both (page selection's "
+                                                            "prompt pass is the full cache's)")
     ab.add_common(p, "benchmarks/results/engine_ab", repeats=8, base="the revision whose engine is the baseline")
     a = p.parse_args(argv)
     if bool(a.base) == bool(a.policies):
@@ -124,11 +136,12 @@ def main(argv: list[str] | None = None) -> int:
             gen = gen_config(max_new_tokens=a.steps + 1, stop_at_eos=False)
             return median(engine.generate(prompts, gen, eviction=rule, prefilled=kept).metrics["step_times_s"][2:])
 
+        cases = tuple(a.cases.split(","))
         for s in sides.values():                                   # warm-up: buffers, lazy imports, both paths
             current["side"] = s
-            measure("prompt")
-            measure("decode")
-        figures = ab.run_interleaved(("prompt", "decode"), {n: (lambda s=s: current.update(side=s))
+            for case in cases:
+                measure(case)
+        figures = ab.run_interleaved(cases, {n: (lambda s=s: current.update(side=s))
                                                             for n, s in sides.items()},
                                      a.repeats, measure, lambda case, name, x: f"{case:6s} {name:4s}: {x:.4f} s")
     finally:
@@ -137,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(scratch, ignore_errors=True)
     base, *others = list(sides)
     ratios = {f"{case} {name}": median([n / b for n, b in zip(figures[f"{case}-{name}"], figures[f"{case}-{base}"])])
-              for case in ("prompt", "decode") for name in others}
+              for case in cases for name in others}
     result = {"args": ab.args_json(a), "machine": describe_machine(), "seconds": figures, "over_" + base: ratios,
               "medians_s": {k: median(v) for k, v in figures.items()}}
 

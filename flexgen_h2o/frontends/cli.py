@@ -12,7 +12,7 @@ import sys
 from typing import Any, NoReturn
 
 from flexgen_h2o.config import OffloadPolicy
-from flexgen_h2o.kv.page_rule import DEFAULT_PAGE_SIZE, KV_SELECT, PAGE_SCORES
+from flexgen_h2o.kv.page_rule import DEFAULT_PAGE_SIZE, KV_SELECT, PAGE_SCORES, PageRule
 from flexgen_h2o.kv.registry import cli_policies, cli_variants, policy_help
 
 
@@ -288,7 +288,6 @@ def eviction_from_args(a: argparse.Namespace) -> Any:
                  sink_size=a.sink_size, kv_budget=a.kv_budget)
     given = [f"--{k.replace('_', '-')}" for k, v in sizes.items() if v is not None]
     if a.kv_select == "pages":
-        from flexgen_h2o.kv.page_rule import PageRule
         given = {k: getattr(a, k) for k in ("page_size", "page_score", "dense_layers") if getattr(a, k) is not None}
         rule = PageRule(fetch_ratio=a.fetch_ratio, fetch_pages=a.fetch_pages,
                         **{"score" if k == "page_score" else k: v for k, v in given.items()})

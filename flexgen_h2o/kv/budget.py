@@ -161,15 +161,13 @@ class EvictionConfig:
     # "adaptive": a layer's KV heads share its budget, AdaKV's allocation (kv/adaptive.py); "uniform": each its own
     head_budgets: str = "uniform"
     head_floor: float = DEFAULT_HEAD_FLOOR   # adaptive: the least share of the uniform budget a head keeps
-    # page selection (kv/pages.py): nothing evicted, each decode step reads the pages its query needs
-    pages: PageRule | None = None
+    pages: PageRule | None = None            # page selection (kv/pages.py): nothing evicted, pages read per step
 
     def __post_init__(self) -> None:
         if self.policy not in policy_names():
             raise ValueError(f"unknown eviction policy {self.policy!r}; choose one of {', '.join(policy_names())}")
         if self.pages is not None and (self.policy != "full" or self.position_rolling):
-            raise ValueError("page selection (--kv-select pages) reads from a cache that keeps every token; drop "
-                             "the eviction budget and --position-rolling, or use eviction alone")
+            raise ValueError("page selection reads a cache that keeps every token: drop eviction or --kv-select pages")
         # a policy's own defaults are filled in here, so everything downstream reads one value
         if self.score_window is None and trait(self.policy, "default_score_window") is not None:
             object.__setattr__(self, "score_window", trait(self.policy, "default_score_window"))
@@ -321,11 +319,7 @@ class EvictionConfig:
 
     def generator(self, device: torch.device | str = "cpu") -> torch.Generator | None:
         """A seeded generator for the random policy (None for the deterministic ones)."""
-        if self.policy != "random":
-            return None
-        gen = torch.Generator(device=device)
-        gen.manual_seed(self.seed)
-        return gen
+        return torch.Generator(device=device).manual_seed(self.seed) if self.policy == "random" else None
 
 
 def _fmt_bytes(n: float) -> str:

@@ -2,14 +2,16 @@
 
 Eviction decides at the prompt what a sequence may ever attend to. Here nothing is dropped: the K/V rows stay
 whole on their tier (compute, host or disk, fp16 or compressed), in the full cache's layout, where slot i of a
-sequence holds its i-th token. A page is `page_size` consecutive slots of one (sequence, KV head); on the compute
-device the cache keeps per page and channel the least and largest key value (Quest, arXiv 2406.10774):
+sequence holds its i-th token. A page is `page_size` consecutive slots of one (sequence, KV head). A step scores
+every page, reads the best within the rule's count (kv/page_rule.py) plus the sink and recent pages, and attends
+over those alone. The scores come from what the cache keeps on the compute device, where the query is:
 
-    page j of column (b, g):  kmin[b, g, j, c] = min over its keys of k_c,   kmax[...] = max
+    "keys":  every key again as an int4 row; a page scores the attention its best token gets from the query
+             (softmax over the held keys, summed over the KV head's query heads: the compressed-cache kernel)
+    "bound": per page and channel the least and largest key value (Quest, arXiv 2406.10774); no key of page j can
+             score above sum_c max(q_c * kmin_c, q_c * kmax_c) (the largest over the group's query heads)
 
-No query can attend to a key of page j more than the bound sum_c max(q_c * kmin_c, q_c * kmax_c), so a step scores
-every page by it (the largest over the query heads of the KV head's group), reads the best pages within the rule's
-count (kv/page_rule.py) plus the sink and recent pages, and attends over those alone. Only the chosen pages are
+The bound is loose on RoPE keys and loses needles (docs/page-selection.md "Two scores"). Only the chosen pages are
 read from the tier: one gather of whole pages, which on the disk tier touches those pages' bytes of the file and
 no others (memory/tier.py maps KV files for random access), and on a GPU with host-homed KV only they cross.
 

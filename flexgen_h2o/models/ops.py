@@ -1,9 +1,7 @@
 """Pure tensor math shared by the model families: norms, RoPE, grouped attention with per-key mass, linears.
-
-No state, no placement: every function takes tensors and returns tensors. Conventions follow transformers'
-modeling_opt.py / modeling_llama.py (rotate_half RoPE, fp32 RMSNorm) so that logits match to fp32 rounding.
-Plain torch only: this is the reference the compiled kernels (flexgen_h2o/kernels) are tested against, and
-TorchKernels below is the layers' math where no compiled kernel is chosen.
+No state, no placement. Conventions follow transformers' modeling_opt.py / modeling_llama.py (rotate_half RoPE,
+fp32 RMSNorm) so that logits match to fp32 rounding. Plain torch only: the reference the compiled kernels
+(flexgen_h2o/kernels) are tested against, and (TorchKernels) the layers' math where no compiled kernel is chosen.
 """
 from __future__ import annotations
 
@@ -229,14 +227,12 @@ def column_rows(pool: Tensor, col_start: Tensor, s: int) -> Tensor:
 
 def split_heads(x: Tensor, n_heads: int) -> Tensor:
     """(b, t, n*d) -> (b, n, t, d)."""
-    b, t, _ = x.shape
-    return x.view(b, t, n_heads, -1).transpose(1, 2)
+    return x.view(*x.shape[:2], n_heads, -1).transpose(1, 2)
 
 
 def merge_heads(x: Tensor) -> Tensor:
     """(b, n, t, d) -> (b, t, n*d)."""
-    b, n, t, d = x.shape
-    return x.transpose(1, 2).reshape(b, t, n * d)
+    return x.transpose(1, 2).flatten(2)
 
 
 def write_slot(cache: Tensor, slot: Tensor, row: Tensor) -> None:
@@ -385,11 +381,8 @@ class TorchKernels:
         return narrow_decode_attention(q, k, v, valid, slot, k_new, v_new, scale, want_scores=want_scores,
                                        score_reduce=score_reduce, fmt=fmt)
 
-    def key_mass(self, q: Tensor, k: Tensor, valid: Tensor, slot: Tensor, k_new: Tensor, scale: float,
-                 fmt) -> Tensor:
-        """The attention mass (b, g, s) query q (b, h, 1, d) gives the quantized key rows k (b, g, s, row) of format
-        fmt, summed over each KV head's query heads: narrow_decode_attention's mass with the keys as values too
-        (compiled kernels skip the values)."""
+    def key_mass(self, q: Tensor, k: Tensor, valid: Tensor, slot: Tensor, k_new: Tensor, scale: float, fmt) -> Tensor:
+        """narrow_decode_attention's mass (b, g, s) over quantized key rows k alone (compiled kernels skip values)."""
         return self.narrow_decode_attention(q, k, k, valid, slot, k_new, k_new, scale, want_scores=True, fmt=fmt)[1]
 
     def window_attention(self, q: Tensor, k: Tensor, v: Tensor, valid: Tensor, slot: Tensor, scale: float, *,
