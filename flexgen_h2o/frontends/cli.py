@@ -159,8 +159,8 @@ def build_parser() -> argparse.ArgumentParser:
     pg = p.add_argument_group("KV page selection (docs/page-selection.md)")
     pg.add_argument("--kv-select", choices=KV_SELECT, default="all",
                     help="pages: keep every token (on any tier) and let each decode step read only the pages of the "
-                         "cache its query can attend to most (Quest's bound on per-page key min/max), plus the first "
-                         "and the newest pages; all (default): read the whole cache, or what eviction kept")
+                         "cache its query attends to most (--page-score), plus the first and the newest pages; all "
+                         "(default): read the whole cache, or what eviction kept")
     pg.add_argument("--fetch-ratio", type=ratio, metavar="R",
                     help="--kv-select pages: the share of each sequence a step reads, in whole pages")
     pg.add_argument("--fetch-pages", type=positive, metavar="N", help="--kv-select pages: pages a step reads")

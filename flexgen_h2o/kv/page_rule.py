@@ -2,8 +2,8 @@
 
 The cache keeps every token (the full cache's slots, on whatever tiers the placement gives it); a decode step reads
 only some pages of `page_size` consecutive tokens per (sequence, KV head): the first `sink_pages`, the last
-`recent_pages` (the newest token's page among them), and the best of the rest by Quest's bound on what the query
-can attend to there (kv/pages.py). `fetch_ratio` r reads int(r * n) of a sequence's n tokens, rounded up to whole
+`recent_pages` (the newest token's page among them), and the best of the rest by their score (`score`: the
+query's attention to an int4 copy of the keys, or Quest's bound; kv/pages.py). `fetch_ratio` r reads int(r * n) of a sequence's n tokens, rounded up to whole
 pages; `fetch_pages` N reads N pages. Either count includes the sink and recent pages, so "pages at 20 %" reads
 a fifth of the cache, as H2O at 20 % keeps a fifth (`docs/page-selection.md`).
 """
@@ -13,12 +13,12 @@ import math
 from dataclasses import dataclass
 
 # 32 tokens of a 64-wide fp16 head are 4 KiB: one page of one KV head is one aligned OS page of the offload file
-# (docs/page-selection.md, "Page size")
+# (docs/page-selection.md, "What it keeps and what it reads")
 DEFAULT_PAGE_SIZE = 32
 KV_SELECT = ("all", "pages")
 # how a step ranks pages: "bound", Quest's bound from each page's per-channel key min and max; "keys", the attention
 # the query gives each held token through an int4 copy of the keys kept where it computes, each page by its best
-# token (the bound is loose on RoPE keys; docs/page-selection.md "Which score")
+# token (the bound is loose on RoPE keys; docs/page-selection.md "Two scores")
 PAGE_SCORES = ("bound", "keys")
 DEFAULT_PAGE_SCORE = "keys"
 
