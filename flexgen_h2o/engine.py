@@ -54,9 +54,14 @@ class Prefilled:
     score_window: int | None = None                      # the prompt queries that scored (EvictionConfig's)
 
 
-def kv_bytes_read(caches: list[dict[int, SplitKVCache]]) -> int:
-    """Bytes the decode steps read from these caches, every tier and page selection's summaries (KVCache.bytes_read)."""
-    return sum(sum(c.bytes_read.values()) for per_layer in caches for split in per_layer.values() for c in split.caches)
+def kv_bytes_read(caches: list[dict[int, SplitKVCache]]) -> Counter:
+    """Bytes the decode steps read from these caches, per tier, page selection's summaries apart (KVCache.bytes_read)."""
+    read: Counter = Counter()
+    for per_layer in caches:
+        for split in per_layer.values():
+            for cache in split.caches:
+                read.update(cache.bytes_read)
+    return read
 
 
 class Engine:
@@ -316,7 +321,7 @@ class Engine:
         n_gen = sum(len(t) for t in tokens)
         metrics = {"prefill_s": times[0] - t0, "decode_s": t_end - times[0], "prompt_tokens": plan.n_seqs *
                    plan.prompt_len, "generated_tokens": n_gen, "decode_steps": len(times) - 1, "block_size": plan.n_seqs,
-                   "padded_prompt_len": plan.prompt_len, "kv_bytes_read": kv_bytes_read(self.last_caches),
+                   "padded_prompt_len": plan.prompt_len, "kv_bytes_read": kv_bytes_read(self.last_caches).total(),
                    # wall time of decode step i (i >= 1), which attends prompt_len + i tokens (or the budget)
                    "step_times_s": [b - a for a, b in zip(times, times[1:])]}
         return tokens, texts, reasons, metrics

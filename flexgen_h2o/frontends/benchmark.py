@@ -10,10 +10,10 @@ Batch and prompt modes' metrics and summary lines (run_metrics, summary) use the
 from __future__ import annotations
 
 import time
-from collections import Counter
 from typing import Any, Callable
 
 from flexgen_h2o.config import GenerationConfig
+from flexgen_h2o.engine import kv_bytes_read
 from flexgen_h2o.frontends.corpus import benchmark_prompts, lee_articles
 from flexgen_h2o.metrics import GIB, engine_metrics, fmt_bytes, peak_rss_bytes, reset_peak_rss, throughput
 from flexgen_h2o.planner.memory import kv_slot_bytes
@@ -106,7 +106,7 @@ def run_benchmark(llm: Any, prompts: list[list[int]], *, gen_len: int, cut_gen_l
                          hidden_bytes=block * prompt_len * cfg.hidden_size * 2),
         "weights_bytes_read": {k: v - read0.get(k, 0) for k, v in engine.weights.bytes_read.items()},
         # what the decode steps read of the KV (page selection: the pages read and their summaries)
-        "kv_bytes_read": kv_read_by_tier(engine.last_caches),
+        "kv_bytes_read": dict(kv_bytes_read(engine.last_caches)),
         "kv_bytes_read_per_step": m["kv_bytes_read"] / max(m["decode_steps"], 1),
         "peak_rss_bytes": max(load_peak_rss, peak_rss_bytes()),
         "peak_rss_run_bytes": peak_rss_bytes() if rss_window else None,
@@ -120,15 +120,6 @@ def run_benchmark(llm: Any, prompts: list[list[int]], *, gen_len: int, cut_gen_l
         f"{f', executed {run_len}, decode projected' if projected else ''})")
     say(memory_line(metrics))
     return metrics
-
-
-def kv_read_by_tier(caches: list) -> dict[str, int]:
-    read: Counter = Counter()
-    for per_layer in caches:
-        for split in per_layer.values():
-            for cache in split.caches:
-                read.update(cache.bytes_read)
-    return dict(read)
 
 
 def memory_line(m: dict) -> str:

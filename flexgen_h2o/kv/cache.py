@@ -351,10 +351,14 @@ class KVCache:
         random and window rules run kv/'s torch ops."""
         return self.policy.compiled_rule is not None and self.kernels.commit_usable(self.k)
 
-    def _commit_with_torch_ops(self, slot: Tensor, s: int, out: LayerOutput, new_pos: Tensor) -> None:
+    def _write_token(self, slot: Tensor, out: LayerOutput, new_pos: Tensor) -> None:
+        """The new token's K and V rows (stored form) and position into each column's slot (b, g)."""
         write_slot(self.k, slot, self._stored(out.k_new.to(self.k.device), self.k_scale))
         write_slot(self.v, slot, self._stored(out.v_new.to(self.v.device)))
         write_slot(self.pos, slot, new_pos.to(self.pos.device).view(-1, 1, 1).expand(*slot.shape, 1))
+
+    def _commit_with_torch_ops(self, slot: Tensor, s: int, out: LayerOutput, new_pos: Tensor) -> None:
+        self._write_token(slot, out, new_pos)
         pos = self.pos[:, :, :s]
         score = self.score[:, :, :s]
         if out.scores is not None and self._step_scores:

@@ -129,11 +129,7 @@ class PagedKVCache(KVCache):
     def commit_decode(self, view: KVView, out: LayerOutput, new_pos: Tensor) -> None:
         """The new token's K/V row into its slot (each sequence's next), its position, and its page's summary.
         Nothing is scored or evicted."""
-        b, g = self.batch, self.spec.n_kv_heads
-        slot = view.write_slot.to(self.k.device)                                          # (b, g)
-        write_slot(self.k, slot, self._stored(out.k_new.to(self.k.device), self.k_scale))
-        write_slot(self.v, slot, self._stored(out.v_new.to(self.v.device)))
-        write_slot(self.pos, slot, new_pos.to(self.pos.device).view(-1, 1, 1).expand(b, g, 1))
+        self._write_token(view.write_slot.to(self.k.device), out, new_pos)
         keys = self._attended(out.k_new, slice(None))                                    # (b, g, 1, d)
         if self.rule.score == "keys":
             write_slot(self.summary, view.write_slot.to(keys.device), SKETCH.pack(keys))

@@ -42,6 +42,7 @@ import torch
 from transformers import AttentionInterface
 
 from tests.reference.fake_quant import fake_quant
+from tests.reference.masks import grouped_masked_attention, prompt_allowed, real_positions
 from tests.reference.rolling import roll_to_ranks, rotate
 from tests.reference.h2o_rule import (prefill_candidates, ref_adaptive_keep, ref_keep_prefill, ref_victim,
                                       ref_window_pooled, victim_candidates)
@@ -111,13 +112,7 @@ class _RefState:
         self.gaps: list[list[float]] = [[] for _ in range(attention_mask.shape[0])]
         self.attn_mag = 0.0
         # per sequence, per cache index: the token's position among the sequence's real tokens, -1 for pads
-        self.pos: list[list[int]] = []
-        for row in attention_mask.tolist():
-            count, plist = 0, []
-            for m in row:
-                plist.append(count if m else -1)
-                count += int(m)
-            self.pos.append(plist)
+        self.pos: list[list[int]] = real_positions(attention_mask)
         self.keep: dict[int, list[list[set[int]]]] = {}       # layer -> [b][g] -> kept cache indices
         self.score: dict[int, torch.Tensor] = {}              # layer -> (b, g, max_len) fp32
         self.seen: dict[int, torch.Tensor] = {}               # layer -> (b, g, max_len): queries that saw each key
@@ -186,17 +181,11 @@ def masked_h2o_attention(module: torch.nn.Module, query: torch.Tensor, key: torc
     g, L = key.shape[1], key.shape[2]
     r = h // g
     scale = d ** -0.5 if scaling is None else scaling
-    allowed = torch.zeros(b, g, q, L, dtype=torch.bool)
     if st.phase == "prefill":
-        for bi in range(b):
-            for j in range(q):
-                if st.pos[bi][j] < 0:
-                    allowed[bi, :, j, j] = True          # a pad query sees only itself (its output is unused)
-                    continue
-                real_keys = torch.tensor([st.pos[bi][i] >= 0 for i in range(j + 1)])
-                allowed[bi, :, j, :j + 1] = real_keys        # causal, pads hidden
+        allowed = prompt_allowed(st.pos, g, q, L)
     else:
         assert q == 1
+        allowed = torch.zeros(b, g, q, L, dtype=torch.bool)
         new = L - 1
         for bi in range(b):
             for gi in range(g):
@@ -211,13 +200,8 @@ def masked_h2o_attention(module: torch.nn.Module, query: torch.Tensor, key: torc
         if st.inv_freq is not None:
             query, key = roll_to_ranks(st, layer, query, key)
     # query head hi reads KV head hi // r (HF repeat_kv groups heads contiguously)
-    keys = torch.stack([key[:, hi // r] for hi in range(h)], dim=1).float()          # (b, h, L, d)
-    values = torch.stack([value[:, hi // r] for hi in range(h)], dim=1).float()
-    mask = torch.stack([allowed[:, hi // r] for hi in range(h)], dim=1)              # (b, h, q, L)
-    logits = torch.matmul(query.float(), keys.transpose(-1, -2)) * scale
+    out, probs, keys = grouped_masked_attention(query, key, value, allowed, scale)     # probs (b, h, q, L) fp32
     st.attn_mag = max(st.attn_mag, float((query.float().abs() @ keys.abs().transpose(-1, -2)).max()) * abs(scale))
-    probs = torch.softmax(logits.masked_fill(~mask, float("-inf")), dim=-1)          # (b, h, q, L) fp32
-    out = torch.matmul(probs, values).to(query.dtype)
 
     if st.phase == "prefill":
         st.keep[layer] = [[set() for _ in range(g)] for _ in range(b)]

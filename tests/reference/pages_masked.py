@@ -21,6 +21,7 @@ import torch
 from transformers import AttentionInterface
 
 from tests.reference.fake_quant import fake_quant
+from tests.reference.masks import grouped_masked_attention, prompt_allowed, real_positions
 
 ATTN_NAME = "page_selection_reference"
 STATE_ATTR = "_page_reference_state"
@@ -30,14 +31,7 @@ class _State:
     def __init__(self, attention_mask: torch.Tensor, rule: dict):
         self.rule = rule
         self.phase = "prefill"
-        # per sequence, per cache index: the token's position among its real tokens, -1 for pads
-        self.pos = []
-        for row in attention_mask.tolist():
-            count, plist = 0, []
-            for m in row:
-                plist.append(count if m else -1)
-                count += int(m)
-            self.pos.append(plist)
+        self.pos = real_positions(attention_mask)     # per sequence, per cache index; -1 for pads
         self.chosen: dict[int, list] = {}          # layer -> per step: [b][g] sorted pages read
 
     def pages_read(self, n_tokens: int) -> int:
@@ -100,12 +94,7 @@ def masked_page_attention(module: torch.nn.Module, query: torch.Tensor, key: tor
     scale = d ** -0.5 if scaling is None else scaling
     allowed = torch.zeros(b, g, q, L, dtype=torch.bool)
     if st.phase == "prefill":
-        for bi in range(b):
-            for j in range(q):
-                if st.pos[bi][j] < 0:
-                    allowed[bi, :, j, j] = True          # a pad query sees only itself (its output is unused)
-                    continue
-                allowed[bi, :, j, :j + 1] = torch.tensor([st.pos[bi][i] >= 0 for i in range(j + 1)])
+        allowed = prompt_allowed(st.pos, g, q, L)
     elif module.layer_idx < st.rule.get("dense_layers", 0):      # a dense layer: every key, as the full cache
         allowed[:] = torch.tensor([[p >= 0 for p in plist[:L - 1]] + [True] for plist in st.pos])[:, None, None, :]
     else:
@@ -120,12 +109,7 @@ def masked_page_attention(module: torch.nn.Module, query: torch.Tensor, key: tor
                     allowed[bi, gi, 0, i] = p >= 0 and (i == L - 1 or p // P in pages)
             step.append(per_head)
         st.chosen.setdefault(module.layer_idx, []).append(step)
-    keys = torch.stack([key[:, hi // r] for hi in range(h)], dim=1).float()          # (b, h, L, d)
-    values = torch.stack([value[:, hi // r] for hi in range(h)], dim=1).float()
-    mask = torch.stack([allowed[:, hi // r] for hi in range(h)], dim=1)              # (b, h, q, L)
-    logits = torch.matmul(query.float(), keys.transpose(-1, -2)) * scale
-    probs = torch.softmax(logits.masked_fill(~mask, float("-inf")), dim=-1)
-    out = torch.matmul(probs, values).to(query.dtype)
+    out, probs, _ = grouped_masked_attention(query, key, value, allowed, scale)
     return out.transpose(1, 2).contiguous(), probs
 
 
