@@ -160,9 +160,9 @@ def measure_disk(folder: Path, nbytes: int = DISK_PROBE_BYTES) -> dict[str, floa
             "page_cache_read_GBps": nbytes / warm / 1e9}
 
 
-def measure_fixed(device: str) -> dict[str, float]:
+def measure_fixed(device: str, repeats: int = 3) -> dict[str, float]:
     """Seconds a decode step and a prompt pass cost per schedule layer and GPU batch beyond their bytes and FLOPs:
-    a 4-layer model 64 wide through the real engine, one sequence."""
+    a 4-layer model 64 wide through the real engine, one sequence; the best of `repeats` runs of 32 steps."""
     cfg = PRESETS["smollm2-135m"].replace(name="calibrate-tiny", n_layers=4, hidden_size=64, n_heads=4,
                                           n_kv_heads=2, head_dim=16, ffn_size=128, vocab_size=256)
     rng = np.random.default_rng(0)
@@ -171,7 +171,7 @@ def measure_fixed(device: str) -> dict[str, float]:
     prompt, steps = [[5] * 32], 33
     engine.generate(prompt, GenerationConfig(max_new_tokens=4))
     best = {"prefill_s": math.inf, "decode_s": math.inf}
-    for _ in range(3):
+    for _ in range(repeats):
         m = engine.generate(prompt, GenerationConfig(max_new_tokens=steps)).metrics
         best = {k: min(best[k], m[k]) for k in best}
     groups = len(schedule_groups([layer.kind for layer in build_layers(cfg)], True))

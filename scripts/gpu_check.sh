@@ -12,7 +12,8 @@
 #   5. the same shape compressed (issue 34): ours with --compress-weight --compress-cache (int4, full cache and
 #      H2O) against FlexGen 0.1.8's own --compress-weight --compress-cache, one round;
 #   6. page selection (issue 53), OPT-1.3B-shaped with its KV homed in host RAM: the full cache, --kv-select pages
-#      --fetch-ratio 0.2 and H2O-20, one round at batch 64;
+#      --fetch-ratio 0.2 (and with --page-ahead: does reading a layer ahead pay where pages cross the link?) and
+#      H2O-20, one round at batch 64;
 #   7. the placement and H2O suites on the GPU in fp32 (FLEXGEN_H2O_TEST_DEVICE=cuda), with -s too: H2O's
 #      decode half against the reference on every tier, H2O with --cpu-cache-compute (the real split there),
 #      batch invariance, the head-adaptive (ragged) cache's torch path and page selection against the reference.
@@ -62,6 +63,8 @@ want pages && {     # issue 53: the KV homed in host RAM, page selection reading
         --metrics-json "$OUT/pages_full.json"
     step pages_20 90 "$PY" -m flexgen_h2o.run "${HOST_KV[@]}" --gpu-batch-size 64 --kv-select pages \
         --fetch-ratio 0.2 --no-progress --metrics-json "$OUT/pages_20.json"
+    step pages_20_ahead 90 "$PY" -m flexgen_h2o.run "${HOST_KV[@]}" --gpu-batch-size 64 --kv-select pages \
+        --fetch-ratio 0.2 --page-ahead --no-progress --metrics-json "$OUT/pages_20_ahead.json"
     step pages_h2o_20 90 "$PY" -m flexgen_h2o.run "${HOST_KV[@]}" --gpu-batch-size 64 --hh-ratio 0.1 --no-progress \
         --metrics-json "$OUT/pages_h2o_20.json"
 }

@@ -140,8 +140,8 @@ def test_step_context_computes_rope_angles_once_per_positions():
     freq_a = layers[0].inv_freq
     cos, sin = ctx.rope(freq_a, torch.float32)
     assert ctx.rope(layers[-1].inv_freq, torch.float32)[0] is cos         # another layer: the same tensors
-    want = ops.rope_cos_sin(pos, freq_a, torch.float32)
-    assert torch.equal(cos, want[0]) and torch.equal(sin, want[1])
+    want = ops.rope_cos_sin(pos, freq_a, torch.float32)                 # (b, t, d); the heads' axis added
+    assert cos.shape == (2, 1, 1, 64) and torch.equal(cos[:, 0], want[0]) and torch.equal(sin[:, 0], want[1])
     other = ctx.rope(ops.rope_inv_freq(64, 500.0), torch.float32)[0]
     assert not torch.equal(other, cos)
     assert ctx.rope(freq_a, torch.float16)[0].dtype == torch.float16

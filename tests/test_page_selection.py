@@ -26,7 +26,8 @@ RULES = {"pages-4": PageRule(page_size=4, fetch_pages=4, score="bound"),
          "ratio-0.3": PageRule(page_size=4, fetch_ratio=0.3, score="bound"),
          "sinkless": PageRule(page_size=3, fetch_pages=3, sink_pages=0, recent_pages=1, score="bound"),
          "dense-first": PageRule(page_size=4, fetch_pages=4, dense_layers=1, score="bound"),
-         "keys": PageRule(page_size=4, fetch_pages=4), "keys-ratio": PageRule(page_size=3, fetch_ratio=0.3)}
+         "keys": PageRule(page_size=4, fetch_pages=4), "keys-ratio": PageRule(page_size=3, fetch_ratio=0.3),
+         "ahead": PageRule(page_size=4, fetch_pages=4, ahead=True)}
 
 
 def fp32(**kw) -> OffloadPolicy:
@@ -71,7 +72,7 @@ def check_against_reference(kind: str, rule: PageRule, monkeypatch, **engine_kw)
     ids, mask = left_padded(model, prompts)
     want = dict(page_size=rule.page_size, fetch_ratio=rule.fetch_ratio, fetch_pages=rule.fetch_pages,
                 sink_pages=rule.sink_pages, recent_pages=rule.recent_pages, dense_layers=rule.dense_layers,
-                score=rule.score)
+                score=rule.score, ahead=rule.ahead)
     tokens, ref_logits, ref_pages = page_reference_generate(model, ids, mask, want, N_NEW)
     steps = same_run(model, out.token_ids, tokens.tolist(), logits, ref_logits)
     assert steps == [N_NEW] * len(prompts)
@@ -167,6 +168,13 @@ def test_every_tier_matches_the_reference(placement, monkeypatch, tmp_path):
                             offload_dir=tmp_path)
 
 
+@pytest.mark.parametrize("placement", ["disk", "mixed"])
+def test_reading_ahead_on_the_kv_lanes_thread_matches_the_reference(placement, monkeypatch, tmp_path):
+    """With KV on disk the KV lane has its own thread: the read ahead runs there, after the cache's commit."""
+    check_against_reference("opt", RULES["ahead"], monkeypatch, offload=fp32(**PLACEMENTS[placement]),
+                            offload_dir=tmp_path)
+
+
 def test_a_budget_of_every_page_is_the_full_cache(tmp_path):
     """Bit for bit, on the compute tier and with the KV on disk, fp32, fp16 and int4 KV."""
     model = tiny_hf("llama-gqa")
@@ -208,8 +216,9 @@ def test_a_compressed_cache_selects(monkeypatch):
     assert any(not torch.equal(a, b) for x, y in zip(runs["full"][1], runs["pages"][1]) for a, b in zip(x, y))
 
 
-def test_alone_equals_in_a_batch():
-    assert_alone_equals_batch(tiny_hf("llama-gqa"), random_prompts(LENGTHS), EvictionConfig(pages=RULES["pages-4"]),
+@pytest.mark.parametrize("name", ["pages-4", "ahead"])
+def test_alone_equals_in_a_batch(name):
+    assert_alone_equals_batch(tiny_hf("llama-gqa"), random_prompts(LENGTHS), EvictionConfig(pages=RULES[name]),
                               N_NEW)
 
 
@@ -299,6 +308,8 @@ def test_the_disk_tier_reads_only_the_chosen_pages(tmp_path):
     (["--page-size", "16"], "--kv-select pages"),
     (["--page-score", "bound"], "--kv-select pages"),
     (["--kv-select", "pages", "--fetch-ratio", "0.2", "--position-rolling"], "keeps every token"),
+    (["--page-ahead"], "--kv-select pages"),
+    (["--kv-select", "pages", "--fetch-ratio", "0.2", "--page-ahead", "--overlap", "false"], "overlapped schedule"),
 ])
 def test_refusals(flags, says, capsys, tmp_path, monkeypatch):
     assert says in cli_error(flags, capsys, tmp_path, monkeypatch)
@@ -325,6 +336,12 @@ def test_the_hf_cache_reads_the_engines_pages(monkeypatch):
     assert [len(col) for col in cache.kept_positions()[0][0]] == [len(prompts[0]) + N_NEW - 1] * 2
 
 
+def test_the_hf_cache_refuses_reading_ahead():
+    from flexgen_h2o.hf import H2OCache
+    with pytest.raises(ValueError, match="a layer ahead"):
+        H2OCache(EvictionConfig(pages=RULES["ahead"]), max_new_tokens=N_NEW)
+
+
 def test_the_startup_line_says_what_a_step_reads():
     line = PageRule(fetch_ratio=0.2).describe(2048, 512, 1000.0)
     assert line.startswith("KV read per step: pages of 32 tokens, 20% of each sequence")
@@ -343,4 +360,6 @@ def test_a_batch_job_records_what_a_step_reads():
     assert (pages["kv_select"], pages["page_size"], pages["fetch_ratio"]) == ("pages", 32, 0.2)
     assert answer_settings(parse(base + ["--kv-select", "pages", "--fetch-ratio", "0.2", "--page-size", "32"]),
                            8) == pages
+    ahead = answer_settings(parse(base + ["--kv-select", "pages", "--fetch-ratio", "0.2", "--page-ahead"]), 8)
+    assert ahead == {**pages, "page_ahead": True}
     assert answer_settings(parse(base + ["--kv-select", "pages", "--fetch-pages", "4"]), 8) != pages

@@ -35,6 +35,7 @@ POLICIES = {
     "snapkv-adaptive": EvictionConfig(policy="snapkv", hh_ratio=0.2, score_window=4, pool_kernel=3,
                                       head_budgets="adaptive"),
     "pages": EvictionConfig(pages=PageRule(page_size=4, fetch_pages=3)),
+    "pages-ahead": EvictionConfig(pages=PageRule(page_size=4, fetch_pages=3, ahead=True)),
 }
 # name -> (GPU batch size, GPU batches, placement, refill share)
 CUTS = {

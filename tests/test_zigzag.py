@@ -175,3 +175,14 @@ def test_rejects_sizes_below_one(bad, overlap):
     # raised on the call itself, not lazily on first iteration
     with pytest.raises(ValueError, match=">= 1"):
         block_schedule(*bad, overlap=overlap)
+
+
+@pytest.mark.parametrize("overlap", ORDERS)
+@pytest.mark.parametrize("batch_major", [False, True])
+def test_a_later_start_is_the_same_schedule_shifted(overlap, batch_major):
+    """Decoding after a prompt pass that already ran (start=1) is the schedule of the remaining steps, each token
+    index moved by start."""
+    later = list(block_schedule(6, 3, 2, overlap=overlap, batch_major=batch_major, start=2))
+    shifted = [Step(s.op, s.token + 2, s.layer, s.batch)
+               for s in block_schedule(4, 3, 2, overlap=overlap, batch_major=batch_major)]
+    assert later == shifted and later[0].token == 2

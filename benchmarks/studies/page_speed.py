@@ -46,6 +46,9 @@ SYSTEMS: dict[str, list[str]] = {
     "pages-20-disk-b48": KV_DISK + PAGES + ["--gpu-batch-size", "48"],
     **{f"pages-20-disk-b{b}": KV_DISK + PAGES + ["--gpu-batch-size", str(b)] for b in (16, 24, 32)},
     "pages-20-ram-b12": RAM + PAGES + ["--gpu-batch-size", "12"],
+    # reading a layer ahead (--page-ahead): where the KV lane has a thread (KV on disk), and in RAM, where it has none
+    **{f"pages-20-ahead-disk-b{b}": KV_DISK + PAGES + ["--page-ahead", "--gpu-batch-size", str(b)] for b in (24, 48)},
+    "pages-20-ahead-ram-b12": RAM + PAGES + ["--page-ahead", "--gpu-batch-size", "12"],
 }
 
 
@@ -78,7 +81,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--cut-gen-len", type=int, default=32)
     p.add_argument("--only", nargs="+", choices=list(SYSTEMS),
-                   default=[n for n in SYSTEMS if not n.startswith("pages-20-disk-b") or n.endswith("b48")])
+                   default=[n for n in SYSTEMS if "ahead" not in n
+                            and (not n.startswith("pages-20-disk-b") or n.endswith("b48"))])
     p.add_argument("--timeout", type=float, default=3600)
     a = p.parse_args(argv)
     out = Path(a.out)

@@ -76,8 +76,8 @@ ADAPTIVE_SUFFIX = "-adaptive"       # `snapkv-adaptive`: the rule with head-adap
 
 
 # page selection over a full cache (--kv-select pages): rows at the same budgets, read rather than kept, each
-# with its page score (kv/page_rule.py)
-PAGES = {"pages": "keys", "pages-bound": "bound"}
+# with its page score and whether it chooses a layer ahead (kv/page_rule.py)
+PAGES = {"pages": dict(score="keys"), "pages-bound": dict(score="bound"), "pages-ahead": dict(score="keys", ahead=True)}
 
 
 def base_policy(name: str) -> tuple[str, bool]:
@@ -134,7 +134,7 @@ class GridPoint:
         if self.policy in PAGES:         # a share reads that share of each sequence; a slot count, its pages
             read = (dict(fetch_ratio=self.budget.fraction) if self.budget.is_fraction
                     else dict(fetch_pages=-(-slots // DEFAULT_PAGE_SIZE)))
-            return EvictionConfig(policy="full", pages=PageRule(score=PAGES[self.policy], **read))
+            return EvictionConfig(policy="full", pages=PageRule(**PAGES[self.policy], **read))
         policy, adaptive = base_policy(self.policy)
         rule = dict(policy=policy, position_rolling=self.rolling, seed=seed,
                     head_budgets="adaptive" if adaptive else "uniform")

@@ -172,6 +172,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "(bound: less to keep, looser on RoPE models; docs/page-selection.md)")
     pg.add_argument("--dense-layers", type=count, metavar="N",
                     help="--kv-select pages: the first N attention layers read every page (default 0)")
+    pg.add_argument("--page-ahead", action="store_true", default=None,
+                    help="--kv-select pages: choose each layer's pages by the query its weights make of the previous "
+                         "layer's input and read them while that layer computes (pays where the KV is on disk or "
+                         "crosses to a GPU; docs/page-selection.md)")
     g = p.add_argument_group("generation")
     g.add_argument("--input", help="batch mode: JSONL, one {\"prompt\" (raw text) or \"messages\" (a chat), \"id\"?, "
                    "\"max_new_tokens\"?} per line, or OpenAI Batch API request lines (docs/cli.md)")
@@ -262,7 +266,7 @@ def check_flags(a: argparse.Namespace) -> None:
 
 def check_page_flags(a: argparse.Namespace, budget: list[str]) -> None:
     page_flags = [f"--{k.replace('_', '-')}" for k in ("fetch_ratio", "fetch_pages", "page_size", "page_score",
-                                                        "dense_layers") if getattr(a, k) is not None]
+                                                        "dense_layers", "page_ahead") if getattr(a, k) is not None]
     if a.kv_select != "pages":
         if page_flags:
             raise ValueError(f"{', '.join(page_flags)} set(s) what page selection reads; add --kv-select pages or "
@@ -274,6 +278,9 @@ def check_page_flags(a: argparse.Namespace, budget: list[str]) -> None:
     if (a.fetch_ratio is None) == (a.fetch_pages is None):
         raise ValueError("--kv-select pages needs what a step reads: --fetch-ratio R (a share of each sequence) "
                          "or --fetch-pages N, one of them")
+    if a.page_ahead and not getattr(a, "overlap", True):
+        raise ValueError("--page-ahead reads a layer's pages while the layer before it computes, which needs the "
+                         "overlapped schedule: drop --overlap false or drop --page-ahead")
 
 
 def run_sampling(a: argparse.Namespace) -> dict:
@@ -289,7 +296,7 @@ def eviction_from_args(a: argparse.Namespace) -> Any:
     given = [f"--{k.replace('_', '-')}" for k, v in sizes.items() if v is not None]
     if a.kv_select == "pages":
         given = {k: getattr(a, k) for k in ("page_size", "page_score", "dense_layers") if getattr(a, k) is not None}
-        rule = PageRule(fetch_ratio=a.fetch_ratio, fetch_pages=a.fetch_pages,
+        rule = PageRule(fetch_ratio=a.fetch_ratio, fetch_pages=a.fetch_pages, ahead=bool(a.page_ahead),
                         **{"score" if k == "page_score" else k: v for k, v in given.items()})
         return EvictionConfig(policy="full", pages=rule)
     if a.full_cache:

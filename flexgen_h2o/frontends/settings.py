@@ -94,7 +94,8 @@ def _page_selection(args: argparse.Namespace) -> dict[str, Any]:
         return {}
     return {"kv_select": "pages", "page_size": args.page_size or DEFAULT_PAGE_SIZE, "fetch_ratio": args.fetch_ratio,
             "fetch_pages": args.fetch_pages, "page_score": args.page_score or DEFAULT_PAGE_SCORE,
-            "dense_layers": args.dense_layers or 0}
+            "dense_layers": args.dense_layers or 0,
+            **({"page_ahead": True} if getattr(args, "page_ahead", None) else {})}    # older records still match
 
 
 def _or_default(given: Any, policy: str, default: str) -> Any:

@@ -221,6 +221,9 @@ class H2OCache(Cache):
         if eviction is not None and options:
             raise ValueError("pass either an EvictionConfig or its fields as keywords, not both")
         eviction = eviction if eviction is not None else EvictionConfig(**{"policy": "h2o", **options})
+        if eviction.pages is not None and eviction.pages.ahead:
+            raise ValueError("reading pages a layer ahead is the engine's schedule (it overlaps the read with the "
+                             "layer before); in transformers' generate each layer reads its own: drop ahead")
         if eviction.position_rolling:
             raise ValueError("position_rolling needs pre-RoPE keys; transformers caches keys after RoPE, so the HF "
                              "cache keeps true positions (use the engine for rolling)")

@@ -162,16 +162,19 @@ class Kernels(ops.TorchKernels):
     def linear(self, x: Tensor, w: Tensor | PackedMatrix, b: Tensor | None = None) -> Tensor:
         """A decode step's few rows times an fp16 weight of contiguous rows or a packed (int4/int8) matrix: the
         compiled kernels. Otherwise ops.linear with this object's GEMM (a packed matrix dequantized by blocks)."""
-        if isinstance(w, PackedMatrix):
-            few_rows = self.batch_invariant or x.numel() <= QUANT_LINEAR_MAX_ROWS * x.shape[-1]
-            if few_rows and self._cpu_fp32(x) and hasattr(self.ext, "quant_linear"):
-                out = self.ext.quant_linear(x.reshape(-1, x.shape[-1]).contiguous(), w.rows, w.n_in,
-                                            w.quant.bits, w.quant.group_size).view(*x.shape[:-1], w.shape[0])
+        if not isinstance(w, PackedMatrix):
+            # the decode step's case first, in as few calls as it takes (part of a schedule layer's fixed cost)
+            if (w.dtype == torch.float16 and x.dtype == torch.float32 and x.device.type == self.compiled_on
+                    and w.dim() == 2 and (self.batch_invariant or x.numel() <= HALF_LINEAR_MAX_ROWS * x.shape[-1])
+                    and w.is_contiguous()):
+                out = self.ext.half_linear(x.reshape(-1, x.shape[-1]).contiguous(), w).view(*x.shape[:-1],
+                                                                                         w.shape[0])
                 return out if b is None else out.add_(b.to(x.dtype))
             return ops.linear(x, w, b, gemm=self._gemm)
-        few_rows = self.batch_invariant or x.numel() <= HALF_LINEAR_MAX_ROWS * x.shape[-1]
-        if w.dtype == torch.float16 and few_rows and self._cpu_fp32(x) and w.dim() == 2 and w.is_contiguous():
-            out = self.ext.half_linear(x.reshape(-1, x.shape[-1]).contiguous(), w).view(*x.shape[:-1], w.shape[0])
+        few_rows = self.batch_invariant or x.numel() <= QUANT_LINEAR_MAX_ROWS * x.shape[-1]
+        if few_rows and self._cpu_fp32(x) and hasattr(self.ext, "quant_linear"):
+            out = self.ext.quant_linear(x.reshape(-1, x.shape[-1]).contiguous(), w.rows, w.n_in,
+                                        w.quant.bits, w.quant.group_size).view(*x.shape[:-1], w.shape[0])
             return out if b is None else out.add_(b.to(x.dtype))
         return ops.linear(x, w, b, gemm=self._gemm)
 

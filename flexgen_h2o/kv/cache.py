@@ -45,6 +45,8 @@ def gather_slots(x: Tensor, index: Tensor) -> Tensor:
 
 
 class KVCache:
+    reads_ahead = False     # page selection read a layer ahead (kv/pages.py): the executor chooses its pages early
+
     def __init__(self, spec: KVSpec, batch: int, capacity: int, policy, budget: Budget | RowBudgets, *,
                  dtype: torch.dtype = torch.float16, alloc: Allocator = _plain_alloc, tier_kind: str = "compute",
                  rolling: bool = False, generator: KeyedDraws | torch.Generator | None = None,

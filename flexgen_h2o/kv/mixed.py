@@ -6,6 +6,7 @@ range of sequences; staging concatenates their windows and committing slices the
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 from torch import Tensor
@@ -66,6 +67,10 @@ class SplitKVCache:
     def nbytes(self) -> int:
         return sum(c.nbytes for c in self.caches)
 
+    @property
+    def reads_ahead(self) -> bool:
+        return self.caches[0].reads_ahead
+
     def commit_prefill(self, k_new: Tensor, v_new: Tensor, scores: Tensor | None, token_pos: Tensor,
                        first_row: int = 0, unpadded: bool = False, key_scale: Tensor | None = None) -> None:
         """The prompt rows of sequences [first_row, first_row + len(k_new)), which may span several parts."""
@@ -106,11 +111,28 @@ class SplitKVCache:
         if len(views) == 1:
             return views[0]
         if views[0].select is not None:        # each part reads the pages its rows' queries need, then they join
-            return dataclasses.replace(_join(views), select=lambda q: _join(
-                [v.select(q[lo:hi]) for (lo, hi, _), v in zip(self.parts, views)]))
+            return dataclasses.replace(_join(views), select=functools.partial(self.select, device, dtype))
         return _join(views)
 
+    def select(self, device: torch.device, dtype: torch.dtype, q: Tensor) -> KVView:
+        """The pages query q (b, h, 1, d) needs, from every part (kv/pages.py PagedKVCache.select), joined."""
+        return self.read(self.choose(q), device, dtype)
+
+    def choose(self, q: Tensor) -> list:
+        """Each part's choice of pages for its rows of query q (PagedKVCache.choose)."""
+        return [c.choose(q[lo:hi]) for lo, hi, c in self.parts]
+
+    def read(self, choices: list, device: torch.device, dtype: torch.dtype) -> KVView:
+        """The pages `choose` picked, read from every part's tier and joined."""
+        if self.attention_device is not None:
+            device, dtype = self.attention_device, torch.float32
+        views = [c.read(choice, device, dtype) for choice, (_, _, c) in zip(choices, self.parts)]
+        return views[0] if len(views) == 1 else _join(views)
+
     def commit_decode(self, view: KVView, out: LayerOutput, new_pos: Tensor) -> None:
+        if len(self.parts) == 1:              # one tier: its own view, as staged
+            self.parts[0][2].commit_decode(view, out, new_pos)
+            return
         for (lo, hi, cache), width in zip(self.parts, self._widths):
             part_view = KVView(k=view.k[lo:hi, :, :width], v=view.v[lo:hi, :, :width],
                                valid=view.valid[lo:hi, :, :width], write_slot=view.write_slot[lo:hi])

@@ -34,6 +34,10 @@ class PageRule:
     # picks little there (Quest leaves its first two layers dense; docs/page-selection.md)
     dense_layers: int = 0
     score: str = DEFAULT_PAGE_SCORE
+    # InfiniGen's read ahead: a layer's pages are chosen by the query its weights make of the previous schedule
+    # layer's input, and read on the KV lane while that layer computes (schedule/executor.py _read_ahead; it pays
+    # only where the KV lane has its own thread: docs/page-selection.md "Reading a layer ahead")
+    ahead: bool = False
 
     def __post_init__(self) -> None:
         if self.score not in PAGE_SCORES:
@@ -77,6 +81,8 @@ class PageRule:
         first, last = prompt_len + 1, prompt_len + max(gen_len, 1)
         read = [self.pages_read(n) * self.page_size * kv_bytes_per_token / 1e6 for n in (first, last)]
         how = "bound on each page's keys" if self.score == "bound" else "attention to an int4 copy of the keys"
+        if self.ahead:
+            how += ", chosen a layer ahead"
         return (f"KV read per step: pages of {self.page_size} tokens, {share} (the first {self.sink_pages}, the "
                 f"last {self.recent_pages}, the rest by the query's {how}) = {read[0]:.1f}-"
                 f"{read[1]:.1f} MB of {first * kv_bytes_per_token / 1e6:.1f}-{last * kv_bytes_per_token / 1e6:.1f} "

@@ -90,6 +90,10 @@ class PagedKVCache(KVCache):
         self.page_log: list | None = [] if self.record_pages else None     # each step's chosen (b, g, n)
 
     @property
+    def reads_ahead(self) -> bool:
+        return self.rule.ahead
+
+    @property
     def summary_bytes(self) -> int:
         return self.summary.nbytes
 
@@ -176,6 +180,15 @@ class PagedKVCache(KVCache):
     def select(self, device: torch.device, dtype: torch.dtype, q: Tensor) -> KVView:
         """The view of the pages query q (b, h, 1, d) needs: their stored rows gathered into a (b, g, n * P,
         width) window in page order, read in place by attention as a copied window is (KVView.compute_dtype)."""
+        return self.read(self.choose(q), device, dtype)
+
+    def read(self, choice: tuple[Tensor, Tensor, Tensor], device: torch.device, dtype: torch.dtype) -> KVView:
+        """The view of the pages `choose` picked, read from the tier (the KV lane's part of `select`)."""
+        return self._read_pages(*choice, device, dtype)
+
+    def choose(self, q: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """The pages query q (b, h, 1, d) reads, scored where the summaries are (the compute device's part of
+        `select`): chosen (b, g, n) pages on the host (-1: none), each sequence's page count and held tokens."""
         rule, P = self.rule, self.rule.page_size
         b, g = self.batch, self.spec.n_kv_heads
         held = self._held()
@@ -192,7 +205,7 @@ class PagedKVCache(KVCache):
             chosen = choose_pages(scores, filled.to(scores.device), n_read.to(scores.device), rule).cpu()
         if self.page_log is not None:
             self.page_log.append(chosen.clone())
-        return self._read_pages(chosen, n_read, torch.tensor(held), device, dtype)
+        return chosen, n_read, torch.tensor(held)
 
     def _bounds(self, q: Tensor, top: int) -> Tensor:
         """(b, g, top) Quest's bound of pages [0, top) for query q (b, h, 1, d)."""

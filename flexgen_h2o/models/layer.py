@@ -71,13 +71,16 @@ class StepContext:
     _rope: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
 
     def rope(self, inv_freq: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        """cos, sin (b, t, d) of these positions, computed once per step: a model's layers share one frequency
-        tensor (transformer._inv_freq), and each computation is a few parallel regions on a CPU, each of which
-        wakes the sleeping OpenMP threads (`docs/architecture.md` "How a token flows")."""
+        """cos, sin (b, 1, t, d) of these positions, shared by the heads, computed once per step: a model's layers
+        share one frequency tensor (transformer._inv_freq), and each computation is a few parallel regions on a
+        CPU, each of which wakes the sleeping OpenMP threads (`docs/architecture.md` "How a token flows")."""
         key = (id(inv_freq), dtype)
-        if key not in self._rope:
-            self._rope[key] = (inv_freq, *rope_cos_sin(self.positions, inv_freq, dtype))   # holds the id's owner
-        return self._rope[key][1:]
+        found = self._rope.get(key)
+        if found is None:
+            cos, sin = rope_cos_sin(self.positions, inv_freq, dtype)
+            # the tuple holds the id's owner, so the id cannot be reused while the entry lives
+            found = self._rope[key] = (inv_freq, cos[:, None].contiguous(), sin[:, None].contiguous())
+        return found[1], found[2]
 
     def take_live(self, x: Tensor) -> Tensor:
         """x's live rows (dim 0), for the linear layers: on a CPU a free row costs as much as a busy one, so a

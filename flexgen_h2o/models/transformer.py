@@ -78,18 +78,32 @@ class AttentionLayer(_Base):
     def _proj(self, h: Tensor, w: Mapping[str, Tensor], which: str, ctx: StepContext) -> Tensor:
         return ctx.kernels.linear(h, w[f"self_attn.{which}.weight"], w.get(f"self_attn.{which}.bias"))
 
+    def _rotate(self, t: Tensor, ctx: StepContext) -> Tensor:
+        if self.inv_freq is None:
+            return t
+        cos, sin = ctx.rope(self.inv_freq, t.dtype)                             # (b, 1, t, d), once a step
+        return ctx.kernels.apply_rope(t, cos, sin)
+
+    def _heads(self, hl: Tensor, b: int, w: Mapping[str, Tensor], which: str, n: int, ctx: StepContext) -> Tensor:
+        """One projection of the live rows hl, spread back to the b rows, as (b, n, t, d)."""
+        return ops.split_heads(ctx.spread(self._proj(hl, w, which, ctx), b), n)
+
+    def query(self, x: Tensor, w: Mapping[str, Tensor], ctx: StepContext) -> Tensor:
+        """The rotated query (b, h, t, d) this layer makes of hidden state x: for reading pages a layer ahead,
+        from the previous layer's input (schedule/executor.py _read_ahead)."""
+        h = self._norm(x, w, self.norm, ctx) if self.cfg.pre_norm else x
+        return self._rotate(self._heads(ctx.take_live(h), h.shape[0], w, "q_proj", self.cfg.n_heads, ctx), ctx)
+
     def forward(self, x: Tensor, w: Mapping[str, Tensor], kv: KVView | None, ctx: StepContext) -> LayerOutput:
         cfg, kernels = self.cfg, ctx.kernels
         h = self._norm(x, w, self.norm, ctx) if cfg.pre_norm else x
         hl, b = ctx.take_live(h), h.shape[0]    # a refilled block's free rows skip the projections
-        q = ops.split_heads(ctx.spread(self._proj(hl, w, "q_proj", ctx), b), cfg.n_heads)     # (b, h, t, d)
-        k = ops.split_heads(ctx.spread(self._proj(hl, w, "k_proj", ctx), b), cfg.n_kv_heads)  # (b, g, t, d)
-        v = ops.split_heads(ctx.spread(self._proj(hl, w, "v_proj", ctx), b), cfg.n_kv_heads)  # (b, g, t, d)
+        q = self._rotate(self._heads(hl, b, w, "q_proj", cfg.n_heads, ctx), ctx)             # (b, h, t, d)
+        k = self._heads(hl, b, w, "k_proj", cfg.n_kv_heads, ctx)                             # (b, g, t, d)
+        v = self._heads(hl, b, w, "v_proj", cfg.n_kv_heads, ctx)                             # (b, g, t, d)
         k_store = k
         if self.inv_freq is not None:
-            cos, sin = ctx.rope(self.inv_freq, q.dtype)                         # (b, t, d), once a step
-            q = kernels.apply_rope(q, cos[:, None], sin[:, None])
-            k = kernels.apply_rope(k, cos[:, None], sin[:, None])
+            k = self._rotate(k, ctx)
             if not ctx.keys_pre_rope:
                 k_store = k                      # cache holds keys rotated at their true positions
         scale = cfg.head_dim ** -0.5

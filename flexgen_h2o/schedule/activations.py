@@ -23,10 +23,14 @@ class ActivationHome:
         self._buffers: dict[int, Tensor] = {}
         self._value: list[Tensor] | None = None
         self.bytes_moved = 0
+        self._in_place = len(parts) == 1 and parts[0][2] == "compute"    # the hidden state stays where it is
 
     def store(self, x: Tensor) -> None:
         if self._value is not None:
             raise RuntimeError("schedule bug: hidden state stored twice without being loaded")
+        if self._in_place:
+            self._value = [x]
+            return
         value = []
         for n, (lo, hi, kind) in enumerate(self.parts):
             part = x[lo:hi]
@@ -45,6 +49,8 @@ class ActivationHome:
         if self._value is None:
             raise RuntimeError("schedule bug: hidden state loaded before it was stored")
         parts, self._value = self._value, None
+        if self._in_place:
+            return parts[0] if parts[0].device == self.device else parts[0].to(self.device)
         moved = [p.to(self.device) if kind == "compute" else format_of(p.dtype).stage(p, self.device, p.dtype)
                  for p, (_, _, kind) in zip(parts, self.parts)]
         return moved[0] if len(moved) == 1 else torch.cat(moved)

@@ -34,7 +34,7 @@ class BatchState:
     caches: dict[int, Any] = field(default_factory=dict)     # layer index -> SplitKVCache
     activations: Any = None              # where the hidden state rests between layers
     next_ids: Tensor | None = None       # (b,) ids sampled at the last token step
-    ctx: Any = None                      # (token, StepContext) built once per token step, shared by its layers
+    ctx: Any = None                      # (token, StepContext, decode_pos) once per token step, for its layers
     # continuous refill: the token step at which each row's prompt ran (None: step 0 for every row)
     first_step: Tensor | None = None
     live: Tensor | None = None           # continuous refill: the rows holding a prompt, when some are free
@@ -83,6 +83,12 @@ class BlockExecutor:
         self.store_buf = [[ValueHolder(f"KV update of layer {j} batch {k}") for k in range(n_batches)]
                           for j in range(n_groups)]
         self.hidden_buf = [ValueHolder(f"hidden of batch {k}") for k in range(n_batches)]
+        self.attn_of = [[l for l in group if parts.layers[l].kind == "attn"] for group in parts.groups]
+        # page selection reading a layer ahead (PageRule.ahead): only in the overlapped order, which stages the next
+        # layer's weights before this one computes
+        self.reads_ahead = self.overlap and any(c.reads_ahead for b in batches for c in b.caches.values())
+        self.ahead: dict[tuple[int, int], Any] = {}      # (layer, batch) -> its pages, read a layer ahead
+        self.committed: dict[tuple[int, int], Any] = {}  # (schedule layer, batch) -> its last KV commit (future)
         self.token_times: list[float] = []
 
     # --- the loop ---
@@ -98,11 +104,9 @@ class BlockExecutor:
                 if p.should_stop(0):
                     return self.token_times
                 self.first = 1
-            steps = block_schedule(self.n_tokens - self.first, len(p.groups), len(self.batches), overlap=self.overlap,
-                                   batch_major=self.batch_major)
+            steps = block_schedule(self.n_tokens, len(p.groups), len(self.batches), overlap=self.overlap,
+                                   batch_major=self.batch_major, start=self.first)
             for step in steps:
-                if self.first:
-                    step = Step(step.op, step.token + self.first, step.layer, step.batch)
                 self._dispatch(step)
                 if step.op is Op.COMPUTE and step.layer == last_group and step.batch == last_batch:
                     self.token_times.append(time.perf_counter())
@@ -113,6 +117,7 @@ class BlockExecutor:
         finally:
             if self.transfer is not None:
                 self.transfer.close()
+            self.ahead.clear()
             self._drain_weights()
         return self.token_times
 
@@ -164,7 +169,7 @@ class BlockExecutor:
             self._compute(i, j, k)
         elif op is Op.STORE_KV:
             if self.store_buf[j][k].is_full:
-                self._submit("kv", self._commit_kv, j, k, i, self.store_buf[j][k].pop())
+                self.committed[(j, k)] = self._submit("kv", self._commit_kv, j, k, i, self.store_buf[j][k].pop())
         elif op is Op.STORE_HIDDEN:
             pass                                   # outputs are homed inside _compute (see _store_hidden)
         elif op is Op.SYNC:
@@ -173,7 +178,7 @@ class BlockExecutor:
     # --- step bodies ---
 
     def _attn_layers(self, group: int) -> list[int]:
-        return [l for l in self.p.groups[group] if self.p.layers[l].kind == "attn"]
+        return self.attn_of[group]
 
     def _stage_weights(self, group: int) -> dict[int, Any]:
         return {l: self.p.weights.stage(l) for l in self.p.groups[group]}
@@ -216,18 +221,21 @@ class BlockExecutor:
         weights = self._ready(self.weight_buf[group].peek())
         x = self.hidden_buf[batch].pop()
         if b.ctx is None or b.ctx[0] != token:
-            b.ctx = (token, self._context(b, token))
-        ctx = b.ctx[1]
+            b.ctx = (token, self._context(b, token), None if token == 0 else b.decode_pos(token))
+        _, ctx, new_pos = b.ctx
         if token == 0:
             x = self._prefill(b, group, weights, x, ctx)
         else:
             views = self._ready(self.kv_buf[group][batch].pop()) if self._attn_layers(group) else {}
+            if self.reads_ahead:
+                self._read_ahead(group, batch, x, ctx)
             updates = {}
             for l in self.p.groups[group]:
                 layer = self.p.layers[l]
-                out = layer.forward(x, weights[l], views.get(l), ctx)
+                ahead = self.ahead.pop((l, batch), None)
+                out = layer.forward(x, weights[l], views.get(l) if ahead is None else self._ready(ahead), ctx)
                 if layer.kind == "attn":
-                    updates[l] = (views[l], out, b.decode_pos(token))
+                    updates[l] = (views[l], out, new_pos)
                 x = out.hidden
             if updates:
                 self.store_buf[group][batch].store(updates)
@@ -240,6 +248,26 @@ class BlockExecutor:
             link.send_hidden(x)
         else:
             b.activations.store(x)
+
+    def _read_ahead(self, group: int, batch: int, x: Tensor, ctx: StepContext) -> None:
+        """InfiniGen's read ahead (kv/page_rule.py PageRule.ahead): the next schedule layer's attention, where its
+        cache reads pages a layer ahead, makes its query of this layer's input x with its own weights (staged
+        before this layer computes, in the overlapped order), chooses its pages here, once that cache's last
+        commit is done, and the KV lane reads them while this layer computes. Not from the embedding's input,
+        which is token ids."""
+        nxt = group + 1
+        if nxt >= len(self.p.groups) or self.p.layers[self.p.groups[group][0]].kind == "embed":
+            return
+        b = self.batches[batch]
+        todo = [l for l in self._attn_layers(nxt) if l in b.caches and b.caches[l].reads_ahead]
+        if not todo:
+            return
+        weights = self._ready(self.weight_buf[nxt].peek())
+        self._ready(self.committed.get((nxt, batch)))
+        for l in todo:
+            choice = b.caches[l].choose(self.p.layers[l].query(x, weights[l], ctx))
+            self.ahead[(l, batch)] = self._submit("kv", b.caches[l].read, choice, self.p.device,
+                                                  self.p.compute_dtype)
 
     def _prompt_chunk(self, b: BatchState, layer_ids: list[int], weights: dict, h: Tensor, ctx, lo: int) -> Tensor:
         """Sequences [lo, lo + len(h)) of the prompt through `layer_ids`; each attention layer's prompt KV is

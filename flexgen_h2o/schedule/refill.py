@@ -56,6 +56,7 @@ class Finished:
 class RowSlots:
     """One layer's cache seen through a join pass: row i of the join batch is row rows[i] of the block's batch.
     A join pass only commits prompt KV (its token 0 stages nothing)."""
+    reads_ahead = False     # a prompt pass reads no pages
 
     def __init__(self, cache: Any, rows: list[int]):
         self.cache, self.rows = cache, rows

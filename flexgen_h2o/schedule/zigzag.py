@@ -48,8 +48,8 @@ class Step:
     batch: int      # GPU batch inside the block (-1 for per-layer ops)
 
 
-def _plain(n_tokens: int, n_layers: int, n_batches: int) -> Iterator[Step]:
-    for i in range(n_tokens):
+def _plain(start: int, n_tokens: int, n_layers: int, n_batches: int) -> Iterator[Step]:
+    for i in range(start, n_tokens):
         for j in range(n_layers):
             yield Step(Op.LOAD_WEIGHT, i, j, -1)
             for k in range(n_batches):
@@ -58,7 +58,7 @@ def _plain(n_tokens: int, n_layers: int, n_batches: int) -> Iterator[Step]:
             yield Step(Op.FREE_WEIGHT, i, j, -1)
 
 
-def _overlapped(n_tokens: int, n_layers: int, n_batches: int) -> Iterator[Step]:
+def _overlapped(start: int, n_tokens: int, n_layers: int, n_batches: int) -> Iterator[Step]:
     def shift(i: int, j: int, k: int, dk: int) -> tuple[int, int, int] | None:
         k += dk
         if k >= n_batches:
@@ -69,12 +69,12 @@ def _overlapped(n_tokens: int, n_layers: int, n_batches: int) -> Iterator[Step]:
             j, i = 0, i + 1
         elif j < 0:
             j, i = n_layers - 1, i - 1
-        return (i, j, k) if 0 <= i < n_tokens else None
+        return (i, j, k) if start <= i < n_tokens else None
 
-    yield Step(Op.LOAD_WEIGHT, 0, 0, -1)
-    yield Step(Op.LOAD_KV, 0, 0, 0)
-    yield Step(Op.SYNC, 0, 0, 0)
-    for i in range(n_tokens):
+    yield Step(Op.LOAD_WEIGHT, start, 0, -1)
+    yield Step(Op.LOAD_KV, start, 0, 0)
+    yield Step(Op.SYNC, start, 0, 0)
+    for i in range(start, n_tokens):
         for j in range(n_layers):
             for k in range(n_batches):
                 if k == 0:
@@ -97,11 +97,11 @@ def _overlapped(n_tokens: int, n_layers: int, n_batches: int) -> Iterator[Step]:
     yield Step(Op.SYNC, n_tokens - 1, n_layers - 1, n_batches - 1)
 
 
-def _batch_major(n_tokens: int, n_layers: int, n_batches: int) -> Iterator[Step]:
+def _batch_major(start: int, n_tokens: int, n_layers: int, n_batches: int) -> Iterator[Step]:
     """Each GPU batch through every layer before the next batch starts: for a pipeline stage whose weights are
     resident (staging them again per batch costs nothing), so its first batch leaves for the next stage while
     this stage computes the others, and the stages compute at once."""
-    for i in range(n_tokens):
+    for i in range(start, n_tokens):
         for k in range(n_batches):
             for j in range(n_layers):
                 yield Step(Op.LOAD_WEIGHT, i, j, -1)
@@ -111,10 +111,11 @@ def _batch_major(n_tokens: int, n_layers: int, n_batches: int) -> Iterator[Step]
 
 
 def block_schedule(n_tokens: int, n_layers: int, n_batches: int, *, overlap: bool,
-                   batch_major: bool = False) -> Iterator[Step]:
-    """Every step of one block, in execution order (batch_major: _batch_major's order, never overlapped)."""
-    if min(n_tokens, n_layers, n_batches) < 1:
-        raise ValueError("n_tokens, n_layers and n_batches must be >= 1")
+                   batch_major: bool = False, start: int = 0) -> Iterator[Step]:
+    """Every step of token steps [start, n_tokens) of one block, in execution order (batch_major:
+    _batch_major's order, never overlapped)."""
+    if min(n_tokens - start, n_layers, n_batches) < 1 or start < 0:
+        raise ValueError("n_tokens - start, n_layers and n_batches must be >= 1, start >= 0")
     if batch_major:
-        return _batch_major(n_tokens, n_layers, n_batches)
-    return (_overlapped if overlap else _plain)(n_tokens, n_layers, n_batches)
+        return _batch_major(start, n_tokens, n_layers, n_batches)
+    return (_overlapped if overlap else _plain)(start, n_tokens, n_layers, n_batches)

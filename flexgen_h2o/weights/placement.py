@@ -114,6 +114,8 @@ class WeightPlacement:
         self._handles: list = []                  # tier allocations of resident weights, freed by close()
         self.fmt = fmt
         self.packed = packed_names(layers) if fmt.quantized else set()
+        self._resident_layers: dict[int, dict] = {}      # layer -> its staged weights, where all are resident
+        self._resident_ids: set[int] = set()
         self.home_of = weight_homes(layers, fractions, fmt)
         self._compute: dict[str, Tensor] = {}
         self._host: dict[str, Tensor] = {}
@@ -176,6 +178,8 @@ class WeightPlacement:
         for handle in self._handles:
             handle.free()
         self._handles, self._compute, self._host = [], {}, {}
+        self._resident_layers.clear()
+        self._resident_ids.clear()
         if self.pool is not None:
             self.pool.clear()
 
@@ -188,6 +192,8 @@ class WeightPlacement:
         """The layer's weights on the compute device (see _stage_one for dtypes). Offloaded embedding tables come as a
         RowLookup (resident ones stay fp16 tensors: a lookup needs no conversion of the whole table). Give
         the result back with release() once its last batch has computed."""
+        if index in self._resident_layers:
+            return self._resident_layers[index]
         layer = self.layers[index]
         staged: dict[str, Tensor | RowLookup] = {}
         for spec in layer.weight_specs():
@@ -195,10 +201,14 @@ class WeightPlacement:
                 staged[spec.key] = self._stage_lookup(spec)
             else:
                 staged[spec.key] = self._stage_one(spec)
+        if all(self.home_of[s.name] == "compute" and s.name not in self.packed for s in layer.weight_specs()):
+            # every weight used where it lies: the same tensors each time, staged once (nothing to give back)
+            self._resident_layers[index] = staged
+            self._resident_ids.add(id(staged))
         return staged
 
     def release(self, staged: Mapping[str, Tensor | RowLookup]) -> None:
-        if self.pool is not None:
+        if self.pool is not None and id(staged) not in self._resident_ids:
             for t in staged.values():
                 if isinstance(t, PackedMatrix):
                     t = t.rows

@@ -11,7 +11,10 @@ Nothing here imports flexgen_h2o: the rule is re-derived in plain Python from it
   sum_c max(q_c * min_c, q_c * max_c) (float64 here). Score "keys": the page's largest key_mass, the attention
   the group's query heads give each held key read back from int4;
 - the query attends to every token of the pages read and to itself; the prompt pass attends to everything, and
-  so does every step of the first `dense_layers` layers.
+  so does every step of the first `dense_layers` layers;
+- `ahead`: a layer after the first chooses by another query, the one its attention makes (its norm, q_proj,
+  RoPE) of the previous layer's MLP input (the residual after the previous attention); it still attends with
+  its own.
 """
 from __future__ import annotations
 
@@ -33,6 +36,8 @@ class _State:
         self.phase = "prefill"
         self.pos = real_positions(attention_mask)     # per sequence, per cache index; -1 for pads
         self.chosen: dict[int, list] = {}          # layer -> per step: [b][g] sorted pages read
+        self.mlp_input: dict[int, torch.Tensor] = {}     # layer -> this step's MLP input (ahead)
+        self.ahead_query: dict[int, torch.Tensor] = {}   # layer -> the query it chooses by (ahead)
 
     def pages_read(self, n_tokens: int) -> int:
         P = self.rule["page_size"]
@@ -92,6 +97,9 @@ def masked_page_attention(module: torch.nn.Module, query: torch.Tensor, key: tor
     g, L = key.shape[1], key.shape[2]
     r = h // g
     scale = d ** -0.5 if scaling is None else scaling
+    if st.phase == "capture":                       # only the query is wanted (_capture_ahead)
+        st.ahead_query[module.layer_idx] = query.detach().clone()
+        return torch.zeros_like(query).transpose(1, 2), None
     allowed = torch.zeros(b, g, q, L, dtype=torch.bool)
     if st.phase == "prefill":
         allowed = prompt_allowed(st.pos, g, q, L)
@@ -100,10 +108,11 @@ def masked_page_attention(module: torch.nn.Module, query: torch.Tensor, key: tor
     else:
         step = []
         P = st.rule["page_size"]
+        chooser = st.ahead_query.pop(module.layer_idx, query)
         for bi in range(b):
             per_head = []
             for gi in range(g):
-                pages = choose(st, query[bi, gi * r:(gi + 1) * r, 0], key[bi, gi], st.pos[bi][:L])
+                pages = choose(st, chooser[bi, gi * r:(gi + 1) * r, 0], key[bi, gi], st.pos[bi][:L])
                 per_head.append(pages)
                 for i, p in enumerate(st.pos[bi][:L]):
                     allowed[bi, gi, 0, i] = p >= 0 and (i == L - 1 or p // P in pages)
@@ -116,11 +125,42 @@ def masked_page_attention(module: torch.nn.Module, query: torch.Tensor, key: tor
 AttentionInterface.register(ATTN_NAME, masked_page_attention)
 
 
+def _hook_ahead(model: torch.nn.Module, state: _State) -> list:
+    """Forward hooks for `ahead` (pre-norm models): each decoder layer's MLP norm records its input, and before a
+    decode step's layer n > max(0, dense_layers - 1) runs, its attention is run on layer n - 1's recorded input,
+    through its own input norm, in the "capture" phase that keeps the query (without touching the cache)."""
+    layers = list(model.model.layers if hasattr(model.model, "layers") else model.model.decoder.layers)
+    handles = []
+    for n, layer in enumerate(layers):
+        mlp_norm = getattr(layer, "post_attention_layernorm", None) or layer.final_layer_norm
+        attn_norm = getattr(layer, "input_layernorm", None) or layer.self_attn_layer_norm
+
+        def record(module, args, n=n):
+            state.mlp_input[n] = args[0].detach()
+        handles.append(mlp_norm.register_forward_pre_hook(record))
+        if n == 0 or n < state.rule.get("dense_layers", 0):
+            continue
+
+        def capture(module, args, kwargs, n=n, attn_norm=attn_norm):
+            if state.phase != "decode":
+                return
+            state.phase = "capture"
+            try:
+                shape = (args[0] if args else kwargs["hidden_states"]).shape          # OPT's MLP input is 2-d
+                extra = {k: v for k, v in kwargs.items()
+                         if k not in ("hidden_states", "past_key_values", "cache", "use_cache")}
+                module.self_attn(hidden_states=attn_norm(state.mlp_input[n - 1].reshape(shape)), **extra)
+            finally:
+                state.phase = "decode"
+        handles.append(layer.register_forward_pre_hook(capture, with_kwargs=True))
+    return handles
+
+
 @torch.no_grad()
 def page_reference_generate(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                             rule: dict, max_new_tokens: int) -> tuple[torch.Tensor, list[torch.Tensor], dict]:
     """Greedy generation with page selection. input_ids, attention_mask (b, p) left-padded; rule: page_size,
-    fetch_ratio or fetch_pages, sink_pages, recent_pages. Returns tokens (b, n), the logits (b, V) that chose each,
+    fetch_ratio or fetch_pages, sink_pages, recent_pages, dense_layers, score, ahead. Returns tokens (b, n), the logits (b, V) that chose each,
     and per layer the pages each decode step read, [step][b][g] -> sorted page indices."""
     mask = attention_mask.long()
     b = input_ids.shape[0]
@@ -131,6 +171,7 @@ def page_reference_generate(model: torch.nn.Module, input_ids: torch.Tensor, att
     modules = [m for m in model.modules() if hasattr(m, "layer_idx")]
     for m in modules:
         setattr(m, STATE_ATTR, state)
+    hooks = _hook_ahead(model, state) if rule.get("ahead") else []
     tokens, step_logits = [], []
     try:
         position_ids = torch.tensor(state.pos).clamp(min=0)
@@ -150,6 +191,8 @@ def page_reference_generate(model: torch.nn.Module, input_ids: torch.Tensor, att
             out = model(input_ids=nxt[:, None], attention_mask=mask, position_ids=position_ids,
                         past_key_values=out.past_key_values, use_cache=True)
     finally:
+        for handle in hooks:
+            handle.remove()
         for m in modules:
             delattr(m, STATE_ATTR)
         model.config._attn_implementation = old_impl

@@ -1,7 +1,8 @@
 #!/bin/bash
 # Issue 53's accuracy run: page selection (`--kv-select pages`, 32-token pages) at 10 % and 20 % on the grid of
 # eval-52, whose rows (full, h2o, snapkv, ...) it is merged with: `pages-bound` (Quest's bound, `--page-score
-# bound`) ran first (`bound`), then `pages` (`--page-score keys`, the default). SmolLM2-135M, CPU, two queues of
+# bound`) ran first (`bound`), then `pages` (`--page-score keys`, the default), then `pages-ahead` (`--page-ahead`:
+# each layer's pages chosen from the previous layer's input, `ahead`). SmolLM2-135M, CPU, two queues of
 # one-thread processes on the 2-core VM; each step resumes if rerun. `merge` writes report.md and the PNGs.
 set -u
 cd "$(dirname "$0")/../../.."
@@ -22,6 +23,7 @@ grid() {   # $1: the grid row, $2: folder suffix
 case "${1:-}" in
 bound) grid pages-bound -bound ;;
 keys) grid pages "" ;;
+ahead) grid pages-ahead -ahead ;;
 merge)
   runs=""
   for d in $P/ruler-a $P/ruler-b $P/ruler-c $P/haystack $P/haystack-b $P/ppl $P/ppl-b $P/ppl-10 $P/sum $P/sum-b \
@@ -29,7 +31,13 @@ merge)
            $R/ruler-bound $R/haystack-bound $R/ppl-bound $R/sum-bound $R/ruler $R/haystack $R/ppl $R/sum; do
     [ -d $d ] && runs="$runs $d"
   done
+  if [ -z "$runs" ]; then     # the sub-runs left the tree after the first merge: its JSON stands for them
+    mkdir -p /tmp/eval-53-merged && cp $R/*.json /tmp/eval-53-merged/ && runs=/tmp/eval-53-merged
+  fi
+  for d in $R/ruler-ahead $R/haystack-ahead $R/ppl-ahead $R/sum-ahead; do
+    [ -d $d ] && runs="$runs $d"
+  done
   .venv/bin/python -m flexgen_h2o.eval --report-only --merge $runs --out $R
   ;;
-*) echo "usage: $0 bound|keys|merge" >&2; exit 2 ;;
+*) echo "usage: $0 bound|keys|ahead|merge" >&2; exit 2 ;;
 esac
