@@ -89,3 +89,18 @@ def test_resident_matrices_stay_fp16_on_a_cpu():
     n_matrix = sum(p.numel() for p in model.parameters() if p.dim() > 1)      # the tied head counts once
     n_vector = sum(p.numel() for p in model.parameters() if p.dim() == 1)
     assert est.bytes["compute"]["weights"] == resident == 2 * n_matrix + 4 * n_vector
+
+
+def test_resident_layers_are_staged_once_and_streamed_ones_each_time():
+    """A layer whose weights are all resident is staged once (the same tensors every step: part of a schedule
+    layer's fixed cost) and never handed to the pool; a host-homed layer's dict is built afresh each time."""
+    model = tiny_hf("opt")
+    for percent, cached in (((100, 0, 100, 0, 100, 0), True), ((0, 100, 100, 0, 100, 0), False)):
+        engine = make_engine(model, offload=OffloadPolicy.from_percent(percent, gpu_batch_size=2), device="cpu")
+        try:
+            first = engine.weights.stage(1)
+            engine.weights.release(first)
+            again = engine.weights.stage(1)
+            assert (again is first) == cached
+        finally:
+            engine.close()
