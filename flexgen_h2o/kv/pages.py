@@ -182,10 +182,6 @@ class PagedKVCache(KVCache):
         width) window in page order, read in place by attention as a copied window is (KVView.compute_dtype)."""
         return self.read(self.choose(q), device, dtype)
 
-    def read(self, choice: tuple[Tensor, Tensor, Tensor], device: torch.device, dtype: torch.dtype) -> KVView:
-        """The view of the pages `choose` picked, read from the tier (the KV lane's part of `select`)."""
-        return self._read_pages(*choice, device, dtype)
-
     def choose(self, q: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """The pages query q (b, h, 1, d) reads, scored where the summaries are (the compute device's part of
         `select`): chosen (b, g, n) pages on the host (-1: none), each sequence's page count and held tokens."""
@@ -235,10 +231,11 @@ class PagedKVCache(KVCache):
             mass = torch.nn.functional.pad(mass, (0, pad))
         return mass[:, :, :top * P].view(b, g, top, P).amax(dim=-1)
 
-    def _read_pages(self, chosen: Tensor, n_read: Tensor, held: Tensor, device: torch.device,
-                    dtype: torch.dtype) -> KVView:
-        """Gather whole pages `chosen` (b, g, n) (-1: none) of each column from the tier, in one index per
-        tensor. A missing page reads the column's first page again (already read: no new bytes from a disk)."""
+    def read(self, choice: tuple[Tensor, Tensor, Tensor], device: torch.device, dtype: torch.dtype) -> KVView:
+        """The view of the pages `choose` picked (the KV lane's part of `select`): whole pages `chosen` (b, g, n)
+        (-1: none) of each column gathered from the tier, in one index per tensor. A missing page reads the
+        column's first page again (already read: no new bytes from a disk)."""
+        chosen, n_read, held = choice
         P = self.rule.page_size
         b, g, n = chosen.shape
         cap, width = self.capacity, self.k.shape[-1]

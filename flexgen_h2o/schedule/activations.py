@@ -50,7 +50,7 @@ class ActivationHome:
             raise RuntimeError("schedule bug: hidden state loaded before it was stored")
         parts, self._value = self._value, None
         if self._in_place:
-            return parts[0] if parts[0].device == self.device else parts[0].to(self.device)
+            return parts[0].to(self.device)
         moved = [p.to(self.device) if kind == "compute" else format_of(p.dtype).stage(p, self.device, p.dtype)
                  for p, (_, _, kind) in zip(parts, self.parts)]
         return moved[0] if len(moved) == 1 else torch.cat(moved)

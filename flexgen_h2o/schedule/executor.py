@@ -169,7 +169,9 @@ class BlockExecutor:
             self._compute(i, j, k)
         elif op is Op.STORE_KV:
             if self.store_buf[j][k].is_full:
-                self.committed[(j, k)] = self._submit("kv", self._commit_kv, j, k, i, self.store_buf[j][k].pop())
+                done = self._submit("kv", self._commit_kv, j, k, i, self.store_buf[j][k].pop())
+                if self.reads_ahead:                     # a read ahead of this layer waits for it (_read_ahead)
+                    self.committed[(j, k)] = done
         elif op is Op.STORE_HIDDEN:
             pass                                   # outputs are homed inside _compute (see _store_hidden)
         elif op is Op.SYNC:
@@ -188,9 +190,9 @@ class BlockExecutor:
         rank = self._new_rank(b, token) if self.p.rolling else None
         return {l: b.caches[l].stage(self.p.device, self.p.compute_dtype, rank) for l in self._attn_layers(group)}
 
-    def _new_rank(self, b: BatchState, token: int) -> Tensor:
+    def _new_rank(self, b: BatchState, token: int, true_pos: Tensor | None = None) -> Tensor:
         # the new token ranks after every kept token: min(tokens before it, its budget) of them survive
-        return torch.minimum(b.decode_pos(token), b.kept_max)
+        return torch.minimum(b.decode_pos(token) if true_pos is None else true_pos, b.kept_max)
 
     def _load_hidden(self, token: int, group: int, batch: int) -> Tensor:
         b = self.batches[batch]
@@ -201,7 +203,8 @@ class BlockExecutor:
             return ids.to(self.p.device)
         return b.activations.load()
 
-    def _context(self, b: BatchState, token: int) -> StepContext:
+    def _context(self, b: BatchState, token: int, true_pos: Tensor | None = None) -> StepContext:
+        """The step's context; true_pos: b.decode_pos(token) where the caller has it."""
         p = self.p
         if token == 0:
             positions = (b.token_valid.long().cumsum(1) - 1).masked_fill(~b.token_valid, -1)
@@ -209,8 +212,8 @@ class BlockExecutor:
                                want_scores=p.needs_scores, keys_pre_rope=p.rolling, score_reduce=p.score_reduce,
                                score_window=p.score_window, unpadded=bool(b.token_valid.all()), kernels=p.kernels,
                                pad_counts=StepContext.leading_pads(b.token_valid.cpu()), score_rows=b.evicts)
-        true_pos = b.decode_pos(token)
-        pos = self._new_rank(b, token) if p.rolling else true_pos
+        true_pos = b.decode_pos(token) if true_pos is None else true_pos
+        pos = self._new_rank(b, token, true_pos) if p.rolling else true_pos
         valid = torch.ones(len(true_pos), 1, dtype=torch.bool)
         return StepContext(pos.view(-1, 1).to(p.device), valid.to(p.device), p.compute_dtype,
                            want_scores=p.needs_scores, keys_pre_rope=p.rolling, score_reduce=p.score_reduce,
@@ -221,7 +224,8 @@ class BlockExecutor:
         weights = self._ready(self.weight_buf[group].peek())
         x = self.hidden_buf[batch].pop()
         if b.ctx is None or b.ctx[0] != token:
-            b.ctx = (token, self._context(b, token), None if token == 0 else b.decode_pos(token))
+            new_pos = None if token == 0 else b.decode_pos(token)
+            b.ctx = (token, self._context(b, token, new_pos), new_pos)
         _, ctx, new_pos = b.ctx
         if token == 0:
             x = self._prefill(b, group, weights, x, ctx)
@@ -232,8 +236,10 @@ class BlockExecutor:
             updates = {}
             for l in self.p.groups[group]:
                 layer = self.p.layers[l]
-                ahead = self.ahead.pop((l, batch), None)
-                out = layer.forward(x, weights[l], views.get(l) if ahead is None else self._ready(ahead), ctx)
+                view = views.get(l)
+                if self.reads_ahead and (l, batch) in self.ahead:      # its pages, read during the layer before
+                    view = self._ready(self.ahead.pop((l, batch)))
+                out = layer.forward(x, weights[l], view, ctx)
                 if layer.kind == "attn":
                     updates[l] = (views[l], out, new_pos)
                 x = out.hidden
