@@ -163,8 +163,7 @@ def roofline(machine: dict[str, Any], w: Workload, s: System, summ: dict[str, An
     per_seq = summ.get("kv_bytes_per_seq") or 0
     cfg = w.model_config()
     off = summ["offloaded_weight_bytes"]
-    # resident weights in the fp32 compute dtype: what is not homed on disk (fp16 there, hence / 2 params)
-    resident = max(cfg.n_params() - off / 2, 0) * 4
+    resident = s.resident_weight_bytes(cfg, off)
     b = bound(machine, cfg, batch=summ["batch"], prompt_len=summ["prompt_len"], gen_len=g,
               kv_read_bytes_per_seq=per_seq * avg_tokens / tokens_end, offloaded_weight_bytes=off,
               resident_weight_bytes=resident, kv_tokens=avg_tokens, page_cache=not w.uncached,

@@ -34,7 +34,8 @@ KVPRESS = [f"kvpress-{p}-{b}" for p in ("observed", "streaming") for b in (10, 2
 GPU_ONLY = ["deepspeed", "flexgen"]
 # the engines a CPU user would also try (issue 36), each in its own cached virtualenv
 CPU_ENGINES = ["kvpress-decoding-20", "openvino", "openvino-f16", "openvino-evict-20", "openvino-evict-20-f16",
-               "vllm", "vllm-inproc"]
+               "openvino-evict-20-normsum", "openvino-evict-20-snapkv",
+               "vllm", "vllm-inproc", "llamacpp-f16", "llamacpp-q8_0", "llamacpp-q4_0"]
 # the chat job: ours with continuous refill (the CLI's default) and without, OpenVINO's continuous batching (its
 # scheduler refills) with an fp16 KV cache as ours, and HF generate in fixed batches
 CHAT = ["ours-full", "ours-norefill-full", "ours-h2o-20", "ours-norefill-h2o-20", "hf", "openvino-f16",

@@ -16,6 +16,7 @@ def all_systems() -> dict[str, System]:
     from benchmarks.systems.flexgen import FlexGen
     from benchmarks.systems.hf_generate import HFGenerate
     from benchmarks.systems.kvpress import KVPress, KVPressDecoding
+    from benchmarks.systems.llamacpp import LlamaCpp
     from benchmarks.systems.openvino import OpenVINO
     from benchmarks.systems.ours import Ours
     from benchmarks.systems.vllm import VLLM
@@ -28,7 +29,10 @@ def all_systems() -> dict[str, System]:
     out += [KVPress(p, b) for p in ("observed", "streaming") for b in (10, 20, 40)] + [KVPressDecoding(20)]
     # openvino, openvino-f16, openvino-evict-20, openvino-evict-20-f16
     out += [OpenVINO(kv, b) for b in (None, 20) for kv in ("u8", "f16")]
+    # its newer scorers at the same budget: openvino-evict-20-normsum, openvino-evict-20-snapkv
+    out += [OpenVINO("u8", 20, "NORM_SUM", window=0), OpenVINO("u8", 20, "NORM_SUM", window=8)]
     out += [VLLM(), VLLM(inproc=True)]
+    out += [LlamaCpp(kind) for kind in ("f16", "q8_0", "q4_0")]     # llamacpp-f16, llamacpp-q8_0, llamacpp-q4_0
     out += [DeepSpeed(), FlexGen()]
     return {s.name: s for s in out}
 

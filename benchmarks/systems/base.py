@@ -115,6 +115,11 @@ class System:
         child reports them in its JSON."""
         return raw
 
+    def resident_weight_bytes(self, cfg: Any, offloaded_bytes: float) -> float:
+        """Weight bytes a decode step reads from RAM, for the roofline: the fp32 compute dtype's, of what is not
+        homed on disk (fp16 there, hence / 2 params)."""
+        return max(cfg.n_params() - offloaded_bytes / 2, 0) * 4
+
     def kv_growth_bytes(self, w: Workload, batch: int, tokens: int) -> int:
         """Bytes the cache gains over `tokens` more generated tokens (projects a short probe's peak to full
         length)."""

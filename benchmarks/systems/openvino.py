@@ -4,7 +4,14 @@
   would compile f16 unless told, so the child always names the precision).
 - `openvino-f16`: full cache, `KV_CACHE_PRECISION=f16` (our engine stores fp16 KV).
 - `openvino-evict-20`, `openvino-evict-20-f16`: `use_cache_eviction` with `AggregationMode.SUM` (attention summed
-  over the evictable area: its H2O-like mode) at ours-h2o-20's budget.
+  over the evictable area: its H2O-like mode) at ours-h2o-20's budget, every prompt query scored.
+- `openvino-evict-20-normsum`: `AggregationMode.NORM_SUM` (its default mode: the sum divided by the steps a token
+  has been in the cache, so old tokens do not win by age), every prompt query scored: `snapkv_window_size = 0`,
+  its no-window mode (NORM_SUM with a window as long as the prompt fails its own check, `new_scores_size >=
+  num_snapkv_scores`, once the start and recent areas are taken out of the scored span).
+- `openvino-evict-20-snapkv`: NORM_SUM with its default `snapkv_window_size` (8): the prompt is scored by its last
+  8 queries only, SnapKV's observation window; CacheEvictionConfig as a user gets it, apart from the sizes.
+The comparison is against the best of the three on each workload (docs/suite.md).
 
 The optimum-intel exporter pins transformers < 5.6, so OpenVINO lives in its own virtualenv, created
 on first use under `<store_root>/venvs/openvino` with the main environment's torch build. The IR is exported once
@@ -174,10 +181,15 @@ class OpenVINO(System):
     kv_grows = False              # every KV block is allocated before the first step (num_kv_blocks)
     runs_chat = True
 
-    def __init__(self, kv_precision: str = "u8", budget_pct: int | None = None) -> None:
+    def __init__(self, kv_precision: str = "u8", budget_pct: int | None = None, mode: str = "SUM",
+                 window: int | None = None) -> None:
         # OpenVINO's spelling for the child; the base class's kv_precision ("u8", "fp16") reads kv_dtype_bytes
         self.ov_kv_precision, self.budget_pct = kv_precision, budget_pct
-        self.name = "openvino" + (f"-evict-{budget_pct}" if budget_pct else "") + \
+        # the aggregation mode and the SnapKV window of an evicting variant (None: as long as the prompt; 0: no
+        # window, every query from the first adds its scores)
+        self.mode, self.window = mode, window
+        variant = {("SUM", None): "", ("NORM_SUM", 0): "-normsum"}.get((mode, window), "-snapkv")
+        self.name = "openvino" + (f"-evict-{budget_pct}{variant}" if budget_pct else "") + \
             ("" if kv_precision == "u8" else f"-{kv_precision}")
         self.kv_dtype_bytes = KV_BYTES[kv_precision]
         self.kv_fixed_tokens = budget_pct is not None
@@ -216,12 +228,15 @@ class OpenVINO(System):
         return None
 
     def sizes(self, prompt_len: int) -> dict[str, int] | None:
-        return None if self.budget_pct is None else eviction_sizes(prompt_len, self.budget_pct)
+        if self.budget_pct is None:
+            return None
+        sizes = eviction_sizes(prompt_len, self.budget_pct)
+        return sizes if self.window is None else {**sizes, "snapkv_window_size": self.window}
 
     def chat_sizes(self, w: Workload) -> dict[str, int] | None:
         """Eviction sized by the job's mean prompt, every prompt query scored (the longest prompt's)."""
         sizes = self.sizes(w.job.mean_len)
-        return None if sizes is None else {**sizes, "snapkv_window_size": w.prompt_len}
+        return None if sizes is None or self.window is not None else {**sizes, "snapkv_window_size": w.prompt_len}
 
     def chat_batch(self, w: Workload) -> tuple[Candidate | None, str]:
         per_block = BLOCK * kv_bytes_per_token(w.model_config(), self.ov_kv_precision)
@@ -243,7 +258,8 @@ class OpenVINO(System):
             args += ["--ids", str(self._ids[w.name]), "--gen-len", str(gen_len), "--warmup", str(int(not w.cold_disk))]
         if sizes is not None:
             args += ["--evict-start", str(sizes["start_size"]), "--evict-recent", str(sizes["recent_size"]),
-                     "--evict-max", str(sizes["max_cache_size"]), "--snapkv-window", str(sizes["snapkv_window_size"])]
+                     "--evict-max", str(sizes["max_cache_size"]), "--snapkv-window", str(sizes["snapkv_window_size"]),
+                     "--evict-mode", self.mode]
         return args
 
     def kv_growth_bytes(self, w: Workload, batch: int, tokens: int) -> int:

@@ -89,8 +89,8 @@ def scheduler(a: argparse.Namespace, batch: int, prompt_len: int) -> Any:
     if a.evict_max:
         sc.use_cache_eviction = True
         sc.cache_eviction_config = ov_genai.CacheEvictionConfig(
-            a.evict_start, a.evict_recent, a.evict_max, ov_genai.AggregationMode.SUM, apply_rotation=False,
-            snapkv_window_size=a.snapkv_window or prompt_len)
+            a.evict_start, a.evict_recent, a.evict_max, getattr(ov_genai.AggregationMode, a.evict_mode),
+            apply_rotation=False, snapkv_window_size=prompt_len if a.snapkv_window < 0 else a.snapkv_window)
     return sc
 
 
@@ -174,9 +174,9 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     kv_bytes = int(m.kv_cache_size_in_bytes)
     ev = None
     if a.evict_max:
-        ev = {"aggregation_mode": "SUM", "start_size": a.evict_start, "recent_size": a.evict_recent,
+        ev = {"aggregation_mode": a.evict_mode, "start_size": a.evict_start, "recent_size": a.evict_recent,
               "max_cache_size": a.evict_max, "evictable_size": a.evict_max - a.evict_start - a.evict_recent,
-              "snapkv_window_size": a.snapkv_window or prompt_len, "apply_rotation": False,
+              "snapkv_window_size": prompt_len if a.snapkv_window < 0 else a.snapkv_window, "apply_rotation": False,
               "max_tokens_per_seq": a.evict_max + BLOCK - 1}
     full_len = prompt_len + a.gen_len - 1              # tokens whose K and V are stored by the end
     return {"batch": a.batch, "prompt_len": prompt_len, "gen_len": a.gen_len, "prefill_s": stamps[first] - r["t0"],
@@ -264,7 +264,9 @@ def main() -> int:
     p.add_argument("--evict-start", type=int, default=0)
     p.add_argument("--evict-recent", type=int, default=0)
     p.add_argument("--evict-max", type=int, default=0, help="max_cache_size; 0: no eviction (full cache)")
-    p.add_argument("--snapkv-window", type=int, default=0, help="prompt queries scored (0: the whole prompt)")
+    p.add_argument("--snapkv-window", type=int, default=-1,
+                   help="snapkv_window_size (default: the prompt length; 0: no window, every query scored)")
+    p.add_argument("--evict-mode", default="SUM", choices=("SUM", "NORM_SUM"), help="AggregationMode")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--json", required=True)
     a = p.parse_args()

@@ -9,17 +9,20 @@ from types import SimpleNamespace
 
 import pytest
 
-from benchmarks.systems import Candidate
+from benchmarks.systems import Candidate, all_systems
 from benchmarks.systems import openvino as ovs
 from benchmarks.systems import openvino_child as child
 from benchmarks.workloads import WORKLOADS, smoke
 
-VARIANTS = {"openvino": ("u8", None), "openvino-f16": ("f16", None), "openvino-evict-20": ("u8", 20),
-            "openvino-evict-20-f16": ("f16", 20)}
+VARIANTS = {"openvino": ("u8", None, "SUM", None), "openvino-f16": ("f16", None, "SUM", None),
+            "openvino-evict-20": ("u8", 20, "SUM", None), "openvino-evict-20-f16": ("f16", 20, "SUM", None),
+            "openvino-evict-20-normsum": ("u8", 20, "NORM_SUM", 0),
+            "openvino-evict-20-snapkv": ("u8", 20, "NORM_SUM", 8)}
 
 
 def test_names():
-    assert {ovs.OpenVINO(kv, b).name: (kv, b) for kv, b in VARIANTS.values()} == VARIANTS
+    assert {ovs.OpenVINO(*v).name: v for v in VARIANTS.values()} == VARIANTS
+    assert set(VARIANTS) <= set(all_systems())
     assert not ovs.OpenVINO("u8").kv_grows and ovs.OpenVINO("u8", 20).kv_fixed_tokens
     # the report's KV column (base.System.kv_precision, from kv_dtype_bytes)
     assert (ovs.OpenVINO("u8").kv_precision, ovs.OpenVINO("f16", 20).kv_precision) == ("u8", "fp16")
@@ -69,6 +72,12 @@ def test_command_and_skip(tmp_path):
     assert cmd[0].endswith("openvino_child.py") and arg("--ir").endswith("-ov-fp32")
     assert (arg("--batch"), arg("--gen-len"), arg("--kv-precision")) == ("2", "8", "u8")
     assert (arg("--evict-start"), arg("--evict-recent"), arg("--evict-max")) == ("32", "32", "96")
+    assert (arg("--evict-mode"), arg("--snapkv-window")) == ("SUM", "64")      # every prompt query scored
+    for mode, window, want in (("NORM_SUM", 0, "0"), ("NORM_SUM", 8, "8")):
+        v = ovs.OpenVINO("u8", 20, mode, window)
+        v._ids[w.name] = tmp_path / "ids.json"
+        cmd = v.command(w, Candidate(2, 2), 8, tmp_path / "x.json", tmp_path)
+        assert (arg("--evict-mode"), arg("--snapkv-window")) == (mode, want)
     assert arg("--num-kv-blocks") == str(ovs.num_kv_blocks(2, 64, 8, ovs.eviction_sizes(64, 20)))
     full = ovs.OpenVINO("f16")
     full._ids[w.name] = tmp_path / "ids.json"
