@@ -29,7 +29,7 @@ import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
-from flexgen_h2o.calibrate import best_time, cpu_model  # noqa: E402
+from flexgen_h2o.calibrate import best_time, cpu_isa, cpu_model  # noqa: E402
 
 DECODE_ROWS = (1, 2, 4, 8, 16, 32, 64, 128)
 
@@ -143,7 +143,7 @@ def measure(threads: int = 2, smoke: bool = False, disk_dir: Path | None = None)
     from flexgen_h2o.weights import store_root
     t0 = time.perf_counter()
     res: dict[str, Any] = {"date": datetime.date.today().isoformat(), "host": platform.node(),
-                           "cpu": cpu_model(), "cpus": os.cpu_count(), "threads": threads,
+                           "cpu": cpu_model(), "isa": cpu_isa(), "cpus": os.cpu_count(), "threads": threads,
                            "torch": torch.__version__, "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY")}
     res.update(measure_gemm(threads, smoke))
     res.update(measure_memory(threads, smoke))

@@ -31,7 +31,8 @@ def machine_line(m: dict[str, Any]) -> str:
             f"{gpu['d2h_GBps']:.1f} GB/s, device copy {gpu.get('device_read_GBps', 0):.0f} GB/s, fp16 GEMM "
             f"{gpu.get('gemm_fp16_TFLOPs', 0):.0f} TFLOP/s") if gpu else "no GPU"
     cold = m.get("disk_read_cold_fraction", -1)
-    return (f"Machine ({m['date']}, {m['cpu']}, {m['threads']} threads, torch {m['torch']}): fp32 GEMM "
+    isa = f" ({m['isa']})" if m.get("isa") else ""
+    return (f"Machine ({m['date']}, {m['cpu']}{isa}, {m['threads']} threads, torch {m['torch']}): fp32 GEMM "
             f"{dec.get('1', 0):.1f} / {dec.get('8', 0):.1f} / {dec.get('64', 0):.1f} GFLOP/s at decode heights "
             f"1 / 8 / 64 rows, {m['gemm_prefill_GFLOPs']:.1f} GFLOP/s at prefill ({m['gemm_prefill_rows']} rows); "
             f"memory copy {m['memcpy_GBps']:.1f} GB/s (read + write), read {m['mem_read_GBps']:.1f} GB/s; disk "

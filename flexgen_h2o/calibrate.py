@@ -309,6 +309,22 @@ def cpu_model() -> str:
         return platform.processor()
 
 
+# the vector extensions that decide which kernels a CPU runs fast, as /proc/cpuinfo spells them
+ISA_NAMES = (("avx2", "AVX2"), ("fma", "FMA"), ("f16c", "F16C"), ("avx_vnni", "AVX-VNNI"), ("avx512f", "AVX-512"),
+             ("avx512_vnni", "AVX512-VNNI"), ("avx512_bf16", "AVX512_BF16"), ("amx_bf16", "AMX-BF16"),
+             ("amx_int8", "AMX-INT8"))
+
+
+def cpu_isa() -> str:
+    """This CPU's vector extensions among ISA_NAMES, e.g. "AVX2 FMA F16C" ("unknown" without /proc/cpuinfo)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = set(next(ln for ln in f if ln.startswith("flags")).split(":", 1)[1].split())
+    except (OSError, StopIteration):
+        return "unknown"
+    return " ".join(name for flag, name in ISA_NAMES if flag in flags) or "no AVX2"
+
+
 def auto_offload(model: Any, *, prompt_len: int, gen_len: int, n_prompts: int, eviction: Any = None,
                  device: str | None = None, offload_dir: str = "~/flexgen_offload_dir", base: Any = None,
                  calibrate: bool = False) -> tuple[Any, Any]:

@@ -41,3 +41,19 @@ def test_sampler_catches_a_short_lived_peak():
         del block
     assert sampler.peak - start > 40 << 20
     assert sampler.growth("anon") > 40 << 20
+
+
+def test_every_benchmark_names_its_cpu_isa():
+    """The machine record and the report's machine line say which vector extensions the CPU has, as its
+    /proc/cpuinfo flags list them (an AVX2-only VM and an AVX512_BF16 one give different numbers)."""
+    from benchmarks.suite_report import machine_line
+    from flexgen_h2o.calibrate import ISA_NAMES, cpu_isa
+    with open("/proc/cpuinfo") as f:
+        flags = set(next(ln for ln in f if ln.startswith("flags")).split(":", 1)[1].split())
+    isa = cpu_isa()
+    assert isa.split() == [name for flag, name in ISA_NAMES if flag in flags] or isa == "no AVX2"
+    m = {"date": "2026-12-08", "cpu": "AMD EPYC", "isa": isa, "threads": 2, "torch": "2.13.0",
+         "gemm_decode_GFLOPs": {"1": 9.0, "8": 24.0, "64": 90.0}, "gemm_prefill_GFLOPs": 101.0,
+         "gemm_prefill_rows": 2048, "memcpy_GBps": 23.7, "mem_read_GBps": 21.1, "disk_write_GBps": 0.29,
+         "disk_read_GBps": 2.46, "gpu": None}
+    assert machine_line(m).startswith(f"Machine (2026-12-08, AMD EPYC ({isa}), 2 threads")
