@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import fcntl
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -103,17 +102,12 @@ class LlamaCpp(System):
                 "--prompt-len", str(w.prompt_len), "--gen-len", str(gen_len), "--batch", str(c.batch),
                 "--ctx", str(c.batch * ctx_per_seq(w.prompt_len, gen_len)), "--json", str(json_path)]
 
-    def python(self) -> str:
-        return sys.executable
-
     def kv_growth_bytes(self, w: Workload, batch: int, tokens: int) -> int:
         """The probe allocated the context of its own gen length; the full run allocates more."""
         extra = ctx_per_seq(w.prompt_len, w.gen_len) - ctx_per_seq(w.prompt_len, w.gen_len - tokens)
         return batch * extra * w.model_config().kv_bytes_per_token(self.kv_dtype_bytes)
 
     def child_metrics(self, raw: dict[str, Any], c: Candidate) -> dict[str, Any]:
-        keep = ("prefill_s", "decode_s", "peak_rss_bytes", "n_ctx", "n_batch", "n_ubatch", "flash_attn",
-                "threads", "gguf_type", "llamacpp_version", "bench_line")
-        out = {k: raw.get(k) for k in keep}
-        out["kv_bytes_per_seq"] = raw.get("kv_bytes_per_seq")
-        return out
+        keep = ("prefill_s", "decode_s", "peak_rss_bytes", "kv_bytes_per_seq", "n_ctx", "n_batch", "n_ubatch",
+                "flash_attn", "threads", "gguf_type", "bench_line")
+        return {k: raw.get(k) for k in keep}

@@ -204,7 +204,7 @@ class BlockExecutor:
         return b.activations.load()
 
     def _context(self, b: BatchState, token: int, true_pos: Tensor | None = None) -> StepContext:
-        """The step's context; true_pos: b.decode_pos(token) where the caller has it."""
+        """The step's context; true_pos: a decode step's b.decode_pos(token), computed once by its caller."""
         p = self.p
         if token == 0:
             positions = (b.token_valid.long().cumsum(1) - 1).masked_fill(~b.token_valid, -1)
@@ -212,7 +212,6 @@ class BlockExecutor:
                                want_scores=p.needs_scores, keys_pre_rope=p.rolling, score_reduce=p.score_reduce,
                                score_window=p.score_window, unpadded=bool(b.token_valid.all()), kernels=p.kernels,
                                pad_counts=StepContext.leading_pads(b.token_valid.cpu()), score_rows=b.evicts)
-        true_pos = b.decode_pos(token) if true_pos is None else true_pos
         pos = self._new_rank(b, token, true_pos) if p.rolling else true_pos
         valid = torch.ones(len(true_pos), 1, dtype=torch.bool)
         return StepContext(pos.view(-1, 1).to(p.device), valid.to(p.device), p.compute_dtype,

@@ -88,7 +88,8 @@ def test_a_real_case(kind, tmp_path):
     w = smoke(WORKLOADS["s512+128"])
     s = lcs.LlamaCpp(kind)
     assert s.prepare(w, {}, tmp_path) is None and s._gguf.is_file()
-    assert lcs.quantized_gguf(kind)[0].stat().st_mtime == s._gguf.stat().st_mtime      # written once
+    written = s._gguf.stat().st_mtime_ns
+    assert lcs.quantized_gguf(kind) == (s._gguf, None) and s._gguf.stat().st_mtime_ns == written    # written once
     c = Candidate(2, 2)
     json_path = tmp_path / "case.json"
     env = {"OMP_NUM_THREADS": "2", "PATH": "/usr/bin:/bin"}
